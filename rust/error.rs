@@ -1,0 +1,28 @@
+//! One error type for the whole core; the pyo3 layer maps each variant onto a Python exception
+//! under `KvTierError`.
+
+use thiserror::Error;
+
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum KvError {
+    /// A caller passed a value that can never work (zero sizes, unknown names, bad keys).
+    #[error("invalid argument `{arg}`: {reason}")]
+    InvalidArgument { arg: &'static str, reason: String },
+    /// A store cannot be placed: not enough evictable blocks. Nothing was changed.
+    #[error("no space: {needed} slot(s) needed, only {available} free or evictable")]
+    NoSpace { needed: usize, available: usize },
+    /// A load asked for blocks that are not all ready; nothing was pinned.
+    #[error("block not ready: {0}")]
+    NotReady(String),
+    /// unpin() on a block that holds no pin: a caller bug that would corrupt pin counts.
+    #[error("block not pinned: {0}")]
+    NotPinned(String),
+}
+
+impl KvError {
+    pub fn invalid(arg: &'static str, reason: impl Into<String>) -> Self {
+        KvError::InvalidArgument { arg, reason: reason.into() }
+    }
+}
+
+pub type KvResult<T> = Result<T, KvError>;

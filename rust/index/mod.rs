@@ -1,0 +1,426 @@
+//! The block index of one tier: a concurrent map from key to entry plus the tier's eviction
+//! policy and admission rule.
+//!
+//! Concurrency design:
+//! - The map is papaya's lock-free hash map. `lookup_prefix` and `state_of` only read it and the
+//!   entries' atomic state words: readers never wait on writers.
+//! - Every operation that changes residency or policy order (prepare/complete store, pin, touch,
+//!   remove, clear) takes one short mutex around the policy. Pins are taken under it, so a
+//!   block's evictability can only *grow* while the mutex is held (a lock-free `unpin` may free
+//!   a block, nothing can pin one). That is what makes "an eviction of n blocks frees n or
+//!   changes nothing" checkable up front.
+//! - An evicted entry is first claimed (Ready -> Evicting, one CAS that races safely with pins,
+//!   see `entry_state`), then removed from the map, and only then is its slot freed, so a reader
+//!   can never see a key pointing at a slot that now holds another block.
+//!
+//! Prefix awareness: batch calls receive a request's chain head-first and apply inserts and
+//! touches tail-first, so every policy ranks the head as more recent and evicts the tail first.
+
+mod entry_state;
+mod stats;
+
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+pub use entry_state::{BlockState, EntryState};
+pub use stats::{IndexStats, StatsSnapshot};
+
+use crate::admission::{Admission, AdmissionRule};
+use crate::clock::Clock;
+use crate::error::{KvError, KvResult};
+use crate::keys::BlockKey;
+use crate::policy::{EvictionPolicy, InsertHint, PolicyKind, MAX_PRIORITY};
+use crate::slots::SlotAllocator;
+
+type Map = papaya::HashMap<BlockKey, BlockEntry, foldhash::fast::RandomState>;
+
+/// Everything the index knows about one block.
+#[derive(Debug)]
+pub struct BlockEntry {
+    pub state: EntryState,
+    pub slot: u32,
+    pub tier: u8,
+    pub priority: AtomicU8,
+    /// Payload bytes (the slot may be larger).
+    pub size: AtomicU64,
+    pub uses: AtomicU32,
+    /// CRC-32C of the payload, filled by tiers that verify (disk); 0 = not recorded.
+    pub checksum: AtomicU32,
+}
+
+#[derive(Clone, Debug)]
+pub struct IndexConfig {
+    pub capacity: usize,
+    pub policy: PolicyKind,
+    pub admission: AdmissionRule,
+    pub tier: u8,
+    pub manual_clock: bool,
+    /// Bytes recorded as each block's size by default.
+    pub block_bytes: u64,
+}
+
+impl IndexConfig {
+    pub fn new(capacity: usize) -> Self {
+        IndexConfig {
+            capacity,
+            policy: PolicyKind::Lru,
+            admission: AdmissionRule::Always,
+            tier: 1,
+            manual_clock: false,
+            block_bytes: 0,
+        }
+    }
+}
+
+/// Result of an all-or-nothing `prepare_store`.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct StoreOutcome {
+    /// New blocks to write, in the order given, with the slot each must be written to.
+    pub to_write: Vec<(BlockKey, u32)>,
+    /// Keys already present (ready or being written), left alone.
+    pub already_present: Vec<BlockKey>,
+    /// Keys the admission rule turned away.
+    pub refused: Vec<BlockKey>,
+    /// Blocks evicted to make room, with the slot they occupied (already reusable).
+    pub evicted: Vec<(BlockKey, u32)>,
+}
+
+struct Inner {
+    policy: Box<dyn EvictionPolicy<BlockKey>>,
+    admission: Admission,
+}
+
+pub struct TierIndex {
+    map: Map,
+    inner: Mutex<Inner>,
+    slots: Arc<SlotAllocator>,
+    config: IndexConfig,
+    clock: Clock,
+    stats: IndexStats,
+}
+
+impl TierIndex {
+    pub fn new(config: IndexConfig) -> KvResult<Self> {
+        if config.capacity == 0 {
+            return Err(KvError::invalid("capacity", "must be at least one block"));
+        }
+        let slots = Arc::new(SlotAllocator::new(config.capacity));
+        Self::with_slots(config, slots)
+    }
+
+    /// An index whose free slots come from `slots` (e.g. a host pool's), which must have
+    /// exactly `config.capacity` slots.
+    pub fn with_slots(config: IndexConfig, slots: Arc<SlotAllocator>) -> KvResult<Self> {
+        if config.capacity == 0 {
+            return Err(KvError::invalid("capacity", "must be at least one block"));
+        }
+        if slots.capacity() != config.capacity {
+            return Err(KvError::invalid(
+                "capacity",
+                format!("{} does not match the slot allocator's {} slots", config.capacity, slots.capacity()),
+            ));
+        }
+        let clock = if config.manual_clock { Clock::manual() } else { Clock::monotonic() };
+        Ok(TierIndex {
+            map: Map::with_hasher(foldhash::fast::RandomState::default()),
+            inner: Mutex::new(Inner {
+                policy: config.policy.build(config.capacity),
+                admission: Admission::new(config.admission, config.capacity * 4),
+            }),
+            slots,
+            config,
+            clock,
+            stats: IndexStats::default(),
+        })
+    }
+
+    pub fn config(&self) -> &IndexConfig {
+        &self.config
+    }
+    pub fn capacity(&self) -> usize {
+        self.config.capacity
+    }
+    pub fn clock(&self) -> &Clock {
+        &self.clock
+    }
+
+    /// Number of blocks present (ready or being written).
+    pub fn len(&self) -> usize {
+        self.config.capacity - self.slots.free_count()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    // ---- lock-free reads -------------------------------------------------------------------
+
+    /// Length of the longest prefix of `keys` whose blocks are all ready.
+    pub fn lookup_prefix(&self, keys: &[BlockKey]) -> usize {
+        let guard = self.map.pin();
+        let n = keys
+            .iter()
+            .take_while(|k| guard.get(*k).is_some_and(|e| e.state.is_ready()))
+            .count();
+        self.stats.record_lookup(keys.len(), n);
+        n
+    }
+
+    /// Whether each key is ready (no prefix semantics).
+    pub fn contains_ready(&self, keys: &[BlockKey]) -> Vec<bool> {
+        let guard = self.map.pin();
+        keys.iter().map(|k| guard.get(k).is_some_and(|e| e.state.is_ready())).collect()
+    }
+
+    /// State, pins and slot of one key.
+    pub fn state_of(&self, key: &BlockKey) -> Option<(BlockState, u32, u32)> {
+        let guard = self.map.pin();
+        guard.get(key).map(|e| {
+            let (s, p) = e.state.load();
+            (s, p, e.slot)
+        })
+    }
+
+    /// Run `f` on the entry of `key` while it is protected from reclamation.
+    pub fn with_entry<R>(&self, key: &BlockKey, f: impl FnOnce(&BlockEntry) -> R) -> Option<R> {
+        let guard = self.map.pin();
+        guard.get(key).map(f)
+    }
+
+    /// All keys with their state and slot (a snapshot, for status and tests).
+    pub fn snapshot(&self) -> Vec<(BlockKey, BlockState, u32, u32)> {
+        let guard = self.map.pin();
+        guard
+            .iter()
+            .map(|(k, e)| {
+                let (s, p) = e.state.load();
+                (*k, s, p, e.slot)
+            })
+            .collect()
+    }
+
+    // ---- writes (short policy lock) ----------------------------------------------------------
+
+    /// Reserve slots for the new blocks among `keys`, evicting if needed. All-or-nothing: on
+    /// `NoSpace` nothing was evicted or reserved. Duplicates inside the batch count once.
+    pub fn prepare_store(&self, keys: &[BlockKey], hint: InsertHint) -> KvResult<StoreOutcome> {
+        if hint.priority > MAX_PRIORITY {
+            return Err(KvError::invalid("priority", format!("{} is outside 0..=100", hint.priority)));
+        }
+        let now = self.clock.now_ns();
+        let mut inner = self.inner.lock();
+        let guard = self.map.pin();
+        let mut out = StoreOutcome::default();
+        let mut new_keys: Vec<BlockKey> = Vec::with_capacity(keys.len());
+        let mut seen = std::collections::HashSet::with_capacity_and_hasher(
+            keys.len(),
+            foldhash::fast::RandomState::default(),
+        );
+        for k in keys {
+            if !seen.insert(*k) || guard.get(k).is_some() {
+                out.already_present.push(*k);
+            } else if inner.admission.offer(k, hint.priority) {
+                new_keys.push(*k);
+            } else {
+                out.refused.push(*k);
+            }
+        }
+        self.stats.store_refused.fetch_add(out.refused.len() as u64, Ordering::Relaxed);
+        self.stats.store_skipped.fetch_add(out.already_present.len() as u64, Ordering::Relaxed);
+
+        let free = self.slots.free_count();
+        if new_keys.len() > free {
+            let need = new_keys.len() - free;
+            let victims = inner
+                .policy
+                .select_victims(need, now, &mut |k| guard.get(k).is_some_and(|e| e.state.is_evictable()));
+            let Some(victims) = victims else {
+                self.stats.store_no_space.fetch_add(1, Ordering::Relaxed);
+                let evictable = guard.iter().filter(|(_, e)| e.state.is_evictable()).count();
+                return Err(KvError::NoSpace { needed: new_keys.len(), available: free + evictable });
+            };
+            for v in victims {
+                let entry = guard.get(&v).expect("victims are resident");
+                // Cannot fail: evictable was checked under the lock and pins are only taken
+                // under it; a concurrent unpin only lowers the count.
+                let claimed = entry.state.try_claim();
+                debug_assert!(claimed, "victim {v:?} could not be claimed");
+                let slot = entry.slot;
+                guard.remove(&v);
+                self.slots.release(slot);
+                out.evicted.push((v, slot));
+            }
+            self.stats.evictions.fetch_add(out.evicted.len() as u64, Ordering::Relaxed);
+        }
+
+        // Slots first in chain order (so the head gets the lower slot), inserts tail-first.
+        let mut placed = Vec::with_capacity(new_keys.len());
+        for k in &new_keys {
+            let slot = self.slots.alloc().expect("capacity was reserved above");
+            placed.push((*k, slot));
+        }
+        for (k, slot) in placed.iter().rev() {
+            guard.insert(
+                *k,
+                BlockEntry {
+                    state: EntryState::writing(),
+                    slot: *slot,
+                    tier: self.config.tier,
+                    priority: AtomicU8::new(hint.priority),
+                    size: AtomicU64::new(self.config.block_bytes),
+                    uses: AtomicU32::new(0),
+                    checksum: AtomicU32::new(0),
+                },
+            );
+            inner.policy.insert(k, hint, now);
+        }
+        self.stats.stores_prepared.fetch_add(placed.len() as u64, Ordering::Relaxed);
+        out.to_write = placed;
+        Ok(out)
+    }
+
+    /// Finish stores: success makes blocks readable; failure drops them and frees their slots.
+    /// Keys not being written are ignored. Returns how many keys were completed or dropped.
+    pub fn complete_store(&self, keys: &[BlockKey], success: bool) -> usize {
+        let mut inner = self.inner.lock();
+        let guard = self.map.pin();
+        let mut done = 0;
+        for k in keys {
+            let Some(entry) = guard.get(k) else { continue };
+            if success {
+                if entry.state.mark_ready() {
+                    done += 1;
+                }
+            } else if entry.state.abandon_write() {
+                let slot = entry.slot;
+                guard.remove(k);
+                inner.policy.remove(k);
+                self.slots.release(slot);
+                done += 1;
+            }
+        }
+        let counter = if success { &self.stats.stores_completed } else { &self.stats.stores_failed };
+        counter.fetch_add(done as u64, Ordering::Relaxed);
+        done
+    }
+
+    /// Pin every key for a load and return their slots. All-or-nothing: if any key is not
+    /// ready, nothing is pinned and `NotReady` names it.
+    pub fn pin_for_load(&self, keys: &[BlockKey]) -> KvResult<Vec<u32>> {
+        let _inner = self.inner.lock();
+        let guard = self.map.pin();
+        let mut slots = Vec::with_capacity(keys.len());
+        for (i, k) in keys.iter().enumerate() {
+            let pinned = guard.get(k).and_then(|e| e.state.try_pin().map(|_| e.slot));
+            match pinned {
+                Some(slot) => slots.push(slot),
+                None => {
+                    for undo in &keys[..i] {
+                        guard.get(undo).expect("pinned above").state.unpin();
+                    }
+                    self.stats.pin_failures.fetch_add(1, Ordering::Relaxed);
+                    return Err(KvError::NotReady(format!("{k:?}")));
+                }
+            }
+        }
+        self.stats.pins.fetch_add(keys.len() as u64, Ordering::Relaxed);
+        Ok(slots)
+    }
+
+    /// Drop one pin from each key. Lock-free. Errors (and drops no pin at all) if any key holds
+    /// no pin, since that would mean a caller unpinned twice.
+    pub fn unpin(&self, keys: &[BlockKey]) -> KvResult<()> {
+        let guard = self.map.pin();
+        for k in keys {
+            let ok = guard.get(k).is_some_and(|e| e.state.load().1 > 0);
+            if !ok {
+                return Err(KvError::NotPinned(format!("{k:?}")));
+            }
+        }
+        for k in keys {
+            if let Some(e) = guard.get(k) {
+                e.state.unpin();
+            }
+        }
+        self.stats.unpins.fetch_add(keys.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Record a use of each resident key (policy recency/frequency), tail-first.
+    pub fn touch(&self, keys: &[BlockKey]) {
+        let now = self.clock.now_ns();
+        let mut inner = self.inner.lock();
+        let guard = self.map.pin();
+        for k in keys.iter().rev() {
+            if let Some(e) = guard.get(k) {
+                e.uses.fetch_add(1, Ordering::Relaxed);
+                inner.policy.touch(k, now);
+            }
+        }
+        self.stats.touches.fetch_add(keys.len() as u64, Ordering::Relaxed);
+    }
+
+    /// Count a use toward admission without storing (e.g. a hit served by another tier).
+    pub fn record_use(&self, keys: &[BlockKey]) {
+        let mut inner = self.inner.lock();
+        for k in keys {
+            inner.admission.record_use(k);
+        }
+    }
+
+    /// Remove ready, unpinned blocks. Pinned or in-flight blocks are left alone. Returns the
+    /// removed keys with their freed slots.
+    pub fn remove(&self, keys: &[BlockKey]) -> Vec<(BlockKey, u32)> {
+        let mut inner = self.inner.lock();
+        let guard = self.map.pin();
+        let mut removed = Vec::new();
+        for k in keys {
+            let Some(entry) = guard.get(k) else { continue };
+            if entry.state.try_claim() {
+                let slot = entry.slot;
+                guard.remove(k);
+                inner.policy.remove(k);
+                self.slots.release(slot);
+                removed.push((*k, slot));
+            }
+        }
+        self.stats.removals.fetch_add(removed.len() as u64, Ordering::Relaxed);
+        removed
+    }
+
+    /// Remove every block that is not pinned or being written. Returns how many were removed.
+    pub fn clear(&self) -> usize {
+        let keys: Vec<BlockKey> = {
+            let guard = self.map.pin();
+            guard.iter().map(|(k, _)| *k).collect()
+        };
+        let n = self.remove(&keys).len();
+        let mut inner = self.inner.lock();
+        if self.is_empty() {
+            inner.policy.clear();
+        }
+        inner.admission.clear();
+        n
+    }
+
+    pub fn stats(&self) -> StatsSnapshot {
+        let guard = self.map.pin();
+        let mut pinned = 0u64;
+        let mut writing = 0u64;
+        for (_, e) in guard.iter() {
+            let (s, p) = e.state.load();
+            pinned += u64::from(p > 0);
+            writing += u64::from(s == BlockState::Writing);
+        }
+        self.stats.snapshot(self.capacity(), self.len(), pinned, writing)
+    }
+
+    /// Number of blocks the policy tracks as resident (must always equal `len`).
+    pub fn policy_len(&self) -> usize {
+        self.inner.lock().policy.len()
+    }
+}
+
+#[cfg(test)]
+mod tests;

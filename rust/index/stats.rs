@@ -1,0 +1,105 @@
+//! Counters of one tier index. Relaxed atomics: each counter is exact, the snapshot is not a
+//! single instant across counters (good enough for metrics, and documented as such).
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+#[derive(Debug, Default)]
+pub struct IndexStats {
+    pub lookups: AtomicU64,
+    pub lookup_keys: AtomicU64,
+    pub hit_blocks: AtomicU64,
+    pub stores_prepared: AtomicU64,
+    pub store_skipped: AtomicU64,
+    pub store_refused: AtomicU64,
+    pub store_no_space: AtomicU64,
+    pub stores_completed: AtomicU64,
+    pub stores_failed: AtomicU64,
+    pub evictions: AtomicU64,
+    pub pins: AtomicU64,
+    pub pin_failures: AtomicU64,
+    pub unpins: AtomicU64,
+    pub touches: AtomicU64,
+    pub removals: AtomicU64,
+}
+
+impl IndexStats {
+    pub fn record_lookup(&self, keys: usize, hits: usize) {
+        self.lookups.fetch_add(1, Relaxed);
+        self.lookup_keys.fetch_add(keys as u64, Relaxed);
+        self.hit_blocks.fetch_add(hits as u64, Relaxed);
+    }
+
+    pub fn snapshot(&self, capacity: usize, resident: usize, pinned: u64, writing: u64) -> StatsSnapshot {
+        StatsSnapshot {
+            capacity_blocks: capacity as u64,
+            resident_blocks: resident as u64,
+            pinned_blocks: pinned,
+            writing_blocks: writing,
+            lookups: self.lookups.load(Relaxed),
+            lookup_keys: self.lookup_keys.load(Relaxed),
+            hit_blocks: self.hit_blocks.load(Relaxed),
+            stores_prepared: self.stores_prepared.load(Relaxed),
+            store_skipped: self.store_skipped.load(Relaxed),
+            store_refused: self.store_refused.load(Relaxed),
+            store_no_space: self.store_no_space.load(Relaxed),
+            stores_completed: self.stores_completed.load(Relaxed),
+            stores_failed: self.stores_failed.load(Relaxed),
+            evictions: self.evictions.load(Relaxed),
+            pins: self.pins.load(Relaxed),
+            pin_failures: self.pin_failures.load(Relaxed),
+            unpins: self.unpins.load(Relaxed),
+            touches: self.touches.load(Relaxed),
+            removals: self.removals.load(Relaxed),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StatsSnapshot {
+    pub capacity_blocks: u64,
+    pub resident_blocks: u64,
+    pub pinned_blocks: u64,
+    pub writing_blocks: u64,
+    pub lookups: u64,
+    pub lookup_keys: u64,
+    pub hit_blocks: u64,
+    pub stores_prepared: u64,
+    pub store_skipped: u64,
+    pub store_refused: u64,
+    pub store_no_space: u64,
+    pub stores_completed: u64,
+    pub stores_failed: u64,
+    pub evictions: u64,
+    pub pins: u64,
+    pub pin_failures: u64,
+    pub unpins: u64,
+    pub touches: u64,
+    pub removals: u64,
+}
+
+impl StatsSnapshot {
+    /// (name, value) pairs in a fixed order: the one list the Python layer and metrics read.
+    pub fn fields(&self) -> [(&'static str, u64); 19] {
+        [
+            ("capacity_blocks", self.capacity_blocks),
+            ("resident_blocks", self.resident_blocks),
+            ("pinned_blocks", self.pinned_blocks),
+            ("writing_blocks", self.writing_blocks),
+            ("lookups", self.lookups),
+            ("lookup_keys", self.lookup_keys),
+            ("hit_blocks", self.hit_blocks),
+            ("stores_prepared", self.stores_prepared),
+            ("store_skipped", self.store_skipped),
+            ("store_refused", self.store_refused),
+            ("store_no_space", self.store_no_space),
+            ("stores_completed", self.stores_completed),
+            ("stores_failed", self.stores_failed),
+            ("evictions", self.evictions),
+            ("pins", self.pins),
+            ("pin_failures", self.pin_failures),
+            ("unpins", self.unpins),
+            ("touches", self.touches),
+            ("removals", self.removals),
+        ]
+    }
+}

@@ -1,0 +1,178 @@
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use super::*;
+
+fn k(i: i128) -> BlockKey {
+    BlockKey::from_int(i)
+}
+fn keys(r: std::ops::Range<i128>) -> Vec<BlockKey> {
+    r.map(k).collect()
+}
+
+fn index(cap: usize, policy: PolicyKind) -> TierIndex {
+    TierIndex::new(IndexConfig { policy, ..IndexConfig::new(cap) }).unwrap()
+}
+
+fn store(ix: &TierIndex, ks: &[BlockKey]) -> StoreOutcome {
+    let out = ix.prepare_store(ks, InsertHint::default()).unwrap();
+    let written: Vec<_> = out.to_write.iter().map(|(k, _)| *k).collect();
+    ix.complete_store(&written, true);
+    out
+}
+
+#[test]
+fn store_lookup_and_prefix_semantics() {
+    let ix = index(8, PolicyKind::Lru);
+    let out = ix.prepare_store(&keys(0..4), InsertHint::default()).unwrap();
+    assert_eq!(out.to_write.len(), 4);
+    assert_eq!(ix.lookup_prefix(&keys(0..4)), 0, "blocks being written are not readable");
+    ix.complete_store(&keys(0..4), true);
+    assert_eq!(ix.lookup_prefix(&keys(0..6)), 4);
+    assert_eq!(ix.lookup_prefix(&[k(0), k(9), k(1)]), 1);
+    let again = ix.prepare_store(&keys(2..6), InsertHint::default()).unwrap();
+    assert_eq!(again.already_present, vec![k(2), k(3)]);
+    assert_eq!(again.to_write.len(), 2);
+}
+
+#[test]
+fn tail_of_a_chain_is_evicted_before_its_head() {
+    for policy in [PolicyKind::Lru, PolicyKind::Fifo, PolicyKind::Arc, PolicyKind::S3Fifo, PolicyKind::Priority] {
+        let ix = index(4, policy);
+        store(&ix, &keys(0..4));
+        let out = store(&ix, &keys(10..12));
+        let evicted: Vec<_> = out.evicted.iter().map(|(k, _)| *k).collect();
+        assert_eq!(evicted, vec![k(3), k(2)], "{policy:?}");
+        assert_eq!(ix.lookup_prefix(&keys(0..4)), 2);
+    }
+}
+
+#[test]
+fn pinned_and_writing_blocks_are_never_evicted_and_failure_changes_nothing() {
+    let ix = index(4, PolicyKind::Lru);
+    store(&ix, &keys(0..2));
+    ix.prepare_store(&keys(2..4), InsertHint::default()).unwrap(); // writing
+    ix.pin_for_load(&keys(0..2)).unwrap();
+    let before = ix.snapshot().len();
+    let err = ix.prepare_store(&[k(9)], InsertHint::default()).unwrap_err();
+    assert!(matches!(err, KvError::NoSpace { needed: 1, available: 0 }));
+    assert_eq!(ix.snapshot().len(), before);
+    ix.unpin(&[k(1)]).unwrap();
+    let out = ix.prepare_store(&[k(9)], InsertHint::default()).unwrap();
+    assert_eq!(out.evicted.iter().map(|(k, _)| *k).collect::<Vec<_>>(), vec![k(1)]);
+    assert!(ix.unpin(&[k(1)]).is_err());
+}
+
+#[test]
+fn all_or_nothing_store_when_batch_exceeds_evictable() {
+    let ix = index(4, PolicyKind::Lru);
+    store(&ix, &keys(0..4));
+    ix.pin_for_load(&[k(0), k(1)]).unwrap();
+    assert!(ix.prepare_store(&keys(10..13), InsertHint::default()).is_err());
+    assert_eq!(ix.lookup_prefix(&keys(0..4)), 4, "nothing was evicted");
+    assert_eq!(ix.policy_len(), 4);
+}
+
+#[test]
+fn failed_store_frees_the_slot() {
+    let ix = index(2, PolicyKind::Lru);
+    ix.prepare_store(&keys(0..2), InsertHint::default()).unwrap();
+    assert_eq!(ix.complete_store(&keys(0..2), false), 2);
+    assert_eq!(ix.len(), 0);
+    assert_eq!(ix.policy_len(), 0);
+    assert_eq!(ix.stats().stores_failed, 2);
+}
+
+#[test]
+fn admission_after_uses_refuses_first_offer() {
+    let ix = TierIndex::new(IndexConfig { admission: AdmissionRule::AfterUses(2), ..IndexConfig::new(8) }).unwrap();
+    let out = ix.prepare_store(&keys(0..3), InsertHint::default()).unwrap();
+    assert_eq!(out.refused.len(), 3);
+    let out = ix.prepare_store(&keys(0..3), InsertHint::default()).unwrap();
+    assert_eq!(out.to_write.len(), 3);
+    assert_eq!(ix.stats().store_refused, 3);
+}
+
+#[test]
+fn pin_is_all_or_nothing() {
+    let ix = index(4, PolicyKind::Lru);
+    store(&ix, &keys(0..2));
+    assert!(ix.pin_for_load(&[k(0), k(1), k(2)]).is_err());
+    assert_eq!(ix.state_of(&k(0)).unwrap().1, 0, "partial pin was undone");
+    let slots = ix.pin_for_load(&keys(0..2)).unwrap();
+    assert_eq!(slots.len(), 2);
+    assert_eq!(ix.remove(&keys(0..2)).len(), 0, "pinned blocks are not removed");
+    ix.unpin(&keys(0..2)).unwrap();
+    assert_eq!(ix.remove(&keys(0..2)).len(), 2);
+}
+
+#[test]
+fn zero_capacity_is_a_clear_error() {
+    let e = TierIndex::new(IndexConfig::new(0)).err().unwrap().to_string();
+    assert!(e.contains("capacity"), "{e}");
+}
+
+/// Writers store and evict while readers look up and pin; invariants are checked all along:
+/// a pinned block's slot is never handed to another key, capacity is never exceeded, and the
+/// policy and the map agree at the end.
+#[test]
+fn stress_concurrent_readers_and_writers_keep_invariants() {
+    let ix = Arc::new(index(64, PolicyKind::Arc));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut handles = Vec::new();
+    for t in 0..2 {
+        let ix = ix.clone();
+        handles.push(std::thread::spawn(move || {
+            let mut seed = 12345u64 + t;
+            for _ in 0..3000 {
+                seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+                let start = (seed >> 33) as i128 % 200;
+                let ks = keys(start..start + 4);
+                if let Ok(out) = ix.prepare_store(&ks, InsertHint::default()) {
+                    let w: Vec<_> = out.to_write.iter().map(|(k, _)| *k).collect();
+                    ix.complete_store(&w, seed % 7 != 0);
+                }
+                assert!(ix.len() <= 64);
+            }
+        }));
+    }
+    for t in 0..2 {
+        let ix = ix.clone();
+        let stop = stop.clone();
+        handles.push(std::thread::spawn(move || {
+            let mut seed = 999u64 + t;
+            while !stop.load(Ordering::Relaxed) {
+                seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+                let start = (seed >> 33) as i128 % 200;
+                let ks = keys(start..start + 4);
+                let n = ix.lookup_prefix(&ks);
+                if n > 0 {
+                    if let Ok(slots) = ix.pin_for_load(&ks[..n]) {
+                        for (key, slot) in ks[..n].iter().zip(&slots) {
+                            let (state, pins, s) = ix.state_of(key).expect("pinned key vanished");
+                            assert_eq!(state, BlockState::Ready);
+                            assert!(pins >= 1);
+                            assert_eq!(s, *slot, "pinned key moved slot");
+                        }
+                        ix.unpin(&ks[..n]).unwrap();
+                    }
+                }
+            }
+        }));
+    }
+    for h in handles.drain(..2) {
+        h.join().unwrap();
+    }
+    stop.store(true, Ordering::Relaxed);
+    for h in handles {
+        h.join().unwrap();
+    }
+    let snap = ix.snapshot();
+    assert_eq!(snap.len(), ix.len());
+    assert_eq!(ix.policy_len(), ix.len());
+    let mut slots: Vec<u32> = snap.iter().map(|s| s.3).collect();
+    slots.sort();
+    slots.dedup();
+    assert_eq!(slots.len(), snap.len(), "two keys share a slot");
+    assert!(snap.iter().all(|s| s.2 == 0), "pins leaked");
+}

@@ -1,0 +1,176 @@
+//! Block identity.
+//!
+//! Engines hand us their own digests: vLLM block hashes are bytes (a digest, optionally with a
+//! group index appended), TensorRT-LLM block hashes are integers. We keep them *exactly*:
+//!
+//! - A key is a tagged value: `Int` or `Bytes`. The tag takes part in equality, so the integer 7
+//!   and the byte string b"\x07" are different keys.
+//! - Bytes keys keep every byte and their length (1..=64); equality compares the full content,
+//!   never a hash of it. Hashing is used only to pick a map bucket, so a hash collision costs a
+//!   comparison, never a wrong block.
+//! - Integers are kept as i128, which holds both signed and unsigned 64-bit engine hashes
+//!   without wrapping (u64::MAX and -1 stay different keys).
+//!
+//! Keys longer than 64 bytes, empty keys, or other types are rejected at the boundary with a
+//! clear error instead of being truncated or hashed down.
+
+use std::fmt;
+use std::hash::{Hash, Hasher};
+
+use crate::error::{KvError, KvResult};
+
+pub const MAX_KEY_BYTES: usize = 64;
+
+#[derive(Clone, Copy)]
+pub struct KeyBytes {
+    len: u8,
+    buf: [u8; MAX_KEY_BYTES],
+}
+
+impl KeyBytes {
+    pub fn as_slice(&self) -> &[u8] {
+        &self.buf[..self.len as usize]
+    }
+}
+
+impl PartialEq for KeyBytes {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_slice() == other.as_slice()
+    }
+}
+impl Eq for KeyBytes {}
+
+impl Hash for KeyBytes {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        // Length is hashed too (via the slice impl), so prefixes of each other land apart.
+        self.as_slice().hash(state)
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BlockKey {
+    Int(i128),
+    Bytes(KeyBytes),
+}
+
+impl BlockKey {
+    pub fn from_int(v: i128) -> Self {
+        BlockKey::Int(v)
+    }
+
+    pub fn from_bytes(b: &[u8]) -> KvResult<Self> {
+        if b.is_empty() {
+            return Err(KvError::invalid("key", "bytes key is empty"));
+        }
+        if b.len() > MAX_KEY_BYTES {
+            return Err(KvError::invalid(
+                "key",
+                format!("bytes key is {} bytes long, at most {MAX_KEY_BYTES} are allowed", b.len()),
+            ));
+        }
+        let mut buf = [0u8; MAX_KEY_BYTES];
+        buf[..b.len()].copy_from_slice(b);
+        Ok(BlockKey::Bytes(KeyBytes { len: b.len() as u8, buf }))
+    }
+
+    /// A stable, self-describing encoding (tag byte, length byte, content) for persistence:
+    /// the disk tier stores this in slot headers and compares it in full on every read.
+    pub fn encode(&self) -> Vec<u8> {
+        match self {
+            BlockKey::Int(v) => {
+                let mut out = vec![0u8, 16];
+                out.extend_from_slice(&v.to_le_bytes());
+                out
+            }
+            BlockKey::Bytes(b) => {
+                let mut out = vec![1u8, b.len];
+                out.extend_from_slice(b.as_slice());
+                out
+            }
+        }
+    }
+
+    /// Inverse of `encode`; returns None for anything malformed (used on untrusted disk data).
+    pub fn decode(data: &[u8]) -> Option<Self> {
+        let (&tag, rest) = data.split_first()?;
+        let (&len, rest) = rest.split_first()?;
+        let body = rest.get(..len as usize)?;
+        match tag {
+            0 if len == 16 => Some(BlockKey::Int(i128::from_le_bytes(body.try_into().ok()?))),
+            1 => BlockKey::from_bytes(body).ok(),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Debug for BlockKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            BlockKey::Int(v) => write!(f, "Int({v})"),
+            BlockKey::Bytes(b) => {
+                write!(f, "Bytes(")?;
+                for byte in b.as_slice() {
+                    write!(f, "{byte:02x}")?;
+                }
+                write!(f, ")")
+            }
+        }
+    }
+}
+
+impl fmt::Display for BlockKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self, f)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+
+    #[test]
+    fn int_and_bytes_never_collide() {
+        let a = BlockKey::from_int(7);
+        let b = BlockKey::from_bytes(&[7]).unwrap();
+        assert_ne!(a, b);
+        let set: HashSet<_> = [a, b].into_iter().collect();
+        assert_eq!(set.len(), 2);
+    }
+
+    #[test]
+    fn unsigned_and_signed_extremes_stay_distinct() {
+        assert_ne!(BlockKey::from_int(u64::MAX as i128), BlockKey::from_int(-1));
+    }
+
+    #[test]
+    fn bytes_compare_in_full_including_length() {
+        let a = BlockKey::from_bytes(&[1, 2, 3]).unwrap();
+        let b = BlockKey::from_bytes(&[1, 2, 3, 0]).unwrap();
+        assert_ne!(a, b);
+        let mut long = [9u8; 64];
+        let c = BlockKey::from_bytes(&long).unwrap();
+        long[63] = 8;
+        assert_ne!(c, BlockKey::from_bytes(&long).unwrap());
+    }
+
+    #[test]
+    fn rejects_empty_and_oversized() {
+        assert!(BlockKey::from_bytes(&[]).is_err());
+        assert!(BlockKey::from_bytes(&[0u8; 65]).is_err());
+    }
+
+    #[test]
+    fn encode_round_trips() {
+        for k in [
+            BlockKey::from_int(i128::MIN),
+            BlockKey::from_int(42),
+            BlockKey::from_bytes(&[0xab; 64]).unwrap(),
+            BlockKey::from_bytes(b"x").unwrap(),
+        ] {
+            assert_eq!(BlockKey::decode(&k.encode()), Some(k));
+        }
+        assert_eq!(BlockKey::decode(&[2, 1, 0]), None);
+        assert_eq!(BlockKey::decode(&[1, 5, 1]), None);
+    }
+}

@@ -1,0 +1,143 @@
+//! Eviction policies behind one trait.
+//!
+//! A policy only orders resident keys; it never owns data or slots. The index tells it what
+//! became resident (`insert`), what was used (`touch`) and what left outside eviction
+//! (`remove`), and asks it for victims (`select_victims`).
+//!
+//! Contract shared by every policy (the hypothesis and proptest models check it):
+//! - `select_victims(n, ..)` is all-or-nothing: it returns exactly `n` victims, removed from the
+//!   resident set, or `None` with nothing changed.
+//! - A key for which `evictable` answers false (pinned, being written, or, in the planner, an
+//!   interior node of the prefix tree) is never chosen. `evictable` must give the same answer for
+//!   a key throughout one call.
+//! - Prefix awareness comes from the index: it applies a request's chain in reverse (tail first),
+//!   so every policy sees the head as the more recent and evicts the tail first.
+
+mod arc;
+mod lru;
+mod priority;
+mod s3fifo;
+
+use std::hash::Hash;
+
+pub use arc::Arc as ArcPolicy;
+pub use lru::Lru;
+pub use priority::{Priority, DEFAULT_PRIORITY, MAX_PRIORITY};
+pub use s3fifo::S3Fifo;
+
+use crate::error::{KvError, KvResult};
+
+/// What a policy needs to know about a key when it becomes resident.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct InsertHint {
+    /// Retention priority 0..=100 (TensorRT-LLM's scale); only the priority policy reads it.
+    pub priority: u8,
+    /// After this many nanoseconds the block falls back to the default priority.
+    pub duration_ns: Option<u64>,
+}
+
+impl Default for InsertHint {
+    fn default() -> Self {
+        InsertHint { priority: DEFAULT_PRIORITY, duration_ns: None }
+    }
+}
+
+pub trait PolicyKey: Clone + Eq + Hash + Send + 'static {}
+impl<T: Clone + Eq + Hash + Send + 'static> PolicyKey for T {}
+
+pub trait EvictionPolicy<K: PolicyKey>: Send {
+    fn kind(&self) -> PolicyKind;
+    /// `key` became resident. Inserting a resident key is a caller bug; policies ignore it.
+    fn insert(&mut self, key: &K, hint: InsertHint, now_ns: u64);
+    /// `key` was used. Unknown keys are ignored.
+    fn touch(&mut self, key: &K, now_ns: u64);
+    /// `key` left the tier without being evicted (removed, or its store failed). No ghost entry.
+    fn remove(&mut self, key: &K);
+    /// Choose and detach exactly `n` victims, or change nothing and return None.
+    fn select_victims(
+        &mut self,
+        n: usize,
+        now_ns: u64,
+        evictable: &mut dyn FnMut(&K) -> bool,
+    ) -> Option<Vec<K>>;
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    fn contains(&self, key: &K) -> bool;
+    fn clear(&mut self);
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PolicyKind {
+    Fifo,
+    Lru,
+    Arc,
+    Priority,
+    S3Fifo,
+}
+
+impl PolicyKind {
+    pub const ALL: [PolicyKind; 5] =
+        [PolicyKind::Fifo, PolicyKind::Lru, PolicyKind::Arc, PolicyKind::Priority, PolicyKind::S3Fifo];
+
+    pub fn parse(name: &str) -> KvResult<Self> {
+        match name.to_ascii_lowercase().replace('-', "_").as_str() {
+            "fifo" => Ok(PolicyKind::Fifo),
+            "lru" => Ok(PolicyKind::Lru),
+            "arc" => Ok(PolicyKind::Arc),
+            "priority" => Ok(PolicyKind::Priority),
+            "s3fifo" | "s3_fifo" => Ok(PolicyKind::S3Fifo),
+            other => Err(KvError::invalid(
+                "policy",
+                format!("unknown policy {other:?}; expected one of fifo, lru, arc, priority, s3fifo"),
+            )),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            PolicyKind::Fifo => "fifo",
+            PolicyKind::Lru => "lru",
+            PolicyKind::Arc => "arc",
+            PolicyKind::Priority => "priority",
+            PolicyKind::S3Fifo => "s3fifo",
+        }
+    }
+
+    /// Build a policy for a tier of `capacity` blocks (ARC and S3-FIFO size their queues from it).
+    pub fn build<K: PolicyKey>(self, capacity: usize) -> Box<dyn EvictionPolicy<K>> {
+        match self {
+            PolicyKind::Fifo => Box::new(Lru::fifo()),
+            PolicyKind::Lru => Box::new(Lru::lru()),
+            PolicyKind::Arc => Box::new(ArcPolicy::new(capacity)),
+            PolicyKind::Priority => Box::new(Priority::new()),
+            PolicyKind::S3Fifo => Box::new(S3Fifo::new(capacity)),
+        }
+    }
+}
+
+/// Scan `keys` in order and collect the first `n` that are evictable; None if fewer exist.
+/// Shared by the policies whose victim order is a plain scan of one ordered structure.
+pub(crate) fn first_n_evictable<'a, K: PolicyKey>(
+    keys: impl Iterator<Item = &'a K>,
+    n: usize,
+    evictable: &mut dyn FnMut(&K) -> bool,
+) -> Option<Vec<K>> {
+    if n == 0 {
+        return Some(Vec::new());
+    }
+    let mut out = Vec::with_capacity(n);
+    for k in keys {
+        if evictable(k) {
+            out.push(k.clone());
+            if out.len() == n {
+                return Some(out);
+            }
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,147 @@
+//! S3-FIFO (Yang et al., SOSP'23): a small probationary FIFO, a main FIFO with a 2-bit use
+//! counter, and a ghost FIFO of keys evicted from the small queue. One-hit blocks (scans,
+//! unique prompts) leave through the small queue without disturbing the main one, which is what
+//! makes it scan-resistant.
+//!
+//! Exact semantics (mirrored by tests/models.py):
+//! - insert: a ghost key enters M; any other key enters S. Both start with freq 0.
+//! - touch: freq = min(freq + 1, 3).
+//! - victims, one at a time, until n are found:
+//!   * when |S| >= max(1, c/10) and S has an evictable key: take the first evictable key of S;
+//!     if freq >= 1 it moves to the back of M with freq 0 (not a victim); else it is the victim
+//!     and becomes a ghost (ghosts capped at c, oldest dropped first);
+//!   * otherwise take the first evictable key of M: freq >= 1 is decremented and the key moves
+//!     to the back of M; freq 0 is the victim. If M has no evictable key, S is used as above.
+//! - Non-evictable keys are skipped in place; they keep their position.
+
+use hashlink::LinkedHashMap;
+
+use super::{EvictionPolicy, InsertHint, PolicyKey, PolicyKind};
+
+type Queue<K> = LinkedHashMap<K, u8, foldhash::fast::RandomState>;
+
+const MAX_FREQ: u8 = 3;
+
+pub struct S3Fifo<K: PolicyKey> {
+    capacity: usize,
+    small: Queue<K>,
+    main: Queue<K>,
+    ghost: LinkedHashMap<K, (), foldhash::fast::RandomState>,
+}
+
+impl<K: PolicyKey> S3Fifo<K> {
+    pub fn new(capacity: usize) -> Self {
+        S3Fifo {
+            capacity: capacity.max(1),
+            small: Queue::default(),
+            main: Queue::default(),
+            ghost: LinkedHashMap::default(),
+        }
+    }
+
+    fn small_target(&self) -> usize {
+        (self.capacity / 10).max(1)
+    }
+
+    fn first_evictable(q: &Queue<K>, evictable: &mut dyn FnMut(&K) -> bool) -> Option<(K, u8)> {
+        q.iter().find(|(k, _)| evictable(k)).map(|(k, f)| (k.clone(), *f))
+    }
+
+    /// One step on the small queue: returns a victim, or None when the key was promoted to M.
+    fn step_small(&mut self, key: K, freq: u8) -> Option<K> {
+        self.small.remove(&key);
+        if freq >= 1 {
+            self.main.insert(key, 0);
+            None
+        } else {
+            self.ghost.insert(key.clone(), ());
+            while self.ghost.len() > self.capacity {
+                self.ghost.pop_front();
+            }
+            Some(key)
+        }
+    }
+
+    fn step_main(&mut self, key: K, freq: u8) -> Option<K> {
+        if freq >= 1 {
+            self.main.remove(&key);
+            self.main.insert(key, freq - 1);
+            None
+        } else {
+            self.main.remove(&key);
+            Some(key)
+        }
+    }
+}
+
+impl<K: PolicyKey> EvictionPolicy<K> for S3Fifo<K> {
+    fn kind(&self) -> PolicyKind {
+        PolicyKind::S3Fifo
+    }
+
+    fn insert(&mut self, key: &K, _hint: InsertHint, _now_ns: u64) {
+        if self.small.contains_key(key) || self.main.contains_key(key) {
+            return;
+        }
+        if self.ghost.remove(key).is_some() {
+            self.main.insert(key.clone(), 0);
+        } else {
+            self.small.insert(key.clone(), 0);
+        }
+    }
+
+    fn touch(&mut self, key: &K, _now_ns: u64) {
+        if let Some(f) = self.small.get_mut(key).or_else(|| self.main.get_mut(key)) {
+            *f = (*f + 1).min(MAX_FREQ);
+        }
+    }
+
+    fn remove(&mut self, key: &K) {
+        if self.small.remove(key).is_none() {
+            self.main.remove(key);
+        }
+    }
+
+    fn select_victims(
+        &mut self,
+        n: usize,
+        _now_ns: u64,
+        evictable: &mut dyn FnMut(&K) -> bool,
+    ) -> Option<Vec<K>> {
+        let available =
+            self.small.keys().chain(self.main.keys()).filter(|k| evictable(k)).take(n).count();
+        if available < n {
+            return None;
+        }
+        let mut victims = Vec::with_capacity(n);
+        while victims.len() < n {
+            let small_candidate = if self.small.len() >= self.small_target() {
+                Self::first_evictable(&self.small, evictable)
+            } else {
+                None
+            };
+            let victim = if let Some((k, f)) = small_candidate {
+                self.step_small(k, f)
+            } else if let Some((k, f)) = Self::first_evictable(&self.main, evictable) {
+                self.step_main(k, f)
+            } else {
+                let (k, f) = Self::first_evictable(&self.small, evictable).expect("feasible");
+                self.step_small(k, f)
+            };
+            victims.extend(victim);
+        }
+        Some(victims)
+    }
+
+    fn len(&self) -> usize {
+        self.small.len() + self.main.len()
+    }
+    fn contains(&self, key: &K) -> bool {
+        self.small.contains_key(key) || self.main.contains_key(key)
+    }
+    fn clear(&mut self) {
+        self.small.clear();
+        self.main.clear();
+        self.ghost.clear();
+    }
+}

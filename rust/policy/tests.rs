@@ -1,0 +1,194 @@
+//! Property tests shared by every policy: random operation sequences on a small key domain,
+//! checked against the policy contract (all-or-nothing, never a non-evictable victim, resident
+//! set bookkeeping), plus exact-order checks for LRU/FIFO against a Vec model.
+
+use std::collections::HashSet;
+
+use proptest::prelude::*;
+
+use super::*;
+
+#[derive(Clone, Debug)]
+enum Op {
+    Insert(u8, u8),
+    Touch(u8),
+    Remove(u8),
+    Pin(u8),
+    Unpin(u8),
+    Evict(u8),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0u8..24, prop_oneof![Just(35u8), 0u8..=100]).prop_map(|(k, p)| Op::Insert(k, p)),
+        3 => (0u8..24).prop_map(Op::Touch),
+        1 => (0u8..24).prop_map(Op::Remove),
+        1 => (0u8..24).prop_map(Op::Pin),
+        1 => (0u8..24).prop_map(Op::Unpin),
+        2 => (1u8..4).prop_map(Op::Evict),
+    ]
+}
+
+fn check_contract(kind: PolicyKind, ops: &[Op]) {
+    let capacity = 8;
+    let mut p: Box<dyn EvictionPolicy<u8>> = kind.build(capacity);
+    let mut resident: HashSet<u8> = HashSet::new();
+    let mut pinned: HashSet<u8> = HashSet::new();
+    for (now, op) in ops.iter().enumerate() {
+        let now = now as u64 * 10;
+        match *op {
+            Op::Insert(k, prio) => {
+                if resident.contains(&k) {
+                    continue;
+                }
+                if resident.len() == capacity {
+                    let mut ev = |x: &u8| !pinned.contains(x);
+                    match p.select_victims(1, now, &mut ev) {
+                        Some(v) => {
+                            assert_eq!(v.len(), 1);
+                            assert!(resident.remove(&v[0]));
+                            assert!(!pinned.contains(&v[0]));
+                        }
+                        None => continue,
+                    }
+                }
+                p.insert(&k, InsertHint { priority: prio, duration_ns: Some(25) }, now);
+                resident.insert(k);
+            }
+            Op::Touch(k) => p.touch(&k, now),
+            Op::Remove(k) => {
+                if !pinned.contains(&k) {
+                    p.remove(&k);
+                    resident.remove(&k);
+                }
+            }
+            Op::Pin(k) => {
+                if resident.contains(&k) {
+                    pinned.insert(k);
+                }
+            }
+            Op::Unpin(k) => {
+                pinned.remove(&k);
+            }
+            Op::Evict(n) => {
+                let before_len = p.len();
+                let evictable = resident.iter().filter(|k| !pinned.contains(k)).count();
+                let mut ev = |x: &u8| !pinned.contains(x);
+                match p.select_victims(n as usize, now, &mut ev) {
+                    Some(v) => {
+                        assert_eq!(v.len(), n as usize);
+                        let uniq: HashSet<_> = v.iter().collect();
+                        assert_eq!(uniq.len(), v.len(), "victim chosen twice");
+                        for x in v {
+                            assert!(!pinned.contains(&x), "pinned {x} evicted");
+                            assert!(resident.remove(&x), "{x} not resident");
+                        }
+                    }
+                    None => {
+                        assert!(evictable < n as usize, "refused although {evictable} evictable");
+                        assert_eq!(p.len(), before_len, "a refused eviction changed the size");
+                    }
+                }
+            }
+        }
+        assert_eq!(p.len(), resident.len());
+        for k in &resident {
+            assert!(p.contains(k));
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+    #[test]
+    fn every_policy_keeps_the_contract(ops in proptest::collection::vec(op(), 1..120)) {
+        for kind in PolicyKind::ALL {
+            check_contract(kind, &ops);
+        }
+    }
+
+    #[test]
+    fn lru_matches_vec_model(ops in proptest::collection::vec(op(), 1..120)) {
+        let mut p: Box<dyn EvictionPolicy<u8>> = PolicyKind::Lru.build(8);
+        let mut model: Vec<u8> = Vec::new(); // front = LRU
+        for op in ops {
+            match op {
+                Op::Insert(k, _) if !model.contains(&k) && model.len() < 8 => {
+                    p.insert(&k, InsertHint::default(), 0);
+                    model.push(k);
+                }
+                Op::Touch(k) => {
+                    p.touch(&k, 0);
+                    if let Some(i) = model.iter().position(|&x| x == k) {
+                        model.remove(i);
+                        model.push(k);
+                    }
+                }
+                Op::Evict(n) => {
+                    let got = p.select_victims(n as usize, 0, &mut |_| true);
+                    if model.len() >= n as usize {
+                        let want: Vec<u8> = model.drain(..n as usize).collect();
+                        prop_assert_eq!(got, Some(want));
+                    } else {
+                        prop_assert_eq!(got, None);
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
+#[test]
+fn priority_evicts_lowest_level_then_lru_and_durations_expire() {
+    let mut p = Priority::<u32>::new();
+    p.insert(&1, InsertHint { priority: 80, duration_ns: Some(100) }, 0);
+    p.insert(&2, InsertHint { priority: 10, duration_ns: None }, 0);
+    p.insert(&3, InsertHint::default(), 0);
+    p.insert(&4, InsertHint::default(), 0);
+    p.touch(&3, 0);
+    assert_eq!(p.select_victims(1, 50, &mut |_| true), Some(vec![2]));
+    assert_eq!(p.select_victims(1, 50, &mut |_| true), Some(vec![4]));
+    // At t=100 block 1 returns to the default level; it was used before 3, so it goes first.
+    assert_eq!(p.level_of(&1), Some(80));
+    assert_eq!(p.select_victims(1, 100, &mut |_| true), Some(vec![1]));
+    assert_eq!(p.select_victims(1, 100, &mut |_| true), Some(vec![3]));
+}
+
+#[test]
+fn arc_moves_reused_keys_to_t2_and_adapts_on_ghost_hits() {
+    let mut a = ArcPolicy::<u32>::new(4);
+    for k in 0..4 {
+        a.insert(&k, InsertHint::default(), 0);
+    }
+    a.touch(&0, 0); // 0 -> T2
+    let v = a.select_victims(1, 0, &mut |_| true).unwrap();
+    assert_eq!(v, vec![1]); // |T1| = 3 > p = 0: LRU of T1
+    a.insert(&1, InsertHint::default(), 0); // B1 ghost hit: p grows, 1 enters T2
+    assert_eq!(a.target_p(), 1);
+    assert_eq!(a.ghost_len(), (0, 0));
+}
+
+#[test]
+fn s3fifo_one_hit_wonders_leave_through_small_queue() {
+    let mut s = S3Fifo::<u32>::new(10);
+    for k in 0..10 {
+        s.insert(&k, InsertHint::default(), 0);
+    }
+    s.touch(&0, 0);
+    // Small queue holds all 10 (>= target 1): 0 was reused so it is promoted, 1 is the victim.
+    assert_eq!(s.select_victims(1, 0, &mut |_| true), Some(vec![1]));
+    assert!(s.contains(&0));
+    // A ghost comes back straight into the main queue.
+    s.insert(&1, InsertHint::default(), 0);
+    assert!(s.contains(&1));
+}
+
+#[test]
+fn policy_names_parse_and_unknown_is_a_clear_error() {
+    for k in PolicyKind::ALL {
+        assert_eq!(PolicyKind::parse(k.name()).unwrap(), k);
+    }
+    let e = PolicyKind::parse("mru").unwrap_err().to_string();
+    assert!(e.contains("policy") && e.contains("mru"), "{e}");
+}

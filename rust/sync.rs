@@ -1,0 +1,7 @@
+//! Atomics shim: the real std atomics normally, loom's under `--cfg loom` so the lock-free entry
+//! state machine can be model-checked exhaustively (see tests/loom_entry_state.rs).
+
+#[cfg(loom)]
+pub(crate) use loom::sync::atomic::{AtomicU64, Ordering};
+#[cfg(not(loom))]
+pub(crate) use std::sync::atomic::{AtomicU64, Ordering};
