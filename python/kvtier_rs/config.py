@@ -1,0 +1,84 @@
+"""Validated configuration for one tier.
+
+Validation happens here, at construction, so a bad value is reported with the field's name
+before any memory is allocated; the Rust core validates again (it is also used directly).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from kvtier_rs._core import InvalidArgumentError, policy_names
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_bytes(value: int | str, *, name: str = "size") -> int:
+    """Parse 4096, "64MiB", "1.5 GB" into bytes; raise InvalidArgumentError naming `name`."""
+    if isinstance(value, bool):
+        raise InvalidArgumentError(f"invalid argument `{name}`: expected a byte size, got {value!r}")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise InvalidArgumentError(
+                f"invalid argument `{name}`: {value!r} is not a byte size (e.g. 4096, '64MiB', '2GB')"
+            )
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    else:
+        raise InvalidArgumentError(f"invalid argument `{name}`: expected int or str, got {type(value).__name__}")
+    if n <= 0:
+        raise InvalidArgumentError(f"invalid argument `{name}`: must be positive, got {value!r}")
+    return n
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """Size, policy and admission of a host (CPU DRAM) tier.
+
+    capacity_bytes: total bytes of the pool (int or "64GiB").
+    block_bytes: bytes of one KV block (all layers); slots are rounded up to 4 KiB.
+    policy: one of fifo, lru, arc, priority, s3fifo.
+    admission: "always", "uses:K" or "priority:T".
+    """
+
+    capacity_bytes: int | str
+    block_bytes: int | str
+    policy: str = "lru"
+    admission: str = "always"
+
+    def __post_init__(self) -> None:
+        cap = parse_bytes(self.capacity_bytes, name="capacity_bytes")
+        blk = parse_bytes(self.block_bytes, name="block_bytes")
+        object.__setattr__(self, "capacity_bytes", cap)
+        object.__setattr__(self, "block_bytes", blk)
+        stride = -(-blk // 4096) * 4096
+        if cap < stride:
+            raise InvalidArgumentError(
+                f"invalid argument `capacity_bytes`: {cap} bytes cannot hold one block of {blk} bytes"
+            )
+        if self.policy.lower() not in policy_names():
+            raise InvalidArgumentError(
+                f"invalid argument `policy`: unknown policy {self.policy!r}; expected one of "
+                + ", ".join(policy_names())
+            )
+        if not isinstance(self.admission, str):
+            raise InvalidArgumentError("invalid argument `admission`: expected a string such as 'uses:2'")
+
+    @property
+    def num_blocks(self) -> int:
+        stride = -(-int(self.block_bytes) // 4096) * 4096
+        return int(self.capacity_bytes) // stride

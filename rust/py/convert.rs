@@ -1,0 +1,50 @@
+//! Key conversion at the boundary: Python `int` and `bytes` only (bytearray/memoryview are
+//! refused so a mutable buffer can never change a key after it was indexed).
+
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyInt, PyList, PyTuple};
+
+use super::errors::invalid;
+use crate::keys::BlockKey;
+
+pub fn key_from_py(obj: &Bound<'_, PyAny>) -> PyResult<BlockKey> {
+    if let Ok(b) = obj.cast::<PyBytes>() {
+        return Ok(BlockKey::from_bytes(b.as_bytes())?);
+    }
+    if obj.is_instance_of::<PyInt>() {
+        return obj.extract::<i128>().map(BlockKey::from_int).map_err(|_| {
+            invalid("key", "integer key does not fit in 128 bits")
+        });
+    }
+    Err(invalid(
+        "key",
+        format!("keys must be int or bytes, got {}", obj.get_type().name().map(|n| n.to_string()).unwrap_or_default()),
+    ))
+}
+
+/// Convert a list, tuple or any iterable of keys.
+pub fn keys_from_py(obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockKey>> {
+    if obj.is_instance_of::<PyBytes>() || obj.is_instance_of::<PyInt>() {
+        return Err(invalid("keys", "expected a sequence of keys, got a single key"));
+    }
+    if let Ok(list) = obj.cast::<PyList>() {
+        return list.iter().map(|k| key_from_py(&k)).collect();
+    }
+    if let Ok(t) = obj.cast::<PyTuple>() {
+        return t.iter().map(|k| key_from_py(&k)).collect();
+    }
+    let iter = obj.try_iter().map_err(|_| invalid("keys", "expected a sequence of int or bytes keys"))?;
+    iter.map(|k| key_from_py(&k?)).collect()
+}
+
+pub fn key_to_py<'py>(py: Python<'py>, key: &BlockKey) -> PyResult<Bound<'py, PyAny>> {
+    Ok(match key {
+        BlockKey::Int(v) => v.into_pyobject(py)?.into_any(),
+        BlockKey::Bytes(b) => PyBytes::new(py, b.as_slice()).into_any(),
+    })
+}
+
+pub fn keys_to_py<'py>(py: Python<'py>, keys: impl IntoIterator<Item = BlockKey>) -> PyResult<Bound<'py, PyList>> {
+    let items: Vec<Bound<'py, PyAny>> = keys.into_iter().map(|k| key_to_py(py, &k)).collect::<PyResult<_>>()?;
+    PyList::new(py, items)
+}

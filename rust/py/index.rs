@@ -1,0 +1,321 @@
+//! `BlockIndex`: one tier's index. Batch methods take a sequence of keys and make one call
+//! into the core with the GIL released; `*_one` methods are the single-key forms of the same
+//! core operation (a one-element batch, so both share one implementation).
+
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+use super::convert::{key_from_py, key_to_py, keys_from_py, keys_to_py};
+use super::errors::invalid;
+use super::host_pool::HostPool;
+use crate::admission::AdmissionRule;
+use crate::error::KvError;
+use crate::index::{IndexConfig, TierIndex};
+use crate::keys::BlockKey;
+use crate::policy::{InsertHint, PolicyKind, DEFAULT_PRIORITY, MAX_PRIORITY};
+
+pub(crate) fn tier_id(name: &str) -> PyResult<u8> {
+    match name {
+        "gpu" => Ok(0),
+        "cpu" => Ok(1),
+        "disk" => Ok(2),
+        other => Err(invalid("tier", format!("unknown tier {other:?}; expected \"gpu\", \"cpu\" or \"disk\""))),
+    }
+}
+
+pub(crate) fn positive(arg: &'static str, v: i64) -> PyResult<usize> {
+    if v <= 0 {
+        return Err(invalid(arg, format!("must be positive, got {v}")));
+    }
+    Ok(v as usize)
+}
+
+fn hint(priority: i64, duration_s: Option<f64>) -> PyResult<InsertHint> {
+    if !(0..=i64::from(MAX_PRIORITY)).contains(&priority) {
+        return Err(invalid("priority", format!("{priority} is outside 0..=100")));
+    }
+    let duration_ns = match duration_s {
+        None => None,
+        Some(d) if d.is_finite() && d >= 0.0 => Some((d * 1e9) as u64),
+        Some(d) => return Err(invalid("duration_s", format!("must be a non-negative number of seconds, got {d}"))),
+    };
+    Ok(InsertHint { priority: priority as u8, duration_ns })
+}
+
+/// Outcome of `prepare_store`: which keys to write into which slots, and what happened to the rest.
+#[pyclass(frozen, module = "kvtier_rs._core", get_all)]
+pub struct StoreOutcome {
+    /// Keys to write now, in the order given.
+    pub keys: Py<PyList>,
+    /// Slot for each of `keys`.
+    pub slots: Vec<u32>,
+    /// Keys already present (ready or being written).
+    pub skipped: Py<PyList>,
+    /// Keys turned away by the admission rule.
+    pub refused: Py<PyList>,
+    /// Keys evicted to make room.
+    pub evicted: Py<PyList>,
+    /// Slots the evicted keys occupied.
+    pub evicted_slots: Vec<u32>,
+}
+
+#[pymethods]
+impl StoreOutcome {
+    fn __repr__(&self, py: Python<'_>) -> String {
+        format!(
+            "StoreOutcome(keys={}, skipped={}, refused={}, evicted={})",
+            self.keys.bind(py).len(),
+            self.skipped.bind(py).len(),
+            self.refused.bind(py).len(),
+            self.evicted.bind(py).len()
+        )
+    }
+}
+
+#[pyclass(frozen, module = "kvtier_rs._core")]
+pub struct BlockIndex {
+    inner: TierIndex,
+    tier_name: String,
+}
+
+impl BlockIndex {
+    pub(crate) fn core(&self) -> &TierIndex {
+        &self.inner
+    }
+}
+
+#[pymethods]
+impl BlockIndex {
+    /// A tier index of `capacity` blocks, or over the slots of `pool` (capacity = its slots).
+    #[new]
+    #[pyo3(signature = (capacity=None, *, policy="lru", admission="always", tier="cpu", pool=None, manual_clock=false, block_bytes=0))]
+    fn new(
+        capacity: Option<i64>,
+        policy: &str,
+        admission: &str,
+        tier: &str,
+        pool: Option<&Bound<'_, HostPool>>,
+        manual_clock: bool,
+        block_bytes: i64,
+    ) -> PyResult<Self> {
+        let policy = PolicyKind::parse(policy)?;
+        let admission = AdmissionRule::parse(admission)?;
+        let tier_num = tier_id(tier)?;
+        if block_bytes < 0 {
+            return Err(invalid("block_bytes", format!("must not be negative, got {block_bytes}")));
+        }
+        let base = |capacity: usize| IndexConfig {
+            capacity,
+            policy,
+            admission,
+            tier: tier_num,
+            manual_clock,
+            block_bytes: block_bytes as u64,
+        };
+        let inner = match (capacity, pool) {
+            (_, Some(pool)) => {
+                let pool = pool.get();
+                let slots = pool.claim_slots()?;
+                if let Some(c) = capacity {
+                    if c as usize != slots.capacity() {
+                        return Err(invalid("capacity", format!("{c} does not match the pool's {} slots", slots.capacity())));
+                    }
+                }
+                let bytes = if block_bytes == 0 { pool.region().slot_bytes() as u64 } else { block_bytes as u64 };
+                TierIndex::with_slots(IndexConfig { block_bytes: bytes, ..base(slots.capacity()) }, slots)?
+            }
+            (Some(c), None) => TierIndex::new(base(positive("capacity", c)?))?,
+            (None, None) => return Err(invalid("capacity", "give a capacity in blocks or a pool")),
+        };
+        Ok(BlockIndex { inner, tier_name: tier.to_string() })
+    }
+
+    #[getter]
+    fn capacity(&self) -> usize {
+        self.inner.capacity()
+    }
+    #[getter]
+    fn policy(&self) -> &'static str {
+        self.inner.config().policy.name()
+    }
+    #[getter]
+    fn admission(&self) -> String {
+        self.inner.config().admission.describe()
+    }
+    #[getter]
+    fn tier(&self) -> &str {
+        &self.tier_name
+    }
+    fn __len__(&self) -> usize {
+        self.inner.len()
+    }
+    fn __repr__(&self) -> String {
+        format!(
+            "BlockIndex(tier={:?}, capacity={}, policy={:?}, admission={:?}, resident={})",
+            self.tier_name,
+            self.inner.capacity(),
+            self.policy(),
+            self.admission(),
+            self.inner.len()
+        )
+    }
+
+    /// Length of the longest prefix of `keys` whose blocks are ready.
+    fn lookup_prefix(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let keys = keys_from_py(keys)?;
+        Ok(py.detach(|| self.inner.lookup_prefix(&keys)))
+    }
+
+    /// Whether each key is ready (no prefix semantics).
+    fn contains(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
+        let keys = keys_from_py(keys)?;
+        Ok(py.detach(|| self.inner.contains_ready(&keys)))
+    }
+
+    /// Reserve slots for the new blocks among `keys` (a request's chain, head first), evicting
+    /// if needed. All-or-nothing: raises NoSpaceError and changes nothing when it cannot fit.
+    #[pyo3(signature = (keys, *, priority=DEFAULT_PRIORITY as i64, duration_s=None))]
+    fn prepare_store(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        priority: i64,
+        duration_s: Option<f64>,
+    ) -> PyResult<StoreOutcome> {
+        let keys = keys_from_py(keys)?;
+        let hint = hint(priority, duration_s)?;
+        let out = py.detach(|| self.inner.prepare_store(&keys, hint))?;
+        let (write_keys, slots): (Vec<BlockKey>, Vec<u32>) = out.to_write.into_iter().unzip();
+        let (ev_keys, ev_slots): (Vec<BlockKey>, Vec<u32>) = out.evicted.into_iter().unzip();
+        Ok(StoreOutcome {
+            keys: keys_to_py(py, write_keys)?.unbind(),
+            slots,
+            skipped: keys_to_py(py, out.already_present)?.unbind(),
+            refused: keys_to_py(py, out.refused)?.unbind(),
+            evicted: keys_to_py(py, ev_keys)?.unbind(),
+            evicted_slots: ev_slots,
+        })
+    }
+
+    /// Finish stores; failure drops the blocks and frees their slots. Returns how many changed.
+    #[pyo3(signature = (keys, success=true))]
+    fn complete_store(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, success: bool) -> PyResult<usize> {
+        let keys = keys_from_py(keys)?;
+        Ok(py.detach(|| self.inner.complete_store(&keys, success)))
+    }
+
+    /// Pin all keys for a load and return their slots; all-or-nothing (NotReadyError).
+    fn pin_for_load(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+        let keys = keys_from_py(keys)?;
+        Ok(py.detach(|| self.inner.pin_for_load(&keys))?)
+    }
+
+    fn unpin(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<()> {
+        let keys = keys_from_py(keys)?;
+        Ok(py.detach(|| self.inner.unpin(&keys))?)
+    }
+
+    /// Record a use of each resident key (applied tail-first: the head stays the most recent).
+    fn touch(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<()> {
+        let keys = keys_from_py(keys)?;
+        py.detach(|| self.inner.touch(&keys));
+        Ok(())
+    }
+
+    /// Count uses toward the admission rule without storing.
+    fn record_use(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<()> {
+        let keys = keys_from_py(keys)?;
+        py.detach(|| self.inner.record_use(&keys));
+        Ok(())
+    }
+
+    /// Remove ready, unpinned blocks; returns the keys removed.
+    fn remove<'py>(&self, py: Python<'py>, keys: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
+        let keys = keys_from_py(keys)?;
+        let removed = py.detach(|| self.inner.remove(&keys));
+        keys_to_py(py, removed.into_iter().map(|(k, _)| k))
+    }
+
+    /// Remove every block that is not pinned or being written; returns how many.
+    fn clear(&self, py: Python<'_>) -> usize {
+        py.detach(|| self.inner.clear())
+    }
+
+    // ---- single-key forms ------------------------------------------------------------------
+
+    fn lookup_one(&self, key: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let k = key_from_py(key)?;
+        Ok(self.inner.lookup_prefix(std::slice::from_ref(&k)) == 1)
+    }
+
+    /// Reserve a slot for one key: the slot, or None if it was present or refused.
+    #[pyo3(signature = (key, *, priority=DEFAULT_PRIORITY as i64, duration_s=None))]
+    fn prepare_store_one(&self, key: &Bound<'_, PyAny>, priority: i64, duration_s: Option<f64>) -> PyResult<Option<u32>> {
+        let k = key_from_py(key)?;
+        let out = self.inner.prepare_store(std::slice::from_ref(&k), hint(priority, duration_s)?)?;
+        Ok(out.to_write.first().map(|(_, s)| *s))
+    }
+
+    #[pyo3(signature = (key, success=true))]
+    fn complete_store_one(&self, key: &Bound<'_, PyAny>, success: bool) -> PyResult<bool> {
+        let k = key_from_py(key)?;
+        Ok(self.inner.complete_store(std::slice::from_ref(&k), success) == 1)
+    }
+
+    fn pin_one(&self, key: &Bound<'_, PyAny>) -> PyResult<u32> {
+        let k = key_from_py(key)?;
+        Ok(self.inner.pin_for_load(std::slice::from_ref(&k))?[0])
+    }
+
+    fn unpin_one(&self, key: &Bound<'_, PyAny>) -> PyResult<()> {
+        let k = key_from_py(key)?;
+        Ok(self.inner.unpin(std::slice::from_ref(&k))?)
+    }
+
+    fn touch_one(&self, key: &Bound<'_, PyAny>) -> PyResult<()> {
+        let k = key_from_py(key)?;
+        self.inner.touch(std::slice::from_ref(&k));
+        Ok(())
+    }
+
+    fn remove_one(&self, key: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let k = key_from_py(key)?;
+        Ok(self.inner.remove(std::slice::from_ref(&k)).len() == 1)
+    }
+
+    /// (state, pins, slot) of one key, or None. State is "writing", "ready" or "evicting".
+    fn state(&self, key: &Bound<'_, PyAny>) -> PyResult<Option<(&'static str, u32, u32)>> {
+        let k = key_from_py(key)?;
+        Ok(self.inner.state_of(&k).map(|(s, p, slot)| (s.name(), p, slot)))
+    }
+
+    /// All resident keys as (key, state, pins, slot) tuples.
+    fn entries<'py>(&self, py: Python<'py>) -> PyResult<Vec<(Bound<'py, PyAny>, &'static str, u32, u32)>> {
+        self.inner
+            .snapshot()
+            .into_iter()
+            .map(|(k, s, p, slot)| Ok((key_to_py(py, &k)?, s.name(), p, slot)))
+            .collect()
+    }
+
+    /// Counters and gauges as a dict of ints (one consistent call for metrics scrapes).
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let snap = py.detach(|| self.inner.stats());
+        let d = PyDict::new(py);
+        for (name, v) in snap.fields() {
+            d.set_item(name, v)?;
+        }
+        Ok(d)
+    }
+
+    /// Move a manual clock forward (indexes built with manual_clock=True only).
+    fn advance_clock(&self, seconds: f64) -> PyResult<()> {
+        if !(seconds.is_finite() && seconds >= 0.0) {
+            return Err(invalid("seconds", format!("must be a non-negative number, got {seconds}")));
+        }
+        if !self.inner.clock().advance((seconds * 1e9) as u64) {
+            return Err(KvError::invalid("manual_clock", "this index uses the monotonic clock").into());
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,43 @@
+//! The pyo3 layer: thin wrappers that convert arguments, release the GIL around core calls and
+//! map `KvError` onto Python exceptions. No policy or bookkeeping logic lives here.
+
+mod convert;
+mod errors;
+mod host_pool;
+mod index;
+
+use pyo3::prelude::*;
+
+#[pymodule(name = "_core")]
+mod core_module {
+    #[pymodule_export]
+    use super::errors::{InvalidArgumentError, KvTierError, NoSpaceError, NotPinnedError, NotReadyError};
+    #[pymodule_export]
+    use super::host_pool::HostPool;
+    #[pymodule_export]
+    use super::index::{BlockIndex, StoreOutcome};
+
+    use pyo3::prelude::*;
+
+    /// Version of the compiled core.
+    #[pyfunction]
+    fn version() -> &'static str {
+        env!("CARGO_PKG_VERSION")
+    }
+
+    /// Names of the eviction policies the core implements.
+    #[pyfunction]
+    fn policy_names() -> Vec<&'static str> {
+        crate::policy::PolicyKind::ALL.iter().map(|k| k.name()).collect()
+    }
+
+    #[pymodule_init]
+    fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
+        m.add("MAX_KEY_BYTES", crate::keys::MAX_KEY_BYTES)?;
+        m.add("DEFAULT_PRIORITY", crate::policy::DEFAULT_PRIORITY)?;
+        Ok(())
+    }
+}
+
+#[allow(unused_imports)]
+pub(crate) use convert::{key_to_py, keys_from_py};
