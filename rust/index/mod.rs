@@ -280,6 +280,36 @@ impl TierIndex {
         Ok(out)
     }
 
+    /// Put back a block found on disk at open (the disk tier's recovery): a Ready entry in
+    /// `slot`, which the caller took out of the allocator's free list (it never was in it).
+    /// Bypasses admission (the block was admitted before the restart). Call in the order the
+    /// blocks should rank, oldest first. Errors if the key is already present.
+    pub fn insert_recovered(&self, key: BlockKey, slot: u32, size: u64, checksum: u32) -> KvResult<()> {
+        if slot as usize >= self.config.capacity {
+            return Err(KvError::invalid("slot", format!("slot {slot} out of range 0..{}", self.config.capacity)));
+        }
+        let now = self.clock.now_ns();
+        let mut inner = self.inner.lock();
+        let guard = self.map.pin();
+        if guard.get(&key).is_some() {
+            return Err(KvError::invalid("key", format!("{key:?} recovered twice")));
+        }
+        guard.insert(
+            key,
+            BlockEntry {
+                state: EntryState::ready(),
+                slot,
+                tier: self.config.tier,
+                priority: AtomicU8::new(crate::policy::DEFAULT_PRIORITY),
+                size: AtomicU64::new(size),
+                uses: AtomicU32::new(0),
+                checksum: AtomicU32::new(checksum),
+            },
+        );
+        inner.policy.insert(&key, InsertHint::default(), now);
+        Ok(())
+    }
+
     /// Finish stores: success makes blocks readable; failure drops them and frees their slots.
     /// Keys not being written are ignored. Returns how many keys were completed or dropped.
     pub fn complete_store(&self, keys: &[BlockKey], success: bool) -> usize {
@@ -332,8 +362,14 @@ impl TierIndex {
     /// no pin, since that would mean a caller unpinned twice.
     pub fn unpin(&self, keys: &[BlockKey]) -> KvResult<()> {
         let guard = self.map.pin();
+        // A key may appear several times (one pin each), so check pins against occurrences.
+        let mut wanted: std::collections::HashMap<&BlockKey, u32, foldhash::fast::RandomState> =
+            std::collections::HashMap::with_capacity_and_hasher(keys.len(), Default::default());
         for k in keys {
-            let ok = guard.get(k).is_some_and(|e| e.state.load().1 > 0);
+            *wanted.entry(k).or_insert(0) += 1;
+        }
+        for (k, n) in &wanted {
+            let ok = guard.get(*k).is_some_and(|e| e.state.load().1 >= *n);
             if !ok {
                 return Err(KvError::NotPinned(format!("{k:?}")));
             }

@@ -1,0 +1,347 @@
+"""Plain-Python reference models of the core's eviction policies and of one tier index.
+
+Written from the documented semantics (rust/policy/*.rs module docs, rust/index/mod.rs), not
+from the Rust code, and kept deliberately simple (OrderedDicts and sorted lists). The hypothesis
+state machines in test_policy_models.py drive the Rust index and these models with the same
+operations and require identical results: same victims in the same order, same resident set,
+same states and pins, same errors.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable
+
+DEFAULT_PRIORITY = 35
+Evictable = Callable[[object], bool]
+
+
+class FifoModel:
+    refresh_on_touch = False
+
+    def __init__(self, capacity: int) -> None:
+        self.order: OrderedDict = OrderedDict()  # first = next victim
+
+    def insert(self, key, priority, duration_ns, now):
+        self.order.setdefault(key, None)
+
+    def touch(self, key, now):
+        if self.refresh_on_touch and key in self.order:
+            self.order.move_to_end(key)
+
+    def remove(self, key):
+        self.order.pop(key, None)
+
+    def select_victims(self, n, now, evictable: Evictable):
+        picked = [k for k in self.order if evictable(k)][:n]
+        if len(picked) < n:
+            return None
+        for k in picked:
+            del self.order[k]
+        return picked
+
+    def clear(self):
+        self.order.clear()
+
+    def resident(self):
+        return set(self.order)
+
+
+class LruModel(FifoModel):
+    refresh_on_touch = True
+
+
+class ArcModel:
+    def __init__(self, capacity: int) -> None:
+        self.c = max(1, capacity)
+        self.p = 0
+        self.t1: OrderedDict = OrderedDict()
+        self.t2: OrderedDict = OrderedDict()
+        self.b1: OrderedDict = OrderedDict()
+        self.b2: OrderedDict = OrderedDict()
+
+    def _trim(self):
+        while len(self.t1) + len(self.b1) > self.c and self.b1:
+            self.b1.popitem(last=False)
+        while len(self.t1) + len(self.t2) + len(self.b1) + len(self.b2) > 2 * self.c and self.b2:
+            self.b2.popitem(last=False)
+
+    def insert(self, key, priority, duration_ns, now):
+        if key in self.t1 or key in self.t2:
+            return
+        if key in self.b1:
+            self.p = min(self.p + max(1, len(self.b2) // len(self.b1)), self.c)
+            del self.b1[key]
+            self.t2[key] = None
+        elif key in self.b2:
+            self.p = max(self.p - max(1, len(self.b1) // len(self.b2)), 0)
+            del self.b2[key]
+            self.t2[key] = None
+        else:
+            self.t1[key] = None
+        self._trim()
+
+    def touch(self, key, now):
+        if key in self.t1:
+            del self.t1[key]
+            self.t2[key] = None
+        elif key in self.t2:
+            self.t2.move_to_end(key)
+
+    def remove(self, key):
+        self.t1.pop(key, None)
+        self.t2.pop(key, None)
+
+    def select_victims(self, n, now, evictable: Evictable):
+        if sum(1 for k in list(self.t1) + list(self.t2) if evictable(k)) < n:
+            return None
+        out = []
+        while len(out) < n:
+            first = next((k for k in self.t1 if evictable(k)), None)
+            second = next((k for k in self.t2 if evictable(k)), None)
+            if len(self.t1) > self.p:
+                key, from_t1 = (first, True) if first is not None else (second, False)
+            else:
+                key, from_t1 = (second, False) if second is not None else (first, True)
+            if from_t1:
+                del self.t1[key]
+                self.b1[key] = None
+            else:
+                del self.t2[key]
+                self.b2[key] = None
+            self._trim()
+            out.append(key)
+        return out
+
+    def clear(self):
+        self.__init__(self.c)
+
+    def resident(self):
+        return set(self.t1) | set(self.t2)
+
+
+class PriorityModel:
+    def __init__(self, capacity: int) -> None:
+        self.seq = 0
+        self.meta: dict = {}  # key -> [level, seq, expires_at or None]
+
+    def insert(self, key, priority, duration_ns, now):
+        if key in self.meta:
+            return
+        self.seq += 1
+        expires = now + duration_ns if duration_ns is not None and priority != DEFAULT_PRIORITY else None
+        self.meta[key] = [priority, self.seq, expires]
+
+    def touch(self, key, now):
+        if key in self.meta:
+            self.seq += 1
+            self.meta[key][1] = self.seq
+
+    def remove(self, key):
+        self.meta.pop(key, None)
+
+    def select_victims(self, n, now, evictable: Evictable):
+        for m in self.meta.values():
+            if m[2] is not None and m[2] <= now:
+                m[0], m[2] = DEFAULT_PRIORITY, None
+        order = sorted(self.meta, key=lambda k: (self.meta[k][0], self.meta[k][1]))
+        picked = [k for k in order if evictable(k)][:n]
+        if len(picked) < n:
+            return None
+        for k in picked:
+            del self.meta[k]
+        return picked
+
+    def clear(self):
+        self.meta.clear()
+
+    def resident(self):
+        return set(self.meta)
+
+
+class S3FifoModel:
+    def __init__(self, capacity: int) -> None:
+        self.c = max(1, capacity)
+        self.small: OrderedDict = OrderedDict()  # key -> freq
+        self.main: OrderedDict = OrderedDict()
+        self.ghost: OrderedDict = OrderedDict()
+
+    def insert(self, key, priority, duration_ns, now):
+        if key in self.small or key in self.main:
+            return
+        if key in self.ghost:
+            del self.ghost[key]
+            self.main[key] = 0
+        else:
+            self.small[key] = 0
+
+    def touch(self, key, now):
+        q = self.small if key in self.small else self.main if key in self.main else None
+        if q is not None:
+            q[key] = min(q[key] + 1, 3)
+
+    def remove(self, key):
+        self.small.pop(key, None)
+        self.main.pop(key, None)
+
+    def _small_step(self, key):
+        freq = self.small.pop(key)
+        if freq >= 1:
+            self.main[key] = 0
+            return None
+        self.ghost[key] = None
+        while len(self.ghost) > self.c:
+            self.ghost.popitem(last=False)
+        return key
+
+    def _main_step(self, key):
+        freq = self.main.pop(key)
+        if freq >= 1:
+            self.main[key] = freq - 1
+            return None
+        return key
+
+    def select_victims(self, n, now, evictable: Evictable):
+        if sum(1 for k in list(self.small) + list(self.main) if evictable(k)) < n:
+            return None
+        out = []
+        while len(out) < n:
+            s = next((k for k in self.small if evictable(k)), None)
+            m = next((k for k in self.main if evictable(k)), None)
+            if len(self.small) >= max(1, self.c // 10) and s is not None:
+                v = self._small_step(s)
+            elif m is not None:
+                v = self._main_step(m)
+            else:
+                v = self._small_step(s)
+            if v is not None:
+                out.append(v)
+        return out
+
+    def clear(self):
+        self.__init__(self.c)
+
+    def resident(self):
+        return set(self.small) | set(self.main)
+
+
+POLICY_MODELS = {
+    "fifo": FifoModel,
+    "lru": LruModel,
+    "arc": ArcModel,
+    "priority": PriorityModel,
+    "s3fifo": S3FifoModel,
+}
+
+
+class NoSpace(Exception):
+    pass
+
+
+class NotReady(Exception):
+    pass
+
+
+class NotPinned(Exception):
+    pass
+
+
+class IndexModel:
+    """One tier index: states, pins, slots (a FIFO free list, as the core's lock-free queue)."""
+
+    def __init__(self, capacity: int, policy: str, min_priority: int | None = None) -> None:
+        self.capacity = capacity
+        self.policy = POLICY_MODELS[policy](capacity)
+        self.min_priority = min_priority
+        self.entries: dict = {}  # key -> {"state", "pins", "slot"}
+        self.free = deque(range(capacity))
+        self.now = 0
+
+    def _evictable(self, key) -> bool:
+        e = self.entries.get(key)
+        return e is not None and e["state"] == "ready" and e["pins"] == 0
+
+    def lookup_prefix(self, keys) -> int:
+        n = 0
+        for k in keys:
+            e = self.entries.get(k)
+            if e is None or e["state"] != "ready":
+                break
+            n += 1
+        return n
+
+    def prepare_store(self, keys, priority=DEFAULT_PRIORITY, duration_ns=None):
+        seen, new, skipped, refused = set(), [], [], []
+        for k in keys:
+            if k in seen or k in self.entries:
+                skipped.append(k)
+            elif self.min_priority is not None and priority < self.min_priority:
+                refused.append(k)
+            else:
+                new.append(k)
+            seen.add(k)
+        evicted = []
+        if len(new) > len(self.free):
+            victims = self.policy.select_victims(len(new) - len(self.free), self.now, self._evictable)
+            if victims is None:
+                raise NoSpace
+            for v in victims:
+                self.free.append(self.entries.pop(v)["slot"])
+                evicted.append(v)
+        placed = [(k, self.free.popleft()) for k in new]
+        for k, slot in reversed(placed):
+            self.entries[k] = {"state": "writing", "pins": 0, "slot": slot}
+            self.policy.insert(k, priority, duration_ns, self.now)
+        return placed, skipped, refused, evicted
+
+    def complete_store(self, keys, success) -> int:
+        done = 0
+        for k in keys:
+            e = self.entries.get(k)
+            if e is None or e["state"] != "writing":
+                continue
+            if success:
+                e["state"] = "ready"
+            else:
+                self.free.append(self.entries.pop(k)["slot"])
+                self.policy.remove(k)
+            done += 1
+        return done
+
+    def pin_for_load(self, keys):
+        if not all(self._ready(k) for k in keys):
+            raise NotReady
+        for k in keys:
+            self.entries[k]["pins"] += 1
+        return [self.entries[k]["slot"] for k in keys]
+
+    def _ready(self, k) -> bool:
+        e = self.entries.get(k)
+        return e is not None and e["state"] == "ready"
+
+    def unpin(self, keys):
+        wanted = Counter(keys)
+        if not all(k in self.entries and self.entries[k]["pins"] >= n for k, n in wanted.items()):
+            raise NotPinned
+        for k in keys:
+            self.entries[k]["pins"] -= 1
+
+    def touch(self, keys):
+        for k in reversed(keys):
+            if k in self.entries:
+                self.policy.touch(k, self.now)
+
+    def remove(self, keys):
+        removed = []
+        for k in keys:
+            if self._evictable(k):
+                self.free.append(self.entries.pop(k)["slot"])
+                self.policy.remove(k)
+                removed.append(k)
+        return removed
+
+    def clear(self) -> int:
+        removed = self.remove(list(self.entries))
+        if not self.entries:
+            self.policy.clear()
+        return len(removed)
