@@ -9,7 +9,7 @@ UV := $(VENV)/bin/uv
 STAMP := $(VENV)/.deps-stamp
 export PYO3_PYTHON := $(abspath $(VPY))
 
-.PHONY: demo test build venv rust-test py-test lint bench clean
+.PHONY: demo test build venv rust-test loom py-test lint bench clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -30,10 +30,15 @@ demo: build
 rust-test:
 	cargo test --all-targets
 
+# Exhaustive model check of the lock-free entry state (loom), in its own target dir so the
+# --cfg loom build does not invalidate the regular one.
+loom:
+	RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test --release --test loom_entry_state
+
 py-test: build
 	$(VPY) -m pytest -q tests
 
-test: build rust-test py-test
+test: build rust-test loom py-test
 
 lint: venv
 	cargo clippy --all-targets -- -D warnings

@@ -85,6 +85,11 @@ pub struct StoreOutcome {
     pub refused: Vec<BlockKey>,
     /// Blocks evicted to make room, with the slot they occupied (already reusable).
     pub evicted: Vec<(BlockKey, u32)>,
+    /// Positions in the input of `to_write`, `already_present` and `refused` (so bindings can
+    /// hand back the caller's own key objects instead of building new ones).
+    pub to_write_pos: Vec<usize>,
+    pub already_present_pos: Vec<usize>,
+    pub refused_pos: Vec<usize>,
 }
 
 struct Inner {
@@ -158,13 +163,27 @@ impl TierIndex {
 
     /// Length of the longest prefix of `keys` whose blocks are all ready.
     pub fn lookup_prefix(&self, keys: &[BlockKey]) -> usize {
+        let n: Result<usize, std::convert::Infallible> = self.lookup_prefix_lazy(keys.iter().map(|k| Ok(*k)));
+        n.unwrap_or_else(|never| match never {})
+    }
+
+    /// `lookup_prefix` over keys produced one at a time, stopping at the first miss, so a
+    /// caller that must convert keys (the Python binding) converts only those it examines.
+    /// A conversion error is returned as is.
+    pub fn lookup_prefix_lazy<E>(&self, keys: impl Iterator<Item = Result<BlockKey, E>>) -> Result<usize, E> {
         let guard = self.map.pin();
-        let n = keys
-            .iter()
-            .take_while(|k| guard.get(*k).is_some_and(|e| e.state.is_ready()))
-            .count();
-        self.stats.record_lookup(keys.len(), n);
-        n
+        let mut n = 0usize;
+        let mut examined = 0usize;
+        for k in keys {
+            let k = k?;
+            examined += 1;
+            if !guard.get(&k).is_some_and(|e| e.state.is_ready()) {
+                break;
+            }
+            n += 1;
+        }
+        self.stats.record_lookup(examined, n);
+        Ok(n)
     }
 
     /// Whether each key is ready (no prefix semantics).
@@ -217,13 +236,16 @@ impl TierIndex {
             keys.len(),
             foldhash::fast::RandomState::default(),
         );
-        for k in keys {
+        for (pos, k) in keys.iter().enumerate() {
             if !seen.insert(*k) || guard.get(k).is_some() {
                 out.already_present.push(*k);
+                out.already_present_pos.push(pos);
             } else if inner.admission.offer(k, hint.priority) {
                 new_keys.push(*k);
+                out.to_write_pos.push(pos);
             } else {
                 out.refused.push(*k);
+                out.refused_pos.push(pos);
             }
         }
         self.stats.store_refused.fetch_add(out.refused.len() as u64, Ordering::Relaxed);

@@ -48,3 +48,15 @@ pub fn keys_to_py<'py>(py: Python<'py>, keys: impl IntoIterator<Item = BlockKey>
     let items: Vec<Bound<'py, PyAny>> = keys.into_iter().map(|k| key_to_py(py, &k)).collect::<PyResult<_>>()?;
     PyList::new(py, items)
 }
+
+/// The keys as a Python list: the list itself when it is one, else a new list of the items.
+pub fn as_list<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
+    if let Ok(list) = obj.cast::<PyList>() {
+        return Ok(list.clone());
+    }
+    if obj.is_instance_of::<PyBytes>() || obj.is_instance_of::<PyInt>() {
+        return Err(invalid("keys", "expected a sequence of keys, got a single key"));
+    }
+    let iter = obj.try_iter().map_err(|_| invalid("keys", "expected a sequence of int or bytes keys"))?;
+    PyList::new(obj.py(), iter.collect::<PyResult<Vec<_>>>()?)
+}

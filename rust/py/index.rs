@@ -5,7 +5,7 @@
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use super::convert::{key_from_py, key_to_py, keys_from_py, keys_to_py};
+use super::convert::{as_list, key_from_py, key_to_py, keys_from_py, keys_to_py};
 use super::errors::invalid;
 use super::host_pool::HostPool;
 use crate::admission::AdmissionRule;
@@ -13,6 +13,9 @@ use crate::error::KvError;
 use crate::index::{IndexConfig, TierIndex};
 use crate::keys::BlockKey;
 use crate::policy::{InsertHint, PolicyKind, DEFAULT_PRIORITY, MAX_PRIORITY};
+
+/// Below this many keys a lookup walk is done without releasing the GIL (see lookup_prefix).
+const LONG_WALK_KEYS: usize = 256;
 
 pub(crate) fn tier_id(name: &str) -> PyResult<u8> {
     match name {
@@ -161,7 +164,16 @@ impl BlockIndex {
     }
 
     /// Length of the longest prefix of `keys` whose blocks are ready.
+    ///
+    /// The walk stops at the first miss and converts keys as it goes, with the GIL held: the
+    /// per-key work is one lock-free map read, cheaper than releasing and re-taking the GIL.
+    /// Batches of LONG_WALK_KEYS or more are converted first and walked with the GIL released.
     fn lookup_prefix(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
+        if let Ok(list) = keys.cast::<PyList>() {
+            if list.len() < LONG_WALK_KEYS {
+                return self.inner.lookup_prefix_lazy(list.iter().map(|k| key_from_py(&k)));
+            }
+        }
         let keys = keys_from_py(keys)?;
         Ok(py.detach(|| self.inner.lookup_prefix(&keys)))
     }
@@ -182,16 +194,20 @@ impl BlockIndex {
         priority: i64,
         duration_s: Option<f64>,
     ) -> PyResult<StoreOutcome> {
-        let keys = keys_from_py(keys)?;
         let hint = hint(priority, duration_s)?;
-        let out = py.detach(|| self.inner.prepare_store(&keys, hint))?;
-        let (write_keys, slots): (Vec<BlockKey>, Vec<u32>) = out.to_write.into_iter().unzip();
+        // Hand back the caller's own key objects (by position) rather than new ones.
+        let seq = as_list(keys)?;
+        let core_keys = keys_from_py(seq.as_any())?;
+        let out = py.detach(|| self.inner.prepare_store(&core_keys, hint))?;
+        let pick = |pos: &[usize]| -> PyResult<Py<PyList>> {
+            Ok(PyList::new(py, pos.iter().map(|&p| seq.get_item(p)).collect::<PyResult<Vec<_>>>()?)?.unbind())
+        };
         let (ev_keys, ev_slots): (Vec<BlockKey>, Vec<u32>) = out.evicted.into_iter().unzip();
         Ok(StoreOutcome {
-            keys: keys_to_py(py, write_keys)?.unbind(),
-            slots,
-            skipped: keys_to_py(py, out.already_present)?.unbind(),
-            refused: keys_to_py(py, out.refused)?.unbind(),
+            keys: pick(&out.to_write_pos)?,
+            slots: out.to_write.iter().map(|(_, s)| *s).collect(),
+            skipped: pick(&out.already_present_pos)?,
+            refused: pick(&out.refused_pos)?,
             evicted: keys_to_py(py, ev_keys)?.unbind(),
             evicted_slots: ev_slots,
         })

@@ -1,0 +1,183 @@
+"""The Python face of the core: validation at construction, key identity, zero-copy views of
+the host pool, single-key and batch forms, and thread safety with the GIL released."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import kvtier_rs as kv
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "arg"),
+    [
+        ({"capacity": 0}, "capacity"),
+        ({"capacity": -5}, "capacity"),
+        ({"capacity": 8, "policy": "mru"}, "policy"),
+        ({"capacity": 8, "admission": "sometimes"}, "admission"),
+        ({"capacity": 8, "admission": "uses:0"}, "admission"),
+        ({"capacity": 8, "tier": "tape"}, "tier"),
+        ({}, "capacity"),
+    ],
+)
+def test_index_rejects_bad_arguments_naming_them(kwargs, arg):
+    with pytest.raises(kv.InvalidArgumentError, match=f"`{arg}`"):
+        kv.BlockIndex(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("total", "slot", "arg"),
+    [(0, 4096, "total_bytes"), (-1, 4096, "total_bytes"), (4096, 0, "slot_bytes"), (4096, 8192, "total_bytes")],
+)
+def test_pool_rejects_bad_sizes(total, slot, arg):
+    with pytest.raises(kv.InvalidArgumentError, match=f"`{arg}`"):
+        kv.HostPool(total, slot)
+
+
+def test_config_validates_before_allocating():
+    with pytest.raises(kv.InvalidArgumentError, match="capacity_bytes"):
+        kv.TierConfig(capacity_bytes="1KiB", block_bytes="1MiB")
+    with pytest.raises(kv.InvalidArgumentError, match="block_bytes"):
+        kv.TierConfig(capacity_bytes="1GiB", block_bytes="lots")
+    with pytest.raises(kv.InvalidArgumentError, match="policy"):
+        kv.TierConfig(capacity_bytes="1GiB", block_bytes=4096, policy="random")
+    assert kv.TierConfig(capacity_bytes="1MiB", block_bytes=5000).num_blocks == 128
+
+
+def test_errors_share_one_base_class():
+    for exc in (kv.InvalidArgumentError, kv.NoSpaceError, kv.NotReadyError, kv.NotPinnedError):
+        assert issubclass(exc, kv.KvTierError)
+
+
+@pytest.mark.parametrize("bad", [3.5, "abc", None, b"", b"x" * 65, bytearray(b"ab"), (1, 2)])
+def test_bad_keys_are_clear_errors(bad):
+    ix = kv.BlockIndex(4)
+    with pytest.raises(kv.InvalidArgumentError, match="`key`"):
+        ix.prepare_store([bad])
+
+
+def test_single_key_instead_of_sequence_is_an_error():
+    ix = kv.BlockIndex(4)
+    with pytest.raises(kv.InvalidArgumentError, match="`keys`"):
+        ix.lookup_prefix(b"abc")
+
+
+def test_keys_are_kept_exactly():
+    ix = kv.BlockIndex(8)
+    distinct = [7, b"\x07", 2**64 - 1, -1, 2**100, b"\x00" * 36, b"\x00" * 35, b"\x01" + b"\x00" * 63]
+    out = ix.prepare_store(distinct)
+    assert list(out.keys) == distinct, "every key is distinct; none may be confused with another"
+    ix.complete_store(distinct)
+    assert sorted(map(repr, (k for k, *_ in ix.entries()))) == sorted(map(repr, distinct))
+    assert ix.contains([7, b"\x07", 8]) == [True, True, False]
+    with pytest.raises(kv.InvalidArgumentError, match="128 bits"):
+        ix.lookup_prefix([2**200])
+
+
+def test_pool_views_are_zero_copy_and_page_aligned():
+    pool = kv.HostPool(1 << 20, 5000)
+    assert pool.slot_bytes == 8192 and pool.num_slots == 128 and pool.ptr % 4096 == 0
+    arr = np.frombuffer(pool, dtype=np.uint8)
+    t = torch.frombuffer(pool, dtype=torch.uint8)
+    mv = memoryview(pool)
+    assert not mv.readonly and mv.nbytes == pool.nbytes
+    off = pool.slot_offset(3)
+    arr[off : off + 10] = 42
+    assert bytes(mv[off : off + 10]) == b"*" * 10
+    assert int(t[off + 9]) == 42
+    assert arr.ctypes.data == pool.ptr == t.data_ptr()
+
+
+def test_host_tier_round_trip_and_eviction():
+    tier = kv.HostTier(kv.TierConfig(capacity_bytes=4 * 4096, block_bytes=4096, policy="lru"))
+    payload = {i: bytes([i]) * 4096 for i in range(6)}
+    tier.store([0, 1, 2, 3], [payload[i] for i in range(4)])
+    out = tier.store([4, 5], [payload[4], payload[5]])
+    assert list(out.evicted) == [3, 2], "the tail of the chain goes first"
+    assert tier.read([0, 1, 4, 5]) == [payload[i] for i in (0, 1, 4, 5)]
+    with pytest.raises(kv.NotReadyError):
+        tier.read([2])
+
+
+def test_single_key_forms_match_batch_semantics():
+    ix = kv.BlockIndex(2, manual_clock=True)
+    slot = ix.prepare_store_one(b"a")
+    assert slot is not None and ix.state(b"a") == ("writing", 0, slot)
+    assert not ix.lookup_one(b"a")
+    assert ix.complete_store_one(b"a")
+    assert ix.lookup_one(b"a")
+    assert ix.prepare_store_one(b"a") is None, "already present"
+    assert ix.pin_one(b"a") == slot
+    assert not ix.remove_one(b"a"), "pinned blocks are not removed"
+    ix.unpin_one(b"a")
+    with pytest.raises(kv.NotPinnedError):
+        ix.unpin_one(b"a")
+    ix.touch_one(b"a")
+    assert ix.remove_one(b"a")
+    with pytest.raises(kv.InvalidArgumentError, match="manual_clock"):
+        kv.BlockIndex(2).advance_clock(1.0)
+
+
+def test_priority_bounds_and_durations_are_validated():
+    ix = kv.BlockIndex(4, policy="priority")
+    with pytest.raises(kv.InvalidArgumentError, match="priority"):
+        ix.prepare_store([1], priority=101)
+    with pytest.raises(kv.InvalidArgumentError, match="duration_s"):
+        ix.prepare_store([1], priority=80, duration_s=-1.0)
+
+
+def test_pool_backs_only_one_index():
+    pool = kv.HostPool(1 << 16, 4096)
+    kv.BlockIndex(pool=pool)
+    with pytest.raises(kv.InvalidArgumentError, match="pool"):
+        kv.BlockIndex(pool=pool)
+
+
+def test_concurrent_batches_from_threads_keep_invariants():
+    ix = kv.BlockIndex(256, policy="arc")
+    errors: list[BaseException] = []
+
+    def writer(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(400):
+                start = int(rng.integers(0, 2000))
+                keys = list(range(start, start + 16))
+                out = ix.prepare_store(keys)
+                ix.complete_store(out.keys, bool(rng.integers(0, 5)))
+        except BaseException as e:  # noqa: BLE001 - surfaced below
+            errors.append(e)
+
+    def reader(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(2000):
+                start = int(rng.integers(0, 2000))
+                keys = list(range(start, start + 16))
+                n = ix.lookup_prefix(keys)
+                if n:
+                    try:
+                        ix.pin_for_load(keys[:n])
+                    except kv.NotReadyError:
+                        continue  # evicted between lookup and pin: a miss, as it should be
+                    ix.unpin(keys[:n])
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(2)]
+    threads += [threading.Thread(target=reader, args=(10 + i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    entries = ix.entries()
+    assert len(entries) == len(ix) <= 256
+    assert len({slot for *_, slot in entries}) == len(entries)
+    assert all(pins == 0 for _, _, pins, _ in entries)
+    s = ix.stats()
+    assert s["pins"] == s["unpins"]
