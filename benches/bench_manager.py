@@ -17,8 +17,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import kvtier_rs as kv  # noqa: E402
 from py_baseline_manager import PyArcManager, PyLruManager  # noqa: E402
+
+import kvtier_rs as kv  # noqa: E402
 
 CAPACITY = 8192
 BATCH = 32
@@ -41,11 +42,9 @@ def workloads(n_ops: int, seed: int = 7) -> dict[str, list[list[bytes]]]:
     return {"uniform": uniform, "skewed": skewed}
 
 
-def best_of(fn, repeats: int = 3) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        best = min(best, fn())
-    return best
+def best_of(fn, *args, repeats: int = 3) -> float:
+    """Fastest of `repeats` runs of fn(*args) (the least disturbed by other load)."""
+    return min(fn(*args) for _ in range(repeats))
 
 
 def run_lookup(mgr, chains, per_key: bool) -> float:
@@ -113,11 +112,11 @@ def main() -> None:
             for per_key in (True, False):
                 mode = "per_key" if per_key else "batch"
                 kvm, pym = filled(kv_factory, chains), filled(py_factory, chains)
-                t_kv = best_of(lambda kvm=kvm: run_lookup(kvm, chains, per_key))
-                t_py = best_of(lambda pym=pym: run_lookup(pym, chains, per_key))
+                t_kv = best_of(run_lookup, kvm, chains, per_key)
+                t_py = best_of(run_lookup, pym, chains, per_key)
                 rows.append(("lookup", mode, policy, wl, t_kv / n_keys * 1e6, t_py / n_keys * 1e6))
-                t_kv = best_of(lambda: run_store(kv_factory, chains, per_key))
-                t_py = best_of(lambda: run_store(py_factory, chains, per_key))
+                t_kv = best_of(run_store, kv_factory, chains, per_key)
+                t_py = best_of(run_store, py_factory, chains, per_key)
                 rows.append(("store_evict", mode, policy, wl, t_kv / n_keys * 1e6, t_py / n_keys * 1e6))
 
     def speedup(op: str, mode: str) -> float:
@@ -137,7 +136,10 @@ def main() -> None:
     if args.json:
         print(json.dumps(summary))
         return
-    print(f"{'op':<12} {'mode':<8} {'policy':<6} {'workload':<8} {'kvtier us/key':>14} {'python us/key':>14} {'speedup':>8}")
+    print(
+        f"{'op':<12} {'mode':<8} {'policy':<6} {'workload':<8} "
+        f"{'kvtier us/key':>14} {'python us/key':>14} {'speedup':>8}"
+    )
     for op, mode, pol, wl, k, py in rows:
         print(f"{op:<12} {mode:<8} {pol:<6} {wl:<8} {k:>14.3f} {py:>14.3f} {py / k:>7.1f}x")
     print(json.dumps(summary))

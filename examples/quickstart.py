@@ -85,8 +85,17 @@ def main() -> None:
 
     s = tier.stats()
     print("\nhost tier counters:")
-    for name in ("capacity_blocks", "resident_blocks", "lookups", "hit_blocks", "stores_completed",
-                 "store_skipped", "evictions", "pins", "unpins"):
+    for name in (
+        "capacity_blocks",
+        "resident_blocks",
+        "lookups",
+        "hit_blocks",
+        "stores_completed",
+        "store_skipped",
+        "evictions",
+        "pins",
+        "unpins",
+    ):
         print(f"  {name:<18} {s[name]}")
 
 

@@ -17,11 +17,27 @@ pub enum KvError {
     /// unpin() on a block that holds no pin: a caller bug that would corrupt pin counts.
     #[error("block not pinned: {0}")]
     NotPinned(String),
+    /// A filesystem operation failed (open, create, lock, allocate): names the path and the
+    /// operating system's reason, e.g. permission denied.
+    #[error("{op} {path}: {detail}")]
+    Io { op: &'static str, path: String, detail: String },
+    /// The disk tier's directory is held by another open tier (this or another process).
+    #[error("directory locked: {0}")]
+    Locked(String),
+    /// A tier was used after close().
+    #[error("closed: {0}")]
+    Closed(String),
 }
 
 impl KvError {
     pub fn invalid(arg: &'static str, reason: impl Into<String>) -> Self {
         KvError::InvalidArgument { arg, reason: reason.into() }
+    }
+}
+
+impl KvError {
+    pub fn io(op: &'static str, path: &std::path::Path, err: &std::io::Error) -> Self {
+        KvError::Io { op, path: path.display().to_string(), detail: err.to_string() }
     }
 }
 

@@ -7,11 +7,13 @@
 
 pub mod admission;
 pub mod clock;
+pub mod disk;
 pub mod error;
 pub mod host_pool;
 pub mod index;
 pub mod keys;
 pub mod policy;
+pub mod replay;
 pub mod slots;
 pub(crate) mod sync;
 

@@ -282,7 +282,10 @@ class IndexModel:
             seen.add(k)
         evicted = []
         if len(new) > len(self.free):
-            victims = self.policy.select_victims(len(new) - len(self.free), self.now, self._evictable)
+            batch = set(keys)
+            victims = self.policy.select_victims(
+                len(new) - len(self.free), self.now, lambda k: k not in batch and self._evictable(k)
+            )
             if victims is None:
                 raise NoSpace
             for v in victims:

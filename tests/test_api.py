@@ -181,3 +181,19 @@ def test_concurrent_batches_from_threads_keep_invariants():
     assert all(pins == 0 for _, _, pins, _ in entries)
     s = ix.stats()
     assert s["pins"] == s["unpins"]
+
+
+def test_lookup_result_returns_the_callers_objects():
+    ix = kv.BlockIndex(4)
+    hit, pending, miss = object(), object(), object()
+    with pytest.raises(kv.InvalidArgumentError, match="set_lookup_results"):
+        ix.lookup_result(b"a")
+    ix.set_lookup_results(hit, pending, miss)
+    with pytest.raises(kv.InvalidArgumentError, match="already set"):
+        ix.set_lookup_results(hit, pending, miss)
+    assert ix.lookup_result(b"a") is miss
+    ix.prepare_store([b"a"])
+    assert ix.lookup_result(b"a", "any request context") is pending
+    ix.complete_store([b"a"])
+    assert ix.lookup_result(b"a") is hit
+    assert ix.stats()["hit_blocks"] == 1 and ix.stats()["lookups"] == 3

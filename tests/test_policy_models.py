@@ -13,9 +13,9 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from models import IndexModel, NoSpace, NotPinned, NotReady
 
 import kvtier_rs as kv
-from models import IndexModel, NoSpace, NotPinned, NotReady
 
 # Bytes keys of the lengths engines use (vLLM: 36 bytes) next to small ints, so both kinds mix.
 BYTES_KEYS = [b"a", b"b", b"\x00" * 36, b"\x01" * 64]

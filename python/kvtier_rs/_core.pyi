@@ -1,7 +1,8 @@
 """Type stubs for the Rust extension `kvtier_rs._core` (rust/py/)."""
 
+import os
 from collections.abc import Iterable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 Key = int | bytes
 State = Literal["writing", "ready", "evicting"]
@@ -75,6 +76,8 @@ class BlockIndex:
     def record_use(self, keys: Iterable[Key]) -> None: ...
     def remove(self, keys: Iterable[Key]) -> list[Key]: ...
     def clear(self) -> int: ...
+    def set_lookup_results(self, ready: object, writing: object, absent: object) -> None: ...
+    def lookup_result(self, key: Key, context: object = None) -> object: ...
     def lookup_one(self, key: Key) -> bool: ...
     def prepare_store_one(self, key: Key, *, priority: int = 35, duration_s: float | None = None) -> int | None: ...
     def complete_store_one(self, key: Key, success: bool = True) -> bool: ...
@@ -86,3 +89,155 @@ class BlockIndex:
     def entries(self) -> list[tuple[Key, State, int, int]]: ...
     def stats(self) -> dict[str, int]: ...
     def advance_clock(self, seconds: float) -> None: ...
+
+# ---- disk tier (rust/py/disk.rs) ----
+
+class DiskIoError(KvTierError): ...  # a filesystem operation failed (path + OS reason)
+class DirectoryLockedError(KvTierError): ...  # the directory is open in this or another process
+class ClosedError(KvTierError): ...  # the tier was used after close()
+
+def io_uring_probe() -> str | None:
+    """None when io_uring works in this process, else the reason."""
+
+class DiskJobResult:
+    job_id: int
+    kind: str  # "read" | "write"
+    success: bool
+    ok_keys: list[Key]
+    failed_keys: list[Key]
+    bytes: int
+    seconds: float
+
+class DiskWriteTicket:
+    job_id: int
+    keys: list[Key]
+    skipped: list[Key]
+    refused: list[Key]
+    evicted: list[Key]
+
+class DiskTier:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        capacity_bytes: int,
+        block_bytes: int,
+        *,
+        num_files: int = 0,
+        policy: str = "lru",
+        admission: str = "uses:2",
+        engine: str = "auto",  # "auto" | "io_uring" | "pool"
+        queue_depth: int = 16,
+        direct: str = "auto",  # "auto" | "on" | "off"
+        verify_on_open: bool = False,
+        full_retry_s: float = 10.0,
+    ) -> None: ...
+    @property
+    def path(self) -> str: ...
+    @property
+    def engine(self) -> str: ...
+    @property
+    def queue_depth(self) -> int: ...
+    @property
+    def io_mode(self) -> str: ...  # "direct" | "buffered"
+    @property
+    def preallocated(self) -> bool: ...
+    @property
+    def notes(self) -> list[str]: ...
+    @property
+    def block_bytes(self) -> int: ...
+    @property
+    def slot_stride(self) -> int: ...
+    @property
+    def capacity_blocks(self) -> int: ...
+    @property
+    def num_files(self) -> int: ...
+    @property
+    def policy(self) -> str: ...
+    @property
+    def admission(self) -> str: ...
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def disk_full(self) -> bool: ...
+    @property
+    def running_jobs(self) -> int: ...
+    def __len__(self) -> int: ...
+    def __enter__(self) -> DiskTier: ...
+    def __exit__(self, *exc: object) -> bool: ...
+    def submit_write(
+        self,
+        keys: Sequence[Key],
+        pool: HostPool,
+        slots: Sequence[int],
+        *,
+        priority: int = 35,
+        duration_s: float | None = None,
+    ) -> DiskWriteTicket: ...
+    def submit_read(self, keys: Sequence[Key], pool: HostPool, slots: Sequence[int]) -> int: ...
+    def poll(self) -> list[DiskJobResult]: ...
+    def try_take(self, job_id: int) -> DiskJobResult | None: ...
+    def wait(self, job_id: int, timeout: float | None = None) -> DiskJobResult | None: ...
+    def wait_idle(self, timeout: float | None = None) -> bool: ...
+    def lookup_prefix(self, keys: Sequence[Key]) -> int: ...
+    def contains(self, keys: Sequence[Key]) -> list[bool]: ...
+    def touch(self, keys: Sequence[Key]) -> None: ...
+    def record_use(self, keys: Sequence[Key]) -> None: ...
+    def remove(self, keys: Sequence[Key]) -> list[Key]: ...
+    def stats(self) -> dict[str, int | float | str]: ...
+    def close(self) -> None: ...
+    def _inject_fault(self, kind: str | None, count: int = 1) -> None: ...
+
+# ---- trace replay for the planner (rust/py/replay.rs) ----
+
+class ReplayTrace:
+    """A request trace with keys remapped to dense ids, shared read-only by replays."""
+
+    def __init__(
+        self,
+        offsets: Sequence[int],
+        keys: Sequence[int],
+        input_tokens: Sequence[int],
+        timestamps_s: Sequence[float],
+        block_size: int,
+    ) -> None: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def n_requests(self) -> int: ...
+    @property
+    def n_refs(self) -> int: ...
+    @property
+    def n_keys(self) -> int: ...
+    @property
+    def total_tokens(self) -> int: ...
+    def analyze(self, top: int = 10) -> dict[str, Any]: ...
+
+class ReplayProgress:
+    """Requests served so far by a running sweep; poll `done` from another thread."""
+
+    def __init__(self) -> None: ...
+    @property
+    def done(self) -> int: ...
+
+def replay_sweep(
+    trace: ReplayTrace,
+    jobs: Sequence[tuple[str, int, str]],
+    *,
+    warmup: float = 0.5,
+    mode: str = "tree",
+    threads: int = 0,
+    progress: ReplayProgress | None = None,
+) -> list[dict[str, Any]]:
+    """Replay (policy, capacity_blocks, admission) jobs; policies fifo, lru, arc, priority,
+    s3fifo, opt, ceiling. Each dict: policy, capacity_blocks (None for ceiling), admission,
+    hit_tokens, total_tokens, hit_blocks, total_blocks, measured_requests, insertions,
+    evictions, peak_resident, underfilled."""
+
+def replay_tiers(
+    trace: ReplayTrace,
+    tiers: Sequence[tuple[str, int, str, str]],
+    *,
+    warmup: float = 0.5,
+    mode: str = "tree",
+) -> dict[str, Any]:
+    """Inclusive write-through tiers (name, capacity_blocks, policy, admission), fastest first."""

@@ -186,6 +186,15 @@ impl TierIndex {
         Ok(n)
     }
 
+    /// The state of one key, counted as a one-key lookup (hit when ready). The engine adapters'
+    /// per-key lookup (vLLM's `lookup` -> HIT / HIT_PENDING / MISS) goes through here.
+    pub fn lookup_state(&self, key: &BlockKey) -> Option<BlockState> {
+        let guard = self.map.pin();
+        let state = guard.get(key).map(|e| e.state.load().0);
+        self.stats.record_lookup(1, usize::from(state == Some(BlockState::Ready)));
+        state
+    }
+
     /// Whether each key is ready (no prefix semantics).
     pub fn contains_ready(&self, keys: &[BlockKey]) -> Vec<bool> {
         let guard = self.map.pin();
@@ -222,7 +231,8 @@ impl TierIndex {
     // ---- writes (short policy lock) ----------------------------------------------------------
 
     /// Reserve slots for the new blocks among `keys`, evicting if needed. All-or-nothing: on
-    /// `NoSpace` nothing was evicted or reserved. Duplicates inside the batch count once.
+    /// `NoSpace` nothing was evicted or reserved. Duplicates inside the batch count once, and
+    /// no key of the batch is ever evicted to make room for the others.
     pub fn prepare_store(&self, keys: &[BlockKey], hint: InsertHint) -> KvResult<StoreOutcome> {
         if hint.priority > MAX_PRIORITY {
             return Err(KvError::invalid("priority", format!("{} is outside 0..=100", hint.priority)));
@@ -256,10 +266,15 @@ impl TierIndex {
             let need = new_keys.len() - free;
             let victims = inner
                 .policy
-                .select_victims(need, now, &mut |k| guard.get(k).is_some_and(|e| e.state.is_evictable()));
+                // Never evict a key of this very batch (vLLM's contract, and the only sane one:
+                // the caller was just told it is present).
+                .select_victims(need, now, &mut |k| {
+                    !seen.contains(k) && guard.get(k).is_some_and(|e| e.state.is_evictable())
+                });
             let Some(victims) = victims else {
                 self.stats.store_no_space.fetch_add(1, Ordering::Relaxed);
-                let evictable = guard.iter().filter(|(_, e)| e.state.is_evictable()).count();
+                let evictable =
+                    guard.iter().filter(|(k, e)| !seen.contains(*k) && e.state.is_evictable()).count();
                 return Err(KvError::NoSpace { needed: new_keys.len(), available: free + evictable });
             };
             for v in victims {

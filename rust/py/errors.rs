@@ -11,6 +11,9 @@ create_exception!(kvtier_rs._core, InvalidArgumentError, KvTierError, "An argume
 create_exception!(kvtier_rs._core, NoSpaceError, KvTierError, "A store could not be placed; nothing was changed.");
 create_exception!(kvtier_rs._core, NotReadyError, KvTierError, "A load asked for a block that is not ready; nothing was pinned.");
 create_exception!(kvtier_rs._core, NotPinnedError, KvTierError, "unpin() on a block without a pin.");
+create_exception!(kvtier_rs._core, DiskIoError, KvTierError, "A filesystem operation failed; the message names the path and the OS reason.");
+create_exception!(kvtier_rs._core, DirectoryLockedError, KvTierError, "The disk tier's directory is already open in this or another process.");
+create_exception!(kvtier_rs._core, ClosedError, KvTierError, "The tier was used after close().");
 
 impl From<KvError> for PyErr {
     fn from(e: KvError) -> PyErr {
@@ -20,6 +23,9 @@ impl From<KvError> for PyErr {
             KvError::NoSpace { .. } => NoSpaceError::new_err(msg),
             KvError::NotReady(_) => NotReadyError::new_err(msg),
             KvError::NotPinned(_) => NotPinnedError::new_err(msg),
+            KvError::Io { .. } => DiskIoError::new_err(msg),
+            KvError::Locked(_) => DirectoryLockedError::new_err(msg),
+            KvError::Closed(_) => ClosedError::new_err(msg),
         }
     }
 }

@@ -79,13 +79,11 @@ impl StoreOutcome {
 pub struct BlockIndex {
     inner: TierIndex,
     tier_name: String,
+    /// The caller's own objects for (ready, being written, absent), set once; lets an engine's
+    /// per-key lookup be a single call that returns its enum value directly.
+    lookup_results: std::sync::OnceLock<[Py<PyAny>; 3]>,
 }
 
-impl BlockIndex {
-    pub(crate) fn core(&self) -> &TierIndex {
-        &self.inner
-    }
-}
 
 #[pymethods]
 impl BlockIndex {
@@ -130,7 +128,7 @@ impl BlockIndex {
             (Some(c), None) => TierIndex::new(base(positive("capacity", c)?))?,
             (None, None) => return Err(invalid("capacity", "give a capacity in blocks or a pool")),
         };
-        Ok(BlockIndex { inner, tier_name: tier.to_string() })
+        Ok(BlockIndex { inner, tier_name: tier.to_string(), lookup_results: std::sync::OnceLock::new() })
     }
 
     #[getter]
@@ -258,6 +256,32 @@ impl BlockIndex {
     }
 
     // ---- single-key forms ------------------------------------------------------------------
+
+    /// Choose the objects `lookup_result` returns for a ready, a being-written and an absent
+    /// block (e.g. vLLM's LookupResult.HIT, HIT_PENDING, MISS). Can be set once.
+    fn set_lookup_results(&self, ready: Py<PyAny>, writing: Py<PyAny>, absent: Py<PyAny>) -> PyResult<()> {
+        self.lookup_results
+            .set([ready, writing, absent])
+            .map_err(|_| invalid("lookup_results", "already set for this index"))
+    }
+
+    /// One key's state as the object chosen with `set_lookup_results`. `context` is accepted and
+    /// ignored so the method can stand in for an engine's `lookup(key, context)` directly.
+    #[pyo3(signature = (key, context=None))]
+    fn lookup_result(&self, py: Python<'_>, key: &Bound<'_, PyAny>, context: Option<&Bound<'_, PyAny>>) -> PyResult<Py<PyAny>> {
+        let _ = context;
+        let results = self
+            .lookup_results
+            .get()
+            .ok_or_else(|| invalid("lookup_results", "call set_lookup_results() first"))?;
+        let k = key_from_py(key)?;
+        let i = match self.inner.lookup_state(&k) {
+            Some(crate::index::BlockState::Ready) => 0,
+            Some(crate::index::BlockState::Writing) => 1,
+            _ => 2,
+        };
+        Ok(results[i].clone_ref(py))
+    }
 
     fn lookup_one(&self, key: &Bound<'_, PyAny>) -> PyResult<bool> {
         let k = key_from_py(key)?;

@@ -2,9 +2,11 @@
 //! map `KvError` onto Python exceptions. No policy or bookkeeping logic lives here.
 
 mod convert;
+mod disk;
 mod errors;
 mod host_pool;
 mod index;
+mod replay;
 
 use pyo3::prelude::*;
 
@@ -15,7 +17,13 @@ mod core_module {
     #[pymodule_export]
     use super::host_pool::HostPool;
     #[pymodule_export]
+    use super::disk::{io_uring_probe, DiskJobResult, DiskWriteTicket, PyDiskTier};
+    #[pymodule_export]
+    use super::errors::{ClosedError, DirectoryLockedError, DiskIoError};
+    #[pymodule_export]
     use super::index::{BlockIndex, StoreOutcome};
+    #[pymodule_export]
+    use super::replay::{replay_sweep, replay_tiers, ReplayProgress, ReplayTrace};
 
     use pyo3::prelude::*;
 

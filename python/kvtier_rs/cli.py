@@ -1,0 +1,45 @@
+"""The `kvtier` command. Each subcommand lives in its own module under `kvtier_rs.commands` and
+registers itself there; adding one is a new module plus one line in `commands.COMMANDS`.
+
+User errors (bad arguments, malformed traces) print one line and exit with status 2; they never
+show a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from kvtier_rs.commands import COMMANDS
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvtier", description="KV-cache tier manager: planner and tools.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name in COMMANDS:
+        importlib.import_module(f"kvtier_rs.commands.{name}").register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kvtier_rs._core import KvTierError
+    from kvtier_rs.planner.errors import PlanError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (PlanError, KvTierError) as e:
+        print(f"kvtier {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kvtier: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

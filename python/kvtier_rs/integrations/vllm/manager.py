@@ -1,0 +1,284 @@
+"""kvtier's ``OffloadingManager`` for vLLM 0.32: the scheduler-side bookkeeping of offloaded
+chunks, delegated to kvtier's Rust block index.
+
+All methods run on vLLM's scheduler thread, one at a time (vLLM takes no lock). The index keeps
+every policy decision (recency, admission, victim choice, pin and write states); this class only
+translates vLLM's contract onto it:
+
+* ``lookup``: HIT when the chunk is ready in the CPU tier, HIT_PENDING while it is being written
+  (a GPU->CPU store, or a disk->CPU promotion started by a disk hit), MISS otherwise.
+* ``prepare_load`` pins; ``complete_load`` unpins. Pinned chunks are never evicted.
+* ``prepare_store`` is all-or-nothing: ``None`` when the new chunks cannot all get a slot, and then
+  nothing was evicted. It never evicts one of its own input keys (the index never evicts pinned or
+  writing chunks; input keys that are already resident are pinned around the call).
+* Events for stores and evictions, when the engine has KV events on.
+* ``get_stats`` reports kvtier's per-tier counters through vLLM's offloading metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Iterable
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+from vllm.v1.kv_offload.base import (
+    LoadStoreSpec,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+)
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvtier_rs._core import BlockIndex, NoSpaceError
+from kvtier_rs.integrations.vllm import metrics as m
+
+_HIT = LookupResult.HIT
+_MISS = LookupResult.MISS
+_PENDING = LookupResult.HIT_PENDING
+_RETRY = LookupResult.RETRY
+
+
+class _RequestKeys:
+    """Keys a request loaded or stored, in prefix order: replayed to the policy when it ends.
+
+    vLLM 0.32 never calls ``touch``; like its own CPU manager, recency comes from the request's
+    accesses, applied once when the request finishes (one batch call instead of one per key).
+    """
+
+    __slots__ = ("owner", "keys", "generation")
+
+    def __init__(self, owner: object, generation: int) -> None:
+        self.owner = owner
+        self.generation = generation
+        self.keys: list[OffloadKey] = []
+
+
+class KvtierOffloadingManager(OffloadingManager):
+    """Scheduler-side manager over a kvtier ``BlockIndex`` of CPU chunk slots.
+
+    ``lower``: an optional lower tier (kvtier's disk tier, see ``disk_layer``). Chunks that become
+    ready in the CPU tier are written through to it; a CPU miss that it holds is promoted back
+    into a CPU slot (lookup answers HIT_PENDING, then HIT once the read is done).
+    """
+
+    def __init__(
+        self,
+        cpu_index: BlockIndex,
+        *,
+        enable_events: bool = False,
+        lower: Any = None,
+    ) -> None:
+        self._cpu = cpu_index
+        # Bound builtins, looked up once: lookup() is the scheduler's hottest call.
+        self._ready = cpu_index.lookup_one
+        self._state = cpu_index.state
+        self._lower = lower
+        self._events: list[OffloadingEvent] | None = [] if enable_events else None
+        self._generation = 0
+        # Keys now in the CPU tier because a disk read put them there: their next load is
+        # counted as served by disk (and reported as a DISK cache hit to vLLM).
+        self._from_lower: set[OffloadKey] = set()
+        self.counters = m.ManagerCounters()
+        if lower is not None:
+            # The lower tier fills both as its promotions complete.
+            self._from_lower = lower.promoted
+            lower.counters = self.counters
+            lower.events_enabled = enable_events
+        self._last_index_stats: dict[str, int] = dict(cpu_index.stats())
+        self._alloc_sizes: list[int] = []
+        #: Called once by ``shutdown`` (the spec uses it to release the engine's host memory).
+        self.on_shutdown: Callable[[], None] | None = None
+
+    # ---- helpers ----------------------------------------------------------------------------
+
+    @property
+    def cpu_index(self) -> BlockIndex:
+        return self._cpu
+
+    @property
+    def lower(self) -> Any:
+        return self._lower
+
+    def _request_keys(self, req_context: ReqContext) -> _RequestKeys:
+        st = req_context.get_state(_RequestKeys)
+        if st is None or st.owner is not self or st.generation != self._generation:
+            st = _RequestKeys(self, self._generation)
+            req_context.set_state(st)
+        return st
+
+    # ---- OffloadingManager ------------------------------------------------------------------
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        self._request_keys(req_context)
+        return RequestOffloadingContext()
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        if self._ready(key):
+            return _HIT
+        if self._state(key) is not None:
+            # Being written: a GPU->CPU store or a promotion from disk. Not readable yet.
+            return _PENDING
+        if self._lower is not None:
+            return self._lower.lookup_and_promote(key, req_context)
+        return _MISS
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        return CacheHitSource.DISK if key in self._from_lower else CacheHitSource.HOST
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        keys = list(keys)
+        # All-or-nothing; vLLM passes only keys that just answered HIT, so a failure here is a
+        # broken contract and is raised (NotReadyError), like the in-tree manager's assert.
+        slots = self._cpu.pin_for_load(keys)
+        if self._lower is not None:
+            # The load pin now protects promoted chunks; drop the promotion's reservation.
+            self._lower.release(keys, req_context)
+        c = self.counters
+        if self._from_lower:
+            from_lower = [k for k in keys if k in self._from_lower]
+            self._from_lower.difference_update(from_lower)
+            c.loads_disk += len(from_lower)
+            c.loads_cpu += len(keys) - len(from_lower)
+        else:
+            c.loads_cpu += len(keys)
+        self._request_keys(req_context).keys.extend(keys)
+        return CPULoadStoreSpec(slots)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self._cpu.touch(list(keys))
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self._cpu.unpin(list(keys))
+
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
+        keys = list(keys)
+        cpu = self._cpu
+        # Input keys already resident must survive this call. The index only evicts ready,
+        # unpinned chunks, so pin the ready inputs for the duration of the call -- but only when
+        # an eviction can happen at all (fewer free slots than keys), to keep the common path to
+        # a single call into the core.
+        protect: list[OffloadKey] = []
+        if cpu.capacity - len(cpu) < len(keys):
+            protect = [k for k, ready in zip(keys, cpu.contains(keys), strict=True) if ready]
+            if protect:
+                cpu.pin_for_load(protect)
+        try:
+            out = cpu.prepare_store(keys)
+        except NoSpaceError:
+            self.counters.store_no_space += 1
+            return None
+        finally:
+            if protect:
+                cpu.unpin(protect)
+        to_store = out.keys
+        evicted = out.evicted
+        if evicted:
+            if self._from_lower:
+                self._from_lower.difference_update(evicted)
+            if self._events is not None:
+                # Removal events go before the store event, as in vLLM's own manager.
+                self._events.append(OffloadingEvent(keys=list(evicted), medium=Medium.CPU, removed=True))
+        st = self._request_keys(req_context)
+        st.keys.extend(keys)
+        if to_store:
+            self._alloc_sizes.append(len(to_store))
+        return PrepareStoreOutput(keys_to_store=to_store, store_spec=CPULoadStoreSpec(out.slots), evicted_keys=evicted)
+
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
+        keys = list(keys)
+        lower = self._lower
+        if self._events is None and lower is None:
+            self._cpu.complete_store(keys, success)
+            return
+        # Only keys still being written change state (a key may have been completed already).
+        writing = [k for k in keys if (s := self._state(k)) is not None and s[0] == "writing"]
+        self._cpu.complete_store(writing, success)
+        if not success or not writing:
+            return
+        if self._events is not None:
+            self._events.append(OffloadingEvent(keys=writing, medium=Medium.CPU, removed=False))
+        if lower is not None:
+            lower.write_through(writing)
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        if self._lower is not None:
+            self._lower.release(None, req_context)
+        st = req_context.get_state(_RequestKeys)
+        if st is None or st.owner is not self or st.generation != self._generation or not st.keys:
+            return
+        # Head of the prefix ends up most recent (the index applies touches tail-first).
+        self._cpu.touch(st.keys)
+        st.keys = []
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if self._lower is not None:
+            self._lower.poll()
+            if self._events is not None:
+                self._events.extend(self._lower.take_events())
+        if self._events:
+            events, self._events = self._events, []
+            yield from events
+
+    def on_schedule_end(self, context: Any) -> None:
+        if self._lower is not None:
+            self._lower.poll()
+
+    def has_pending_work(self) -> bool:
+        # Promotions and write-throughs complete in the background; keep the engine stepping
+        # so that their completions are collected and deferred requests are retried.
+        return self._lower is not None and self._lower.has_pending_work()
+
+    def reset_cache(self) -> None:
+        # vLLM has flushed in-flight GPU jobs and drops their completions, so chunks still
+        # pinned or being written will never be completed: release them, then clear all.
+        if self._lower is not None:
+            self._lower.reset()
+        cpu = self._cpu
+        for key, state, pins, _slot in cpu.entries():
+            if pins:
+                cpu.unpin([key] * pins)
+            if state == "writing":
+                cpu.complete_store([key], False)
+        cpu.clear()
+        self._from_lower.clear()
+        self._generation += 1
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        stats = OffloadingConnectorStats()
+        now = dict(self._cpu.stats())
+        m.emit_index_stats(stats, "cpu", now, self._last_index_stats)
+        self._last_index_stats = now
+        m.emit_manager_counters(stats, self.counters)
+        for n in self._alloc_sizes:
+            stats.observe_histogram(m.ALLOCATION_SIZE, n)
+        self._alloc_sizes.clear()
+        if self._lower is not None:
+            self._lower.emit_stats(stats)
+        return stats
+
+    def shutdown(self) -> None:
+        if self._lower is not None:
+            self._lower.shutdown()
+        cb, self.on_shutdown = self.on_shutdown, None
+        if cb is not None:
+            cb()
+
+    # ---- introspection (tests, status) ---------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """kvtier's view: index stats of each tier and the manager's counters."""
+        d: dict[str, Any] = {
+            "cpu": dict(self._cpu.stats()),
+            "counters": self.counters.as_dict(),
+            "time": time.monotonic(),
+        }
+        if self._lower is not None:
+            d["disk"] = self._lower.stats()
+        return d

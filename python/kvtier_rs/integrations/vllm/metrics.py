@@ -1,0 +1,99 @@
+"""kvtier's Prometheus metrics, declared through vLLM's offloading metric definitions.
+
+vLLM registers only the names a spec declares in ``build_metric_definitions`` and asserts on any
+undeclared name or wrong label count, so the names, label sets and the emitting code live side by
+side here. Counters are emitted as deltas since the previous ``get_stats`` call (vLLM adds them up).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+PREFIX = "vllm:kv_offload_kvtier_"
+
+# Per-tier index counters (label "tier": "cpu" or "disk"), taken from BlockIndex.stats().
+INDEX_COUNTERS = {
+    "stores_completed": "Chunks written into the tier.",
+    "stores_failed": "Chunk writes that failed and were dropped.",
+    "store_refused": "Chunks turned away by the tier's admission rule.",
+    "store_no_space": "Store batches refused because every slot was pinned or being written.",
+    "evictions": "Chunks evicted from the tier to make room.",
+}
+INDEX_GAUGES = {
+    "resident_blocks": "Chunks resident in the tier (ready, pinned or being written).",
+    "capacity_blocks": "Chunk capacity of the tier.",
+    "pinned_blocks": "Chunks pinned by in-flight reads.",
+    "writing_blocks": "Chunks being written.",
+}
+# Manager-level counters (no labels).
+MANAGER_COUNTERS = {
+    "loads_cpu": "Chunks loaded into GPU memory that the CPU tier held already.",
+    "loads_disk": "Chunks loaded into GPU memory after a promotion from the disk tier.",
+    "promotions": "Disk->CPU promotions started by a disk hit.",
+    "promotion_failures": "Promotions that failed (checksum mismatch, short or failed read): "
+    "counted as misses and recomputed.",
+    "disk_skipped_by_cost": "Disk hits not loaded because recomputing was estimated cheaper.",
+}
+ALLOCATION_SIZE = PREFIX + "allocation_size"
+
+
+@dataclass
+class ManagerCounters:
+    loads_cpu: int = 0
+    loads_disk: int = 0
+    promotions: int = 0
+    promotion_failures: int = 0
+    disk_skipped_by_cost: int = 0
+    store_no_space: int = 0
+
+    def __post_init__(self) -> None:
+        self._emitted: dict[str, int] = {}
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def take_deltas(self) -> dict[str, int]:
+        """Increase of each exported counter since the previous call (non-zero ones only)."""
+        out = {}
+        for name in MANAGER_COUNTERS:
+            v = getattr(self, name)
+            if v != self._emitted.get(name, 0):
+                out[name] = v - self._emitted.get(name, 0)
+                self._emitted[name] = v
+        return out
+
+
+def metric_definitions() -> dict[str, Any]:
+    from vllm.v1.kv_offload.base import (
+        OffloadingCounterMetadata,
+        OffloadingGaugeMetadata,
+        OffloadingHistogramMetadata,
+    )
+
+    d: dict[str, Any] = {}
+    for name, doc in INDEX_COUNTERS.items():
+        d[PREFIX + name] = OffloadingCounterMetadata(documentation=doc, labelnames=("tier",))
+    for name, doc in INDEX_GAUGES.items():
+        d[PREFIX + name] = OffloadingGaugeMetadata(documentation=doc, labelnames=("tier",))
+    for name, doc in MANAGER_COUNTERS.items():
+        d[PREFIX + name] = OffloadingCounterMetadata(documentation=doc)
+    d[ALLOCATION_SIZE] = OffloadingHistogramMetadata(
+        documentation="Chunks newly allocated in the CPU tier by each prepare_store call.",
+        buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384),
+    )
+    return d
+
+
+def emit_index_stats(stats: Any, tier: str, now: dict[str, int], before: dict[str, int]) -> None:
+    for name in INDEX_COUNTERS:
+        delta = now.get(name, 0) - before.get(name, 0)
+        if delta:
+            stats.increase_counter(PREFIX + name, delta, labelvalues=(tier,))
+    for name in INDEX_GAUGES:
+        stats.set_gauge(PREFIX + name, now.get(name, 0), labelvalues=(tier,))
+
+
+def emit_manager_counters(stats: Any, counters: ManagerCounters) -> None:
+    for name, delta in counters.take_deltas().items():
+        stats.increase_counter(PREFIX + name, delta)

@@ -1,0 +1,234 @@
+"""kvtier's keys in vLLM's ``kv_connector_extra_config``: parsing and validation.
+
+Pure Python (no vLLM import), so that a bad value is reported with its key name before vLLM
+allocates anything, and so that it is testable without vLLM. Every error is an
+``InvalidArgumentError`` (a ``ValueError``) whose message starts with
+``kv_connector_extra_config[<key>]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier_rs._core import InvalidArgumentError, policy_names
+from kvtier_rs.config import parse_bytes
+
+# Keys that vLLM itself reads from the same dict (0.32; 0.33 adds the last two). They are
+# accepted and left to vLLM, which validates them.
+VLLM_KEYS = frozenset(
+    {
+        "spec_name",
+        "spec_module_path",
+        "block_size",
+        "blocks_per_chunk",
+        "canonical_layout",
+        "offload_prompt_only",
+        "self_describing_kv_events",
+        "cpu_bytes_to_use",
+        "eviction_policy",
+        "store_threshold",
+        "max_tracker_size",
+        "secondary_tiers",
+        "backpressure",
+        "sync_load_budget_bytes",
+        "tier_poll_interval_s",
+    }
+)
+
+# kvtier's own keys, with a one-line description used in error messages and docs.
+KVTIER_KEYS: dict[str, str] = {
+    "cpu_admission": 'CPU tier admission: "always", "uses:K" or "priority:T" (default "always")',
+    "disk_root": "directory of the disk tier; setting it enables the disk tier",
+    "disk_bytes_to_use": 'disk tier capacity, bytes or a size string such as "64GiB" (needs disk_root)',
+    "disk_policy": "disk tier eviction policy (default lru)",
+    "disk_admission": 'disk tier admission: "always", "uses:K" or "priority:T" (default "always")',
+    "disk_io_engine": 'disk I/O engine: "auto", "io_uring" or "pool" (positioned I/O on threads; '
+    'default "auto": io_uring when the kernel allows it)',
+    "disk_queue_depth": "disk I/O requests in flight (default 16)",
+    "cost_model": 'load-or-recompute rule for disk hits: "always_load" or a dict with '
+    "prefill_tokens_per_s and disk_read_bytes_per_s",
+    "guard": '"checksum" (default): a disk block whose checksum does not match is a miss',
+}
+
+_IO_ENGINES = ("auto", "io_uring", "pool")
+_GUARDS = ("checksum",)
+
+
+def _err(key: str, msg: str) -> InvalidArgumentError:
+    return InvalidArgumentError(f"kv_connector_extra_config[{key!r}]: {msg}")
+
+
+def _admission(key: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise _err(key, f'expected a string such as "always", "uses:2" or "priority:50", got {value!r}')
+    v = value.strip().lower()
+    if v == "always":
+        return v
+    name, _, arg = v.partition(":")
+    ok = (name in ("uses", "after_uses") and arg.isdigit() and int(arg) >= 1) or (
+        name in ("priority", "min_priority") and arg.isdigit() and int(arg) <= 100
+    )
+    if not ok:
+        raise _err(
+            key,
+            f'{value!r} is not an admission rule; expected "always", "uses:K" (K >= 1) or "priority:T" (0..100)',
+        )
+    return v
+
+
+def _policy(key: str, value: Any) -> str:
+    names = policy_names()
+    if not isinstance(value, str) or value.lower() not in names:
+        raise _err(key, f"unknown eviction policy {value!r}; kvtier has " + ", ".join(names))
+    return value.lower()
+
+
+def _size(key: str, value: Any) -> int:
+    try:
+        return parse_bytes(value, name=key)
+    except InvalidArgumentError as e:
+        raise _err(key, str(e).split(": ", 1)[-1]) from None
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Load a disk hit only when reading it is faster than recomputing its tokens.
+
+    ``None`` rates mean "always load" (the default: on most hardware a sequential read of a
+    KV block beats recomputing it, and the tests want disk hits to be taken).
+    """
+
+    prefill_tokens_per_s: float | None = None
+    disk_read_bytes_per_s: float | None = None
+
+    def load_beats_recompute(self, tokens: int, nbytes: int) -> bool:
+        if self.prefill_tokens_per_s is None or self.disk_read_bytes_per_s is None:
+            return True
+        return nbytes / self.disk_read_bytes_per_s < tokens / self.prefill_tokens_per_s
+
+
+def _cost_model(value: Any) -> CostModel:
+    key = "cost_model"
+    if value == "always_load":
+        return CostModel()
+    if not isinstance(value, Mapping):
+        raise _err(
+            key,
+            f'expected "always_load" or a dict with prefill_tokens_per_s and disk_read_bytes_per_s, got {value!r}',
+        )
+    unknown = set(value) - {"prefill_tokens_per_s", "disk_read_bytes_per_s"}
+    if unknown:
+        raise _err(
+            key,
+            f"unknown field(s) {sorted(unknown)}; expected prefill_tokens_per_s and disk_read_bytes_per_s",
+        )
+    rates = {}
+    for f in ("prefill_tokens_per_s", "disk_read_bytes_per_s"):
+        v = value.get(f)
+        if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
+            raise _err(key, f"{f} must be a positive number, got {v!r}")
+        rates[f] = float(v)
+    return CostModel(**rates)
+
+
+@dataclass(frozen=True)
+class KvtierOptions:
+    cpu_bytes: int
+    cpu_policy: str = "lru"
+    cpu_admission: str = "always"
+    disk_root: str | None = None
+    disk_bytes: int | None = None
+    disk_policy: str = "lru"
+    disk_admission: str = "always"
+    disk_io_engine: str = "auto"
+    disk_queue_depth: int = 16
+    cost_model: CostModel = CostModel()
+    guard: str = "checksum"
+
+    @property
+    def disk_enabled(self) -> bool:
+        return self.disk_root is not None
+
+
+def parse_options(extra: Mapping[str, Any]) -> KvtierOptions:
+    """Validate ``extra`` (the connector's extra config) and return kvtier's options."""
+    unknown = sorted(set(extra) - VLLM_KEYS - set(KVTIER_KEYS))
+    if unknown:
+        raise _err(
+            unknown[0],
+            "unknown key. kvtier keys: "
+            + ", ".join(sorted(KVTIER_KEYS))
+            + "; vLLM keys: "
+            + ", ".join(sorted(VLLM_KEYS)),
+        )
+    if "cache_policy_module_path" in extra:
+        raise _err(
+            "cache_policy_module_path",
+            "kvtier runs its policies in its Rust core; "
+            "choose one of " + ", ".join(policy_names()) + " with eviction_policy",
+        )
+    if "cpu_bytes_to_use" not in extra or not extra["cpu_bytes_to_use"]:
+        raise _err("cpu_bytes_to_use", "required: total bytes of the CPU tier, e.g. 4294967296 or '4GiB'")
+    cpu_bytes = _size("cpu_bytes_to_use", extra["cpu_bytes_to_use"])
+    policy = _policy("eviction_policy", extra.get("eviction_policy", "lru"))
+    if "cpu_admission" in extra and int(extra.get("store_threshold", 0) or 0) >= 2:
+        raise _err("cpu_admission", "set either cpu_admission or store_threshold, not both")
+    admission = _admission("cpu_admission", extra.get("cpu_admission", "always"))
+    st = extra.get("store_threshold", 0)
+    if isinstance(st, bool) or not isinstance(st, int) or st < 0:
+        raise _err("store_threshold", f"expected a non-negative int, got {st!r}")
+    if st >= 2:
+        # vLLM's "store a chunk on its N-th offer" is kvtier's uses:N admission.
+        admission = f"uses:{st}"
+
+    disk_root = extra.get("disk_root")
+    disk_keys = [
+        k
+        for k in (
+            "disk_bytes_to_use",
+            "disk_policy",
+            "disk_admission",
+            "disk_io_engine",
+            "disk_queue_depth",
+            "cost_model",
+        )
+        if k in extra
+    ]
+    if disk_root is None:
+        if disk_keys:
+            raise _err(disk_keys[0], "needs disk_root (the disk tier is off without it)")
+        disk_bytes = None
+    else:
+        if not isinstance(disk_root, str) or not disk_root:
+            raise _err("disk_root", f"expected a directory path, got {disk_root!r}")
+        if "disk_bytes_to_use" not in extra:
+            raise _err("disk_bytes_to_use", "required with disk_root: capacity of the disk tier")
+        disk_bytes = _size("disk_bytes_to_use", extra["disk_bytes_to_use"])
+    engine = extra.get("disk_io_engine", "auto")
+    if engine not in _IO_ENGINES:
+        raise _err("disk_io_engine", f"{engine!r} is not one of " + ", ".join(_IO_ENGINES))
+    qd = extra.get("disk_queue_depth", 16)
+    if isinstance(qd, bool) or not isinstance(qd, int) or not 1 <= qd <= 1024:
+        raise _err("disk_queue_depth", f"expected an int in 1..1024, got {qd!r}")
+    guard = extra.get("guard", "checksum")
+    if guard not in _GUARDS:
+        raise _err(
+            "guard",
+            f"{guard!r} is not supported; kvtier always verifies disk checksums "
+            '("checksum"): serving unverified KV is never an option',
+        )
+    return KvtierOptions(
+        cpu_bytes=cpu_bytes,
+        cpu_policy=policy,
+        cpu_admission=admission,
+        disk_root=disk_root,
+        disk_bytes=disk_bytes,
+        disk_policy=_policy("disk_policy", extra.get("disk_policy", "lru")),
+        disk_admission=_admission("disk_admission", extra.get("disk_admission", "always")),
+        disk_io_engine=engine,
+        disk_queue_depth=qd,
+        cost_model=_cost_model(extra.get("cost_model", "always_load")),
+        guard=guard,
+    )

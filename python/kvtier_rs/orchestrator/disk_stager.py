@@ -1,0 +1,156 @@
+"""The disk tier behind the CPU tier, staged through host slots: write-through of blocks that
+became ready in the CPU tier, and promotion of disk blocks into CPU slots.
+
+Engine-agnostic and non-blocking: every call submits I/O and returns; `poll` collects what
+finished. Both directions keep host slots safe while the disk touches them:
+- a write-through pins the block's CPU slot until the disk has read it (a pinned block is never
+  evicted, so its slot cannot be reused under the write);
+- a promotion reserves CPU slots in the "writing" state (unreadable, unevictable) until the read
+  is verified; a failed or corrupt read drops the slot, so the block is a miss, never wrong data.
+A slow disk cannot pin CPU slots without bound: write-throughs beyond `max_write_backlog` blocks
+in flight are dropped and counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier_rs._core import NoSpaceError, NotReadyError
+from kvtier_rs.host_tier import HostTier, Key
+from kvtier_rs.orchestrator.latency import LatencyRecorder
+
+
+@dataclass
+class PromotionDone:
+    job_id: int
+    keys: list[Key]  # requested, in chain order
+    ok_prefix: int  # leading keys now ready in the CPU tier
+    seconds: float
+    bytes: int
+
+
+@dataclass
+class StagerCounters:
+    writes_submitted: int = 0
+    writes_completed: int = 0
+    writes_failed: int = 0
+    writes_refused: int = 0  # disk admission or disk full
+    writes_dropped_backlog: int = 0
+    writes_dropped_evicted: int = 0
+    promotions_submitted: int = 0
+    promotion_blocks_ok: int = 0
+    promotion_blocks_failed: int = 0  # checksum/key mismatch, short read, I/O error
+    promotions_no_cpu_space: int = 0
+    write_latency: LatencyRecorder = field(default_factory=LatencyRecorder)
+    read_latency: LatencyRecorder = field(default_factory=LatencyRecorder)
+
+
+class DiskStager:
+    def __init__(self, host: HostTier, disk: Any, *, max_write_backlog: int = 1024) -> None:
+        if disk.block_bytes < host.block_bytes:
+            raise ValueError(f"disk blocks ({disk.block_bytes} B) are smaller than host blocks ({host.block_bytes} B)")
+        self.host = host
+        self.disk = disk
+        self.max_write_backlog = max_write_backlog
+        self.counters = StagerCounters()
+        self._writes: dict[int, list[Key]] = {}
+        self._reads: dict[int, list[Key]] = {}
+        self._write_backlog = 0
+
+    @property
+    def write_backlog(self) -> int:
+        return self._write_backlog
+
+    @property
+    def reads_in_flight(self) -> int:
+        return len(self._reads)
+
+    def write_through(self, keys: Sequence[Key], *, priority: int = 35, duration_s: float | None = None) -> int:
+        """Offer ready CPU blocks to the disk tier. Returns how many were submitted."""
+        keys = list(keys)
+        if not keys:
+            return 0
+        if self._write_backlog + len(keys) > self.max_write_backlog:
+            self.counters.writes_dropped_backlog += len(keys)
+            return 0
+        try:
+            slots = self.host.index.pin_for_load(keys)
+        except NotReadyError:
+            # Evicted from the CPU tier before we got to it: nothing to copy from.
+            self.counters.writes_dropped_evicted += len(keys)
+            return 0
+        try:
+            ticket = self.disk.submit_write(keys, self.host.pool, slots, priority=priority, duration_s=duration_s)
+        except Exception:
+            self.host.index.unpin(keys)
+            raise
+        written = list(ticket.keys)
+        not_written = [k for k in keys if k not in set(written)]
+        if not_written:
+            self.host.index.unpin(not_written)
+        self.counters.writes_refused += len(ticket.refused)
+        if written:
+            self._writes[ticket.job_id] = written
+            self._write_backlog += len(written)
+            self.counters.writes_submitted += len(written)
+        return len(written)
+
+    def promote(self, keys: Sequence[Key]) -> int | None:
+        """Start reading `keys` (a chain held by the disk tier) into new CPU slots. Returns the
+        read job id, or None when the CPU tier has no room (the caller recomputes)."""
+        keys = list(keys)
+        try:
+            out = self.host.index.prepare_store(keys)
+        except NoSpaceError:
+            self.counters.promotions_no_cpu_space += 1
+            return None
+        if list(out.keys) != keys:
+            # Some keys are already in the CPU tier or refused by its admission: this chain is
+            # not a clean disk-only run. Give the reserved slots back and let the caller re-plan.
+            self.host.index.complete_store(out.keys, False)
+            return None
+        job = self.disk.submit_read(keys, self.host.pool, out.slots)
+        self._reads[job] = keys
+        self.counters.promotions_submitted += 1
+        return job
+
+    def poll(self) -> list[PromotionDone]:
+        """Collect finished disk jobs: unpin written blocks, publish or drop promoted ones."""
+        if not (self._writes or self._reads):
+            return []
+        done = []
+        for r in self.disk.poll():
+            if r.kind == "write":
+                keys = self._writes.pop(r.job_id, None)
+                if keys is None:
+                    continue
+                self._write_backlog -= len(keys)
+                self.host.index.unpin(keys)
+                self.counters.writes_completed += len(r.ok_keys)
+                self.counters.writes_failed += len(r.failed_keys)
+                self.counters.write_latency.observe(r.seconds)
+            else:
+                keys = self._reads.pop(r.job_id, None)
+                if keys is None:
+                    continue
+                ok = set(r.ok_keys)
+                prefix = 0
+                while prefix < len(keys) and keys[prefix] in ok:
+                    prefix += 1
+                # Only the verified prefix becomes readable; everything after the first bad
+                # block is dropped too (a chain with a hole cannot be used past the hole).
+                if prefix:
+                    self.host.index.complete_store(keys[:prefix], True)
+                if prefix < len(keys):
+                    self.host.index.complete_store(keys[prefix:], False)
+                self.counters.promotion_blocks_ok += prefix
+                self.counters.promotion_blocks_failed += len(r.failed_keys)
+                self.counters.read_latency.observe(r.seconds)
+                done.append(PromotionDone(r.job_id, keys, prefix, r.seconds, r.bytes))
+        return done
+
+    def drain(self, timeout: float | None = None) -> list[PromotionDone]:
+        self.disk.wait_idle(timeout)
+        return self.poll()

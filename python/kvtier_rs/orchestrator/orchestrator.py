@@ -1,0 +1,437 @@
+"""TierOrchestrator: one engine-agnostic object over the engine's device blocks, the CPU tier
+and the disk tier. Engine adapters call it; it never imports an engine.
+
+    offload(keys, gpu_block_ids)      device -> CPU now, CPU -> disk (write-through, by the disk
+                                      tier's admission rule) once the CPU copy is done
+    plan(keys, gpu_hit_blocks)        per tier, how many leading blocks hit, and how many of them
+                                      are worth loading (cost model, back-pressure, SLO guard)
+    load(keys, gpu_block_ids, ...)    CPU hits -> device; disk hits -> CPU -> device (staged)
+    poll()                            progress every job; returns requests whose load finished
+
+Everything is asynchronous: calls submit copies and return; `poll` (once per engine step)
+collects completions. A block that fails anywhere (copy error, corrupt or missing disk block)
+is a miss: the load stops before it and the engine recomputes it. Nothing is ever served from
+a slot that was not verified.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier_rs._core import InvalidArgumentError, NoSpaceError, NotReadyError
+from kvtier_rs.host_tier import HostTier, Key
+from kvtier_rs.orchestrator.cost import CostModel
+from kvtier_rs.orchestrator.disk_stager import DiskStager
+from kvtier_rs.orchestrator.guard import GuardRule, SloGuard
+from kvtier_rs.orchestrator.latency import LatencyRecorder
+from kvtier_rs.transfer import TransferEngine, TransferResult
+
+TIERS = ("cpu", "disk")
+REFUSAL_REASONS = ("cost", "backpressure", "guard")
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    total: int
+    gpu_hits: int
+    cpu_hits: int
+    disk_hits: int
+    load_cpu: int  # leading CPU hits to load
+    load_disk: int  # disk hits after them to stage and load
+    refused: dict[str, dict[str, int]]  # tier -> reason -> blocks
+
+    @property
+    def misses(self) -> int:
+        return self.total - self.gpu_hits - self.cpu_hits - self.disk_hits
+
+    @property
+    def loaded(self) -> int:
+        return self.load_cpu + self.load_disk
+
+
+@dataclass
+class OffloadTicket:
+    job_id: int | None
+    stored: list[Key]
+    skipped: list[Key]
+    refused: list[Key]
+    evicted: list[Key]
+    no_space: bool = False
+
+
+@dataclass
+class LoadResult:
+    """Per-request accounting of one load."""
+
+    request_id: Any
+    plan: LoadPlan
+    loaded_cpu: int = 0  # blocks now on the device that came from the CPU tier
+    loaded_disk: int = 0  # ... from the disk tier (through the CPU tier)
+    failed: int = 0  # planned blocks that could not be loaded (the engine recomputes them)
+    seconds: float = 0.0
+    bytes: int = 0
+
+    @property
+    def loaded(self) -> int:
+        return self.loaded_cpu + self.loaded_disk
+
+
+@dataclass
+class _Load:
+    result: LoadResult
+    keys: list[Key]  # blocks after the GPU hits
+    gpu_ids: list[int]
+    started: float
+    cpu_job: int | None = None
+    cpu_keys: list[Key] = field(default_factory=list)
+    disk_read: int | None = None
+    disk_h2d: int | None = None
+    disk_keys: list[Key] = field(default_factory=list)
+    cpu_failed: bool = False
+
+    def open_jobs(self) -> bool:
+        return any(j is not None for j in (self.cpu_job, self.disk_read, self.disk_h2d))
+
+
+class TierOrchestrator:
+    def __init__(
+        self,
+        host: HostTier,
+        engine: TransferEngine,
+        *,
+        disk: Any = None,
+        cost: CostModel | None = None,
+        guards: dict[str, GuardRule] | None = None,
+        max_promotions_in_flight: dict[str, int] | None = None,
+        max_disk_write_backlog: int = 1024,
+    ) -> None:
+        if engine.pool is not host.pool:
+            raise InvalidArgumentError("invalid argument `engine`: it must copy into this host tier's pool")
+        unknown = set(guards or {}) - set(TIERS)
+        if unknown:
+            raise InvalidArgumentError(
+                f"invalid argument `guards`: unknown tiers {sorted(unknown)}; expected cpu, disk"
+            )
+        self.host = host
+        self.engine = engine
+        self.stager = DiskStager(host, disk, max_write_backlog=max_disk_write_backlog) if disk is not None else None
+        self.cost = cost
+        self.guards = {t: SloGuard(t, r) for t, r in (guards or {}).items()}
+        self.max_in_flight = {"cpu": 64, "disk": 16, **(max_promotions_in_flight or {})}
+        self._ids = itertools.count(1)
+        self._stores: dict[int, tuple[list[Key], float, dict[str, Any]]] = {}
+        self._loads: dict[Any, _Load] = {}
+        self._job_owner: dict[int, Any] = {}  # engine h2d job -> request id
+        self._read_owner: dict[int, Any] = {}  # disk read job -> request id
+        self._done: list[LoadResult] = []
+        self.counts: Counter[str] = Counter()
+        self.latency = {
+            "cpu_load": LatencyRecorder(),
+            "disk_load": LatencyRecorder(),
+            "cpu_store": LatencyRecorder(),
+        }
+
+    # ---- offload -------------------------------------------------------------------------
+    def offload(
+        self,
+        keys: Sequence[Key],
+        gpu_block_ids: Sequence[int],
+        *,
+        priority: int = 35,
+        duration_s: float | None = None,
+        after_stream: object = None,
+    ) -> OffloadTicket:
+        """Copy the new blocks among `keys` (a chain, head first) from the device to the CPU
+        tier. Never blocks on the copy. When the CPU tier cannot take the blocks now (every slot
+        pinned or being written), nothing changes and the ticket says `no_space`."""
+        keys = list(keys)
+        if len(keys) != len(gpu_block_ids):
+            raise InvalidArgumentError(
+                f"invalid argument `gpu_block_ids`: {len(gpu_block_ids)} ids for {len(keys)} keys"
+            )
+        self.engine.layout.check_block_ids([int(b) for b in gpu_block_ids], "gpu_block_ids")
+        where = dict(zip(keys, gpu_block_ids, strict=True))
+        try:
+            out = self.host.index.prepare_store(keys, priority=priority, duration_s=duration_s)
+        except NoSpaceError:
+            self.counts["cpu_store_no_space_blocks"] += len(keys)
+            return OffloadTicket(None, [], [], [], [], no_space=True)
+        ticket = OffloadTicket(None, list(out.keys), list(out.skipped), list(out.refused), list(out.evicted))
+        self.counts["cpu_store_refused"] += len(out.refused)
+        if not out.keys:
+            return ticket
+        ids = [int(where[k]) for k in out.keys]
+        job = self.engine.store(ids, out.slots, after_stream=after_stream)
+        self._stores[job] = (list(out.keys), time.perf_counter(), {"priority": priority, "duration_s": duration_s})
+        ticket.job_id = job
+        return ticket
+
+    # ---- plan ----------------------------------------------------------------------------
+    def plan(self, keys: Sequence[Key], gpu_hit_blocks: int = 0) -> LoadPlan:
+        """How many leading blocks of `keys` each tier holds and how many are worth loading."""
+        keys = list(keys)
+        if not 0 <= gpu_hit_blocks <= len(keys):
+            raise InvalidArgumentError(f"invalid argument `gpu_hit_blocks`: {gpu_hit_blocks} not in 0..{len(keys)}")
+        rest = keys[gpu_hit_blocks:]
+        cpu_hits = self.host.index.lookup_prefix(rest)
+        disk_hits = self.stager.disk.lookup_prefix(rest[cpu_hits:]) if self.stager and cpu_hits < len(rest) else 0
+        refused: dict[str, dict[str, int]] = {}
+        load_cpu = self._admit("cpu", cpu_hits, refused)
+        if load_cpu == cpu_hits:
+            load_disk = self._admit("disk", disk_hits, refused)
+        else:
+            # The chain is cut before the disk hits: they are refused for the CPU part's reason.
+            load_disk = 0
+            if disk_hits:
+                (reason,) = refused["cpu"]
+                refused.setdefault("disk", {})[reason] = disk_hits
+        return LoadPlan(len(keys), gpu_hit_blocks, cpu_hits, disk_hits, load_cpu, load_disk, refused)
+
+    def _admit(self, tier: str, n: int, refused: dict[str, dict[str, int]]) -> int:
+        if n == 0:
+            return 0
+        reason = None
+        guard = self.guards.get(tier)
+        if guard is not None and not guard.allows():
+            reason = "guard"
+        elif self._promotions_in_flight(tier) >= self.max_in_flight[tier]:
+            reason = "backpressure"
+        elif self.cost is not None and not self.cost.worth_loading(tier, n):
+            reason = "cost"
+        if reason is None:
+            return n
+        refused.setdefault(tier, {})[reason] = n
+        return 0
+
+    def _promotions_in_flight(self, tier: str) -> int:
+        if tier == "cpu":
+            return sum(1 for ld in self._loads.values() if ld.cpu_job is not None)
+        return sum(1 for ld in self._loads.values() if ld.disk_read is not None or ld.disk_h2d is not None)
+
+    # ---- load ----------------------------------------------------------------------------
+    def load(
+        self,
+        keys: Sequence[Key],
+        gpu_block_ids: Sequence[int],
+        *,
+        request_id: Any = None,
+        gpu_hit_blocks: int = 0,
+        plan: LoadPlan | None = None,
+    ) -> LoadResult:
+        """Start loading the planned hits of `keys` after the first `gpu_hit_blocks` into
+        `gpu_block_ids` (destinations for keys[gpu_hit_blocks:], in order). Returns the request's
+        accounting; its load counts are final once `poll` reports it."""
+        keys = list(keys)
+        plan = plan or self.plan(keys, gpu_hit_blocks)
+        rest = keys[plan.gpu_hits :]
+        if len(gpu_block_ids) < plan.loaded:
+            raise InvalidArgumentError(
+                f"invalid argument `gpu_block_ids`: {len(gpu_block_ids)} ids for {plan.loaded} blocks to load"
+            )
+        request_id = next(self._ids) if request_id is None else request_id
+        if request_id in self._loads:
+            raise InvalidArgumentError(f"invalid argument `request_id`: {request_id!r} already has a load in flight")
+        self._count_plan(plan)
+        ld = _Load(LoadResult(request_id, plan), rest, [int(b) for b in gpu_block_ids], time.perf_counter())
+        self._loads[request_id] = ld
+        if plan.load_cpu:
+            ld.cpu_keys = rest[: plan.load_cpu]
+            try:
+                slots = self.host.index.pin_for_load(ld.cpu_keys)
+            except NotReadyError:
+                # Evicted between plan and load: everything is recomputed.
+                ld.cpu_failed = True
+                ld.cpu_keys = []
+            else:
+                ld.cpu_job = self.engine.load(slots, ld.gpu_ids[: plan.load_cpu])
+                self._job_owner[ld.cpu_job] = request_id
+        if plan.load_disk and not ld.cpu_failed:
+            ld.disk_keys = rest[plan.load_cpu : plan.load_cpu + plan.load_disk]
+            job = self.stager.promote(ld.disk_keys)
+            if job is None:
+                ld.disk_keys = []
+            else:
+                ld.disk_read = job
+                self._read_owner[job] = request_id
+        self._maybe_finish(ld)
+        return ld.result
+
+    def _count_plan(self, plan: LoadPlan) -> None:
+        c = self.counts
+        c["lookups"] += 1
+        c["gpu_hit_blocks"] += plan.gpu_hits
+        c["cpu_hit_blocks"] += plan.cpu_hits
+        c["disk_hit_blocks"] += plan.disk_hits
+        c["miss_blocks"] += plan.misses
+        for tier, reasons in plan.refused.items():
+            for reason, n in reasons.items():
+                c[f"{tier}_refused_{reason}_blocks"] += n
+
+    # ---- completion ----------------------------------------------------------------------
+    def poll(self) -> list[LoadResult]:
+        """Progress all jobs; return the loads that finished since the last call."""
+        for r in self.engine.poll():
+            self._on_transfer(r)
+        if self.stager is not None:
+            for p in self.stager.poll():
+                self._on_promotion(p)
+        out, self._done = self._done, []
+        return out
+
+    def _on_transfer(self, r: TransferResult) -> None:
+        if r.direction == "d2h":
+            keys, t0, hint = self._stores.pop(r.job_id, (None, 0.0, {}))
+            if keys is None:
+                return
+            self.host.index.complete_store(keys, r.success)
+            if not r.success:
+                self.counts["cpu_store_failed_blocks"] += len(keys)
+                return
+            self.counts["cpu_stored_blocks"] += len(keys)
+            self.counts["d2h_bytes"] += r.bytes
+            self.latency["cpu_store"].observe(r.seconds)
+            if self.stager is not None:
+                self.stager.write_through(keys, **hint)
+            return
+        request_id = self._job_owner.pop(r.job_id, None)
+        ld = self._loads.get(request_id)
+        if ld is None:
+            return
+        self.counts["h2d_bytes"] += r.bytes
+        if r.job_id == ld.cpu_job:
+            ld.cpu_job = None
+            self.host.index.unpin(ld.cpu_keys)
+            if r.success:
+                ld.result.loaded_cpu = len(ld.cpu_keys)
+                self.latency["cpu_load"].observe(r.seconds)
+                self._observe("cpu", r)
+            else:
+                ld.cpu_failed = True
+        elif r.job_id == ld.disk_h2d:
+            ld.disk_h2d = None
+            self.host.index.unpin(ld.disk_keys)
+            if r.success:
+                ld.result.loaded_disk = len(ld.disk_keys)
+                self.latency["disk_load"].observe(time.perf_counter() - ld.started)
+                if self.cost is not None:
+                    self.cost.observe("cpu", r.bytes, r.seconds)
+                if "disk" in self.guards:
+                    self.guards["disk"].record(time.perf_counter() - ld.started)
+        self._maybe_finish(ld)
+
+    def _observe(self, tier: str, r: TransferResult) -> None:
+        if self.cost is not None:
+            self.cost.observe("cpu", r.bytes, r.seconds)
+        if tier in self.guards:
+            self.guards[tier].record(r.seconds)
+
+    def _on_promotion(self, p: Any) -> None:
+        request_id = self._read_owner.pop(p.job_id, None)
+        ld = self._loads.get(request_id)
+        if ld is None:
+            return
+        ld.disk_read = None
+        if self.cost is not None:
+            self.cost.observe("disk", p.bytes, p.seconds)
+        ld.disk_keys = ld.disk_keys[: p.ok_prefix]
+        if not ld.disk_keys or ld.cpu_failed:
+            ld.disk_keys = []
+            self._maybe_finish(ld)
+            return
+        try:
+            slots = self.host.index.pin_for_load(ld.disk_keys)
+        except NotReadyError:
+            ld.disk_keys = []
+            self._maybe_finish(ld)
+            return
+        first = ld.result.plan.load_cpu
+        ld.disk_h2d = self.engine.load(slots, ld.gpu_ids[first : first + len(ld.disk_keys)])
+        self._job_owner[ld.disk_h2d] = request_id
+
+    def _maybe_finish(self, ld: _Load) -> None:
+        if ld.open_jobs():
+            return
+        res = ld.result
+        if ld.cpu_failed:
+            # The chain broke at its first CPU block: nothing after it is usable either.
+            res.loaded_cpu = res.loaded_disk = 0
+        res.failed = res.plan.loaded - res.loaded
+        res.seconds = time.perf_counter() - ld.started
+        res.bytes = res.loaded * self.engine.layout.bytes_per_block
+        c = self.counts
+        c["cpu_promoted_blocks"] += res.loaded_cpu
+        c["disk_promoted_blocks"] += res.loaded_disk
+        c["load_failed_blocks"] += res.failed
+        del self._loads[res.request_id]
+        self._done.append(res)
+
+    def pending(self) -> int:
+        return (
+            len(self._loads)
+            + len(self._stores)
+            + (self.stager.write_backlog + self.stager.reads_in_flight if self.stager else 0)
+        )
+
+    def drain(self, timeout: float = 30.0) -> list[LoadResult]:
+        """Poll until every job (stores, loads, write-throughs) has finished."""
+        deadline = time.monotonic() + timeout
+        out: list[LoadResult] = []
+        while True:
+            out += self.poll()
+            if not self.pending():
+                return out
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.pending()} kvtier jobs still running after {timeout} s")
+            time.sleep(0.001)
+
+    # ---- stats ---------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        c = self.counts
+        tiers: dict[str, Any] = {
+            "gpu": {"hits": c["gpu_hit_blocks"]},
+            "cpu": {
+                "hits": c["cpu_hit_blocks"],
+                "promotions": c["cpu_promoted_blocks"],
+                "stored": c["cpu_stored_blocks"],
+                "store_failed": c["cpu_store_failed_blocks"],
+                "store_no_space": c["cpu_store_no_space_blocks"],
+                "refused": {r: c[f"cpu_refused_{r}_blocks"] for r in REFUSAL_REASONS},
+                "load_latency": self.latency["cpu_load"].percentiles(),
+                "store_latency": self.latency["cpu_store"].percentiles(),
+                "index": self.host.stats(),
+            },
+        }
+        if self.stager is not None:
+            sc = self.stager.counters
+            tiers["disk"] = {
+                "hits": c["disk_hit_blocks"],
+                "promotions": c["disk_promoted_blocks"],
+                "refused": {r: c[f"disk_refused_{r}_blocks"] for r in REFUSAL_REASONS},
+                "load_latency": self.latency["disk_load"].percentiles(),
+                "read_latency": sc.read_latency.percentiles(),
+                "write_latency": sc.write_latency.percentiles(),
+                "writes": {
+                    "submitted": sc.writes_submitted,
+                    "completed": sc.writes_completed,
+                    "failed": sc.writes_failed,
+                    "refused": sc.writes_refused,
+                    "dropped_backlog": sc.writes_dropped_backlog,
+                    "dropped_evicted": sc.writes_dropped_evicted,
+                },
+                "promotion_blocks_failed": sc.promotion_blocks_failed,
+                "index": dict(self.stager.disk.stats()),
+            }
+        return {
+            "lookups": c["lookups"],
+            "misses": c["miss_blocks"],
+            "load_failed": c["load_failed_blocks"],
+            "bytes": {"d2h": c["d2h_bytes"], "h2d": c["h2d_bytes"]},
+            "tiers": tiers,
+            "guards": {t: g.state() for t, g in self.guards.items()},
+            "cost_model": None if self.cost is None else {"bandwidth": dict(self.cost.bandwidth)},
+        }

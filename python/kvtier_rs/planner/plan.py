@@ -1,0 +1,513 @@
+"""`kvtier plan`: replay a trace through the core's policies and answer whether tiering pays.
+
+The replays run in the Rust core with the GIL released (`kvtier_rs._core.replay_sweep`,
+`replay_tiers`); this module reads the trace, picks capacities, runs the sweeps (with a
+progress bar), and turns counts into the report described by `SCHEMA` below.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier_rs.planner.errors import PlanError
+from kvtier_rs.planner.model import ModelBytes, Size, bytes_per_token_from_config
+from kvtier_rs.planner.traces import TraceData, read_trace
+
+SCHEMA_VERSION = "kvtier.plan/1"
+ONLINE_POLICIES = ("fifo", "lru", "arc", "priority", "s3fifo")
+ALL_POLICIES = (*ONLINE_POLICIES, "opt")
+DEFAULT_POLICIES = ("fifo", "lru", "arc", "opt")
+# Sweep grid as fractions of the trace's distinct blocks (its working set).
+DEFAULT_FRACTIONS = (1 / 256, 1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2)
+
+
+@dataclass
+class PlanOptions:
+    trace: str
+    trace_format: str = "auto"
+    block_size: int | None = None
+    skip_bad: bool = False
+    limit: int | None = None
+    bytes_per_token: int | None = None
+    model_config: str | None = None
+    kv_dtype: str | None = None
+    gpu: Size | None = None
+    cpu: Size | None = None
+    disk: Size | None = None
+    capacities: list[int] | None = None
+    policies: tuple[str, ...] = DEFAULT_POLICIES
+    warmup: float = 0.5
+    mode: str = "tree"
+    admission_thresholds: tuple[int, ...] = (2, 3)
+    cpu_admission: str = "always"
+    disk_admission: str = "uses:2"
+    tier_policy: str | None = None
+    pcie_gbps: float = 25.0
+    disk_gbps: float = 6.0
+    prefill_tps: float = 10_000.0
+    top: int = 10
+    threads: int = 0
+    progress: bool | None = None  # None: only when stderr is a terminal
+    notes: list[str] = field(default_factory=list)
+
+
+def _rate(hit: int, total: int) -> float | None:
+    return hit / total if total else None
+
+
+def _progress_run(fn, total: int, desc: str, show: bool | None):
+    """Run `fn(progress)` in a worker thread (it releases the GIL) and draw a tqdm bar."""
+    from kvtier_rs._core import ReplayProgress
+
+    prog = ReplayProgress()
+    if show is None:
+        show = sys.stderr.isatty()
+    if not show or total == 0:
+        return fn(prog)
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the bar is a nicety; the plan extra installs tqdm
+        return fn(prog)
+    out: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            out["value"] = fn(prog)
+        except BaseException as e:  # re-raised in the caller's thread
+            out["error"] = e
+
+    th = threading.Thread(target=work, daemon=True)
+    with tqdm(total=total, desc=desc, unit="req", unit_scale=True, leave=False, file=sys.stderr) as bar:
+        th.start()
+        while th.is_alive():
+            th.join(0.1)
+            bar.update(prog.done - bar.n)
+        bar.update(prog.done - bar.n)
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def _percentiles(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    import numpy as np
+
+    a = np.asarray(values, dtype=float)
+    q = np.percentile(a, [50, 90, 99])
+    return {
+        "count": int(a.size),
+        "mean": float(a.mean()),
+        "p50": float(q[0]),
+        "p90": float(q[1]),
+        "p99": float(q[2]),
+    }
+
+
+def _histogram(values: list[float], *, log: bool) -> dict[str, list[float]] | None:
+    if not values:
+        return None
+    import numpy as np
+
+    a = np.asarray(values, dtype=float)
+    if log:
+        lo = max(a[a > 0].min(), 1e-3) if (a > 0).any() else 1e-3
+        hi = max(a.max(), lo * 10)
+        edges = np.logspace(math.log10(lo), math.log10(hi), 25)
+        edges[0] = 0.0
+    else:
+        edges = np.linspace(0, a.max() or 1, 25)
+    counts, edges = np.histogram(a, bins=edges)
+    return {"edges": [float(e) for e in edges], "counts": [int(c) for c in counts]}
+
+
+def default_capacities(n_keys: int, tier_blocks: list[int]) -> list[int]:
+    caps = {max(1, round(n_keys * f)) for f in DEFAULT_FRACTIONS}
+    caps.update(b for b in tier_blocks if b > 0)
+    return sorted(caps)
+
+
+def build_trace(data: TraceData):
+    from kvtier_rs._core import ReplayTrace
+
+    return ReplayTrace(data.offsets, data.keys, data.input_tokens, data.timestamps_s, data.block_size)
+
+
+def run_plan(opts: PlanOptions) -> dict[str, Any]:
+    from kvtier_rs._core import replay_sweep, replay_tiers
+
+    if not 0.0 <= opts.warmup < 1.0:
+        raise PlanError(f"--warmup: must be in [0, 1), got {opts.warmup}")
+    if opts.mode not in ("tree", "flat"):
+        raise PlanError(f"--mode: expected tree or flat, got {opts.mode!r}")
+    for pol in opts.policies:
+        if pol not in ALL_POLICIES:
+            raise PlanError(f"--policies: unknown policy {pol!r}; expected some of {', '.join(ALL_POLICIES)}")
+    for name, v in (
+        ("--pcie-gbps", opts.pcie_gbps),
+        ("--disk-gbps", opts.disk_gbps),
+        ("--prefill-tps", opts.prefill_tps),
+    ):
+        if not v > 0:
+            raise PlanError(f"{name}: must be positive, got {v}")
+
+    # Model bytes.
+    model: ModelBytes | None = None
+    if opts.model_config and opts.bytes_per_token:
+        raise PlanError("give either --model-config or --bytes-per-token, not both")
+    if opts.model_config:
+        model = bytes_per_token_from_config(opts.model_config, opts.kv_dtype)
+    elif opts.bytes_per_token is not None:
+        if opts.bytes_per_token <= 0:
+            raise PlanError(f"--bytes-per-token: must be positive, got {opts.bytes_per_token}")
+        model = ModelBytes(opts.bytes_per_token, "--bytes-per-token")
+
+    data = read_trace(
+        opts.trace, opts.trace_format, block_size=opts.block_size, skip_bad=opts.skip_bad, limit=opts.limit
+    )
+    trace = build_trace(data)
+    bs = data.block_size
+    block_bytes = model.bytes_per_token * bs if model else None
+
+    tiers: dict[str, int] = {}
+    for name, size in (("gpu", opts.gpu), ("cpu", opts.cpu), ("disk", opts.disk)):
+        if size is not None:
+            blocks = size.blocks(block_bytes, f"--{name}")
+            if blocks <= 0:
+                raise PlanError(f"--{name}: smaller than one block ({block_bytes} bytes)")
+            tiers[name] = blocks
+
+    if opts.capacities:
+        if any(c <= 0 for c in opts.capacities):
+            raise PlanError("--capacities: every capacity must be a positive number of blocks")
+        caps = sorted(set(opts.capacities))
+    else:
+        caps = default_capacities(trace.n_keys, list(tiers.values()))
+
+    warm = opts.warmup
+    policies = list(opts.policies)
+    jobs = [(p, c, "always") for p in policies for c in caps] + [("ceiling", 0, "always")]
+    total = len(jobs) * trace.n_requests
+    sweep = _progress_run(
+        lambda prog: replay_sweep(trace, jobs, warmup=warm, mode=opts.mode, threads=opts.threads, progress=prog),
+        total,
+        "replay",
+        opts.progress,
+    )
+    results = [_result(r, block_bytes) for r in sweep[:-1]]
+    ceiling = _result(sweep[-1], block_bytes)
+
+    # Admission thresholds: the best online policy, at every capacity, with "admit after k uses".
+    best_policy = _best_online(results, caps)
+    adm_jobs = [(best_policy, c, f"uses:{k}") for k in opts.admission_thresholds for c in caps] if best_policy else []
+    adm = replay_sweep(trace, adm_jobs, warmup=warm, mode=opts.mode, threads=opts.threads) if adm_jobs else []
+    admission_results = [_result(r, block_bytes) for r in adm]
+
+    analysis = trace.analyze(opts.top)
+    questions = _questions(data, trace, analysis, model, bs, results, admission_results, best_policy, opts)
+
+    multitier = None
+    cost = None
+    if len(tiers) >= 1:
+        tier_policy = opts.tier_policy or best_policy or "lru"
+        specs = []
+        for name in ("gpu", "cpu", "disk"):
+            if name in tiers:
+                adm_rule = {"gpu": "always", "cpu": opts.cpu_admission, "disk": opts.disk_admission}[name]
+                specs.append((name, tiers[name], tier_policy, adm_rule))
+        multitier = replay_tiers(trace, specs, warmup=warm, mode=opts.mode)
+        cost = _cost(multitier, model, bs, opts)
+
+    report: dict[str, Any] = {
+        "schema": SCHEMA_VERSION,
+        "trace": {
+            "path": data.path,
+            "format": data.format,
+            "block_size": bs,
+            "requests": trace.n_requests,
+            "block_refs": trace.n_refs,
+            "distinct_blocks": trace.n_keys,
+            "input_tokens": trace.total_tokens,
+            "skipped_records": data.skipped,
+            "skipped_examples": data.skipped_examples,
+            "warmup": warm,
+            "measured_requests": ceiling["measured_requests"],
+            "mode": opts.mode,
+        },
+        "model": None
+        if model is None
+        else {
+            "bytes_per_token": model.bytes_per_token,
+            "block_bytes": block_bytes,
+            "source": model.source,
+            "notes": model.notes,
+        },
+        "capacities_blocks": caps,
+        "results": results,
+        "ceiling": ceiling,
+        "admission_results": admission_results,
+        "questions": questions,
+        "tiers": multitier,
+        "cost": cost,
+    }
+    report["recommendation"] = recommend(report, opts)
+    return report
+
+
+def _result(r: dict, block_bytes: int | None) -> dict[str, Any]:
+    out = dict(r)
+    out["hit_rate"] = None if r["underfilled"] else _rate(r["hit_tokens"], r["total_tokens"])
+    out["block_hit_rate"] = None if r["underfilled"] else _rate(r["hit_blocks"], r["total_blocks"])
+    cap = r["capacity_blocks"]
+    out["capacity_bytes"] = cap * block_bytes if (cap is not None and block_bytes) else None
+    return out
+
+
+def _best_online(results: list[dict], caps: list[int]) -> str | None:
+    """The online policy with the most hit tokens summed over the filled capacities."""
+    score: dict[str, int] = {}
+    for r in results:
+        if r["policy"] != "opt" and not r["underfilled"]:
+            score[r["policy"]] = score.get(r["policy"], 0) + r["hit_tokens"]
+    if not score:
+        online = [r["policy"] for r in results if r["policy"] != "opt"]
+        return online[0] if online else None
+    # Ties go to the simpler policy (order of ONLINE_POLICIES: fifo, lru, ...).
+    return max(score, key=lambda p: (score[p], -ONLINE_POLICIES.index(p)))
+
+
+def _questions(data, trace, analysis, model, bs, results, admission_results, best_policy, opts) -> dict[str, Any]:
+    total_tokens = trace.total_tokens
+    tops = []
+    for p in analysis["top_prefixes"]:
+        tops.append(
+            {
+                **p,
+                "token_share": p["tokens"] * p["requests"] / total_tokens if total_tokens else 0.0,
+                "reusable_token_share": p["tokens"] * (p["requests"] - 1) / total_tokens if total_tokens else 0.0,
+            }
+        )
+    block_tokens = analysis["block_tokens"] or 1
+    times = analysis["reuse_time_s"]
+    dists = analysis["reuse_distance"]
+    transfer = None
+    if model:
+        block_bytes = model.bytes_per_token * bs
+        recompute = bs / opts.prefill_tps
+        links = [
+            ("cpu", opts.pcie_gbps * 1e9),
+            ("disk", 1 / (1 / (opts.disk_gbps * 1e9) + 1 / (opts.pcie_gbps * 1e9))),
+        ]
+        transfer = {
+            "bytes_per_token": model.bytes_per_token,
+            "block_bytes": block_bytes,
+            "recompute_s_per_block": recompute,
+            "tiers": [
+                {
+                    "name": name,
+                    "effective_bytes_per_s": bw,
+                    "load_s_per_block": block_bytes / bw,
+                    "worth_loading": block_bytes / bw < recompute,
+                    "load_to_recompute": (block_bytes / bw) / recompute,
+                }
+                for name, bw in links
+            ],
+        }
+    threshold_effect = []
+    by_key = {(r["policy"], r["capacity_blocks"]): r for r in results}
+    for r in admission_results:
+        base = by_key.get((r["policy"], r["capacity_blocks"]))
+        threshold_effect.append(
+            {
+                "policy": r["policy"],
+                "capacity_blocks": r["capacity_blocks"],
+                "admission": r["admission"],
+                "hit_rate": r["hit_rate"],
+                "hit_rate_always": base["hit_rate"] if base else None,
+                "insertions": r["insertions"],
+                "insertions_always": base["insertions"] if base else None,
+                "underfilled": r["underfilled"],
+            }
+        )
+    return {
+        "shared_prefixes": {"shared_token_share": analysis["shared_tokens"] / block_tokens, "top": tops},
+        "reuse": {
+            "reuses": len(times),
+            "time_s": _percentiles(times),
+            "distance_blocks": _percentiles([float(d) for d in dists]),
+            "time_histogram_s": _histogram(times, log=True),
+            "distance_histogram_blocks": _histogram([float(d) for d in dists], log=True),
+        },
+        "transfer": transfer,
+        "admission": {
+            "one_hit_block_fraction": analysis["one_hit_keys"] / trace.n_keys if trace.n_keys else 0.0,
+            "one_hit_ref_fraction": analysis["one_hit_refs"] / trace.n_refs if trace.n_refs else 0.0,
+            "one_hit_token_fraction": analysis["one_hit_tokens"] / block_tokens,
+            "policy": best_policy,
+            "threshold_effect": threshold_effect,
+        },
+    }
+
+
+def _cost(mt: dict, model: ModelBytes | None, bs: int, opts: PlanOptions) -> dict[str, Any]:
+    served = {t["name"]: t["served_tokens"] for t in mt["tiers"]}
+    n = mt["measured_requests"] or 1
+    gpu = served.get("gpu", 0)
+    cpu = served.get("cpu", 0)
+    disk = served.get("disk", 0)
+    tps = opts.prefill_tps
+    out: dict[str, Any] = {
+        "prefill_tokens_per_s": tps,
+        "pcie_gbps": opts.pcie_gbps,
+        "disk_gbps": opts.disk_gbps,
+        "total_tokens": mt["total_tokens"],
+        "gpu_hit_tokens": gpu,
+        "cpu_promoted_tokens": cpu,
+        "disk_promoted_tokens": disk,
+        "miss_tokens": mt["miss_tokens"],
+        "prefill_tokens_saved_by_lower_tiers": cpu + disk,
+        "prefill_compute_saved_s": (cpu + disk) / tps,
+        "prefill_compute_saved_share": (cpu + disk) / mt["total_tokens"] if mt["total_tokens"] else 0.0,
+    }
+    if model:
+        bpt = model.bytes_per_token
+        load_s = cpu * bpt / (opts.pcie_gbps * 1e9) + disk * bpt * (
+            1 / (opts.disk_gbps * 1e9) + 1 / (opts.pcie_gbps * 1e9)
+        )
+        ttft_gpu_only = (mt["total_tokens"] - gpu) / tps / n
+        ttft_tiered = (mt["miss_tokens"] / tps + load_s) / n
+        out.update(
+            {
+                "transfer_bytes": (cpu + disk) * bpt,
+                "transfer_s": load_s,
+                "mean_ttft_gpu_only_s": ttft_gpu_only,
+                "mean_ttft_tiered_s": ttft_tiered,
+                "mean_ttft_change_s": ttft_tiered - ttft_gpu_only,
+            }
+        )
+    return out
+
+
+def _knee(results: list[dict], policy: str, ceiling_rate: float) -> dict | None:
+    """Smallest swept capacity whose hit rate is within 10% of the ceiling's."""
+    rows = sorted((r for r in results if r["policy"] == policy), key=lambda r: r["capacity_blocks"])
+    filled = [r for r in rows if not r["underfilled"] and r["hit_rate"] is not None]
+    for r in filled:
+        if r["hit_rate"] >= 0.9 * ceiling_rate:
+            return r
+    for r in rows:
+        # Past the filled capacities the cache never filled: it already holds the working set.
+        if r["underfilled"]:
+            return r
+    return filled[-1] if filled else None
+
+
+def recommend(report: dict, opts: PlanOptions) -> dict[str, Any]:
+    ceiling_rate = report["ceiling"]["hit_rate"] or 0.0
+    results = report["results"]
+    q = report["questions"]
+    reasons: list[str] = []
+    rec: dict[str, Any] = {
+        "verdict": "tier",
+        "policy": None,
+        "capacity_blocks": None,
+        "capacity_bytes": None,
+        "admission": "always",
+    }
+    if ceiling_rate < 0.05:
+        rec["verdict"] = "no_tiering"
+        rec["summary"] = (
+            "Tiering will not pay for this workload: even an infinite cache would hit only "
+            f"{ceiling_rate:.1%} of input "
+            "tokens. Tiering cannot create reuse."
+        )
+        rec["reasons"] = [
+            f"{q['admission']['one_hit_token_fraction']:.0%} of block tokens belong to blocks used only once"
+        ]
+        return rec
+    transfer = q.get("transfer")
+    if transfer and not transfer["tiers"][0]["worth_loading"]:
+        t = transfer["tiers"][0]
+        rec["verdict"] = "no_tiering"
+        rec["summary"] = (
+            f"Tiering will not pay: loading a {transfer['block_bytes'] / 2**20:.1f} MiB block over "
+            "the CPU link takes "
+            f"{t['load_s_per_block'] * 1e3:.2f} ms, recomputing it "
+            f"{transfer['recompute_s_per_block'] * 1e3:.2f} ms."
+        )
+        rec["reasons"] = ["raise --pcie-gbps or lower --prefill-tps if these figures do not match your hardware"]
+        return rec
+    best = q["admission"]["policy"]
+    if best is None:
+        rec["verdict"] = "unknown"
+        rec["summary"] = "No online policy was replayed; add one to --policies for a recommendation."
+        rec["reasons"] = []
+        return rec
+    # The policy that reaches the knee with the least capacity (then the higher hit rate there).
+    knees = {}
+    for pol in dict.fromkeys(r["policy"] for r in results if r["policy"] != "opt"):
+        k = _knee(results, pol, ceiling_rate)
+        if k is not None:
+            knees[pol] = k
+    if knees:
+        best = min(knees, key=lambda p: (knees[p]["capacity_blocks"], -(knees[p]["hit_rate"] or 0.0)))
+    knee = knees.get(best)
+    rec["policy"] = best
+    if knee:
+        rec["capacity_blocks"] = knee["capacity_blocks"]
+        rec["capacity_bytes"] = knee["capacity_bytes"]
+        if knee["underfilled"]:
+            reasons.append(
+                f"a cache of {knee['capacity_blocks']} blocks never fills: it holds the whole reusable working set"
+            )
+        else:
+            reasons.append(
+                f"{best} at {knee['capacity_blocks']} blocks hits {knee['hit_rate']:.1%} of tokens "
+                f"against a ceiling of {ceiling_rate:.1%}"
+            )
+    opt_rows = {r["capacity_blocks"]: r for r in results if r["policy"] == "opt"}
+    if knee and knee["capacity_blocks"] in opt_rows and opt_rows[knee["capacity_blocks"]]["hit_rate"] is not None:
+        reasons.append(f"opt (Belady) reaches {opt_rows[knee['capacity_blocks']]['hit_rate']:.1%} at that size")
+    # Admission: recommend the smallest threshold that costs under half a point of hit rate.
+    if knee and not knee["underfilled"]:
+        for t in q["admission"]["threshold_effect"]:
+            if (
+                t["capacity_blocks"] == knee["capacity_blocks"]
+                and t["hit_rate"] is not None
+                and knee["hit_rate"] is not None
+            ):
+                if t["hit_rate"] >= knee["hit_rate"] - 0.005:
+                    saved = 1 - t["insertions"] / max(knee["insertions"], 1)
+                    rec["admission"] = t["admission"]
+                    reasons.append(
+                        f"admission {t['admission']} keeps the hit rate ({t['hit_rate']:.1%}) and "
+                        f"cuts tier writes by {saved:.0%}"
+                    )
+                    break
+    gpu_tier = report["tiers"] and next((t for t in report["tiers"]["tiers"] if t["name"] == "gpu"), None)
+    if gpu_tier:
+        total = report["tiers"]["total_tokens"] or 1
+        gpu_rate = gpu_tier["served_tokens"] / total
+        lower = sum(t["served_tokens"] for t in report["tiers"]["tiers"] if t["name"] != "gpu") / total
+        if lower < 0.02:
+            rec["verdict"] = "no_tiering"
+            rec["summary"] = (
+                f"Tiering will not pay: the GPU prefix cache alone hits {gpu_rate:.1%} of tokens "
+                "and the CPU/disk tiers "
+                f"would add only {lower:.1%}."
+            )
+            rec["reasons"] = reasons
+            return rec
+        reasons.append(f"GPU alone hits {gpu_rate:.1%}; the lower tiers add {lower:.1%} of tokens as promotions")
+    size = f"{rec['capacity_blocks']} blocks" if rec["capacity_blocks"] else "?"
+    if rec["capacity_bytes"]:
+        from kvtier_rs.planner.model import fmt_bytes
+
+        size += f" ({fmt_bytes(rec['capacity_bytes'])})"
+    rec["summary"] = f"Tier it: a CPU tier of {size} with policy {best} and admission {rec['admission']}."
+    rec["reasons"] = reasons
+    return rec

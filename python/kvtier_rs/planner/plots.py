@@ -1,0 +1,78 @@
+"""PNG figures for `--plot DIR`: miss-ratio curves and reuse histograms (matplotlib, Agg)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kvtier_rs.planner.errors import PlanError
+
+
+def write_plots(rep: dict[str, Any], out_dir: str | Path) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise PlanError("--plot needs matplotlib: pip install 'kvtier[plan]'") from None
+    d = Path(out_dir)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PlanError(f"--plot: cannot create {d}: {e.strerror}") from None
+    written = []
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    policies = list(dict.fromkeys(r["policy"] for r in rep["results"]))
+    for p in policies:
+        rows = sorted((r for r in rep["results"] if r["policy"] == p), key=lambda r: r["capacity_blocks"])
+        xs = [r["capacity_blocks"] for r in rows if r["hit_rate"] is not None]
+        ys = [1 - r["hit_rate"] for r in rows if r["hit_rate"] is not None]
+        style = "k--" if p == "opt" else "-o"
+        ax.plot(xs, ys, style, label=p, markersize=4)
+    ceil = rep["ceiling"]["hit_rate"]
+    if ceil is not None:
+        ax.axhline(1 - ceil, color="grey", linestyle=":", label="ceiling (infinite cache)")
+    ax.set_xscale("log")
+    ax.set_xlabel(f"capacity (blocks of {rep['trace']['block_size']} tokens)")
+    ax.set_ylabel("miss ratio (token-weighted)")
+    ax.set_title("Miss-ratio curves")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = d / "miss_ratio_curves.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    written.append(str(path))
+
+    reuse = rep["questions"]["reuse"]
+    for key, name, label in (
+        ("time_histogram_s", "reuse_time_histogram.png", "reuse time (s)"),
+        (
+            "distance_histogram_blocks",
+            "reuse_distance_histogram.png",
+            "reuse distance (distinct blocks in between)",
+        ),
+    ):
+        h = reuse.get(key)
+        if not h:
+            continue
+        fig, ax = plt.subplots(figsize=(7, 4))
+        edges, counts = h["edges"], h["counts"]
+        ax.bar(
+            edges[:-1],
+            counts,
+            width=[b - a for a, b in zip(edges[:-1], edges[1:], strict=True)],
+            align="edge",
+        )
+        ax.set_xscale("symlog", linthresh=max(edges[1], 1e-3))
+        ax.set_xlabel(label)
+        ax.set_ylabel("block reuses")
+        ax.set_title(label.split(" (")[0].capitalize() + " histogram")
+        fig.tight_layout()
+        path = d / name
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(str(path))
+    return written

@@ -1,0 +1,174 @@
+"""The interface every transfer engine implements (CPU and CUDA), and the job bookkeeping they share."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvtier_rs._core import HostPool, InvalidArgumentError
+from kvtier_rs.transfer.layout import BlockLayout
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    job_id: int
+    direction: str  # "d2h" (store/offload) or "h2d" (load/promote)
+    success: bool
+    num_blocks: int
+    bytes: int
+    seconds: float
+    error: str | None = None
+
+
+@dataclass
+class _Job:
+    job_id: int
+    direction: str
+    num_blocks: int
+    submitted: float = field(default_factory=time.perf_counter)
+
+
+class TransferEngine(ABC):
+    """Moves whole blocks between device KV memory (a BlockLayout) and host-pool slots.
+
+    `store` copies device blocks into host slots, `load` host slots into device blocks. Both
+    return a job id at once; `poll` returns each finished job exactly once; `wait` blocks until
+    the given jobs are finished. A failed job is reported with success=False and an error, never
+    raised from `poll`.
+    """
+
+    name = "abstract"
+
+    def __init__(self, layout: BlockLayout, pool: HostPool) -> None:
+        if layout.bytes_per_block > pool.slot_bytes:
+            raise InvalidArgumentError(
+                f"invalid argument `pool`: a block is {layout.bytes_per_block} bytes, pool slots are {pool.slot_bytes}"
+            )
+        self.layout = layout
+        self.pool = pool
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._progress = threading.Condition(self._lock)
+        self._in_flight: dict[int, _Job] = {}
+        self._finished: list[TransferResult] = []
+
+    def _validate(self, block_ids: Sequence[int], slots: Sequence[int]) -> tuple[list[int], list[int]]:
+        block_ids, slots = [int(b) for b in block_ids], [int(s) for s in slots]
+        if len(block_ids) != len(slots):
+            raise InvalidArgumentError(f"invalid argument `slots`: {len(slots)} slots for {len(block_ids)} blocks")
+        self.layout.check_block_ids(block_ids)
+        bad = [s for s in slots if not 0 <= s < self.pool.num_slots]
+        if bad:
+            raise InvalidArgumentError(f"invalid argument `slots`: {bad[:5]} outside 0..{self.pool.num_slots}")
+        return block_ids, slots
+
+    def store(self, block_ids: Sequence[int], slots: Sequence[int], *, after_stream: object = None) -> int:
+        """Device -> host. `after_stream` (CUDA) orders the copy after work queued on that stream."""
+        return self._start("d2h", block_ids, slots, after_stream)
+
+    def load(self, slots: Sequence[int], block_ids: Sequence[int], *, after_stream: object = None) -> int:
+        """Host -> device. `after_stream` (CUDA) orders the copy after work queued on that stream."""
+        return self._start("h2d", block_ids, slots, after_stream)
+
+    def _start(self, direction: str, block_ids: Sequence[int], slots: Sequence[int], after_stream: object) -> int:
+        ids, sl = self._validate(block_ids, slots)
+        if direction == "h2d" and len(set(ids)) != len(ids):
+            raise InvalidArgumentError("invalid argument `block_ids`: a load names the same device block twice")
+        job = _Job(next(self._ids), direction, len(ids))
+        with self._lock:
+            self._in_flight[job.job_id] = job
+        try:
+            self._submit(job, ids, sl, after_stream)
+        except Exception as e:  # noqa: BLE001 - reported as a failed job, as the contract says
+            self._finish(job, f"{type(e).__name__}: {e}")
+        return job.job_id
+
+    def _finish(self, job: _Job, error: str | None = None) -> None:
+        result = TransferResult(
+            job_id=job.job_id,
+            direction=job.direction,
+            success=error is None,
+            num_blocks=job.num_blocks,
+            bytes=job.num_blocks * self.layout.bytes_per_block if error is None else 0,
+            seconds=time.perf_counter() - job.submitted,
+            error=error,
+        )
+        with self._lock:
+            self._in_flight.pop(job.job_id, None)
+            self._finished.append(result)
+            self._progress.notify_all()
+
+    def poll(self) -> list[TransferResult]:
+        """Finished jobs since the last call, each exactly once."""
+        self._collect()
+        with self._lock:
+            out, self._finished = self._finished, []
+        return out
+
+    def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> list[TransferResult]:
+        """Block until none of `job_ids` is in flight; return (and consume) their results.
+        Ids that are unknown or were already returned by `poll` are simply done."""
+        wanted = set(job_ids)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self._collect()
+            with self._lock:
+                pending = wanted & self._in_flight.keys()
+            if not pending:
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"transfer jobs {sorted(pending)} still running after {timeout} s")
+            self._block(pending)
+        with self._lock:
+            got = [r for r in self._finished if r.job_id in wanted]
+            self._finished = [r for r in self._finished if r.job_id not in wanted]
+        return got
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._in_flight)
+
+    # ---- engine-specific ----------------------------------------------------------------
+    @abstractmethod
+    def _submit(self, job: _Job, block_ids: list[int], slots: list[int], after_stream: object) -> None:
+        """Start the copies; call `_finish(job)` (now or later, from any thread) when done."""
+
+    def _collect(self) -> None:  # noqa: B027 - optional hook, a no-op for push-style engines
+        """Finish jobs whose completion must be polled (CUDA events)."""
+
+    def _block(self, job_ids: set[int]) -> None:
+        """Wait a little for progress on these jobs."""
+        with self._lock:
+            self._progress.wait(timeout=0.05)
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release engine resources (streams, pinned registrations, threads)."""
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def coalesce_runs(block_ids: Sequence[int], slots: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Group (block, slot) pairs into runs where both advance by one: (first_block, first_slot, length).
+
+    Pairs are sorted by block id first, so a batch that names adjacent blocks in any order still
+    becomes few large copies.
+    """
+    pairs = sorted(zip(block_ids, slots, strict=True))
+    runs: list[tuple[int, int, int]] = []
+    for b, s in pairs:
+        if runs:
+            b0, s0, n = runs[-1]
+            if b == b0 + n and s == s0 + n:
+                runs[-1] = (b0, s0, n + 1)
+                continue
+        runs.append((b, s, 1))
+    return runs

@@ -1,0 +1,199 @@
+"""The CUDA transfer engine: cudaMemcpyAsync through cuda-python on the pinned host pool.
+
+- The host pool is pinned once with cudaHostRegister (page-aligned by construction).
+- One non-blocking stream per direction, so offloads never queue behind promotions.
+- Ordering against the engine's compute stream: `after_stream` makes the copy stream wait on an
+  event recorded there (a store must read KV after the model wrote it); `wait_on(job, stream)`
+  makes a compute stream wait for a load (the model must read KV after it landed).
+- Copies are coalesced into runs of adjacent blocks and adjacent slots; each (region, run) is one
+  2-D copy (rows of `bytes_per_block` with the device row stride and the host slot stride). Where
+  the runtime has cudaMemcpyBatchAsync (CUDA 12.8+), all 1-D pieces of a job go in one call.
+- Every CUDA return code is checked; a failure raises KvTierError naming the call.
+
+This engine needs an NVIDIA GPU; `benches/gpu_check.py` tests and measures it on one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvtier_rs._core import HostPool, InvalidArgumentError, KvTierError
+from kvtier_rs.transfer.base import TransferEngine, _Job, coalesce_runs
+from kvtier_rs.transfer.layout import BlockLayout
+
+
+def _runtime() -> Any:
+    try:
+        from cuda.bindings import runtime as cudart
+    except ImportError as e:  # pragma: no cover - cuda-python is a dependency of the dev env
+        raise KvTierError("the CUDA transfer engine needs cuda-python (pip install cuda-python)") from e
+    return cudart
+
+
+def check(cudart: Any, call: str, result: Any) -> Any:
+    """Unpack a cuda-python result tuple; raise KvTierError naming `call` on any error."""
+    err, *out = result if isinstance(result, tuple) else (result,)
+    if int(err) != int(cudart.cudaError_t.cudaSuccess):
+        _, msg = cudart.cudaGetErrorString(err)
+        text = msg.decode() if isinstance(msg, bytes) else str(msg)
+        raise KvTierError(f"{call} failed: {getattr(err, 'name', err)} ({text})")
+    if not out:
+        return None
+    return out[0] if len(out) == 1 else tuple(out)
+
+
+def stream_handle(stream: object) -> int:
+    """A raw cudaStream_t from a torch stream, an object with __cuda_stream__, or an int."""
+    if stream is None:
+        return 0
+    if isinstance(stream, int):
+        return stream
+    if hasattr(stream, "cuda_stream"):
+        return int(stream.cuda_stream)
+    if hasattr(stream, "__cuda_stream__"):
+        return int(stream.__cuda_stream__()[1])
+    raise InvalidArgumentError(f"invalid argument `stream`: cannot get a CUDA stream from {type(stream).__name__}")
+
+
+def device_available() -> bool:
+    try:
+        cudart = _runtime()
+        err, count = cudart.cudaGetDeviceCount()
+        return int(err) == 0 and count > 0
+    except Exception:  # noqa: BLE001 - any failure means no usable device
+        return False
+
+
+class CudaTransferEngine(TransferEngine):
+    name = "cuda"
+
+    def __init__(self, layout: BlockLayout, pool: HostPool, *, use_batch: bool = True) -> None:
+        if layout.device.type != "cuda":
+            raise InvalidArgumentError(
+                f"invalid argument `layout`: the CUDA engine needs CUDA tensors, got {layout.device}"
+            )
+        super().__init__(layout, pool)
+        rt = self._rt = _runtime()
+        check(rt, "cudaSetDevice", rt.cudaSetDevice(layout.device.index or 0))
+        err = rt.cudaHostRegister(pool.ptr, pool.nbytes, rt.cudaHostRegisterDefault)[0]
+        if int(err) == int(rt.cudaError_t.cudaErrorHostMemoryAlreadyRegistered):
+            self._registered = False
+        else:
+            check(rt, "cudaHostRegister", (err,))
+            self._registered = True
+        flags = rt.cudaStreamNonBlocking
+        self._streams = {
+            "d2h": check(rt, "cudaStreamCreateWithFlags", rt.cudaStreamCreateWithFlags(flags)),
+            "h2d": check(rt, "cudaStreamCreateWithFlags", rt.cudaStreamCreateWithFlags(flags)),
+        }
+        self._events: dict[int, tuple[_Job, Any]] = {}
+        self._use_batch = use_batch and hasattr(rt, "cudaMemcpyBatchAsync")
+        self.batch_calls = 0
+        self.copy_calls = 0
+
+    # ---- copies ---------------------------------------------------------------------------
+    def _pieces(
+        self, direction: str, block_ids: list[int], slots: list[int]
+    ) -> list[tuple[int, int, int, int, int, int]]:
+        """(dst, dpitch, src, spitch, width, height) per region per run."""
+        out = []
+        host, stride = self.pool.ptr, self.pool.slot_bytes
+        for b0, s0, n in coalesce_runs(block_ids, slots):
+            for region, off in zip(self.layout.regions, self.layout.host_offsets, strict=True):
+                dev = region.data_ptr() + b0 * region.block_stride_bytes
+                hst = host + s0 * stride + off
+                dpitch_dev, width = region.block_stride_bytes, region.bytes_per_block
+                if direction == "d2h":
+                    out.append((hst, stride, dev, dpitch_dev, width, n))
+                else:
+                    out.append((dev, dpitch_dev, hst, stride, width, n))
+        return out
+
+    def _issue_2d(self, pieces, kind, stream) -> None:
+        rt = self._rt
+        for dst, dp, src, sp, width, height in pieces:
+            if height == 1 or (dp == width and sp == width):
+                check(rt, "cudaMemcpyAsync", rt.cudaMemcpyAsync(dst, src, width * height, kind, stream))
+            else:
+                check(rt, "cudaMemcpy2DAsync", rt.cudaMemcpy2DAsync(dst, dp, src, sp, width, height, kind, stream))
+            self.copy_calls += 1
+
+    def _issue_batch(self, pieces, stream) -> bool:
+        """All pieces as 1-D copies in one cudaMemcpyBatchAsync; False if the runtime refuses."""
+        rt = self._rt
+        dsts, srcs, sizes = [], [], []
+        for dst, dp, src, sp, width, height in pieces:
+            if dp == width and sp == width:
+                dsts.append(dst), srcs.append(src), sizes.append(width * height)
+            else:
+                for row in range(height):
+                    dsts.append(dst + row * dp), srcs.append(src + row * sp), sizes.append(width)
+        attrs = rt.cudaMemcpyAttributes()
+        attrs.srcAccessOrder = rt.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
+        res = rt.cudaMemcpyBatchAsync(dsts, srcs, sizes, len(sizes), [attrs], [0], 1, stream)
+        if int(res[0]) != 0:
+            return False
+        self.batch_calls += 1
+        return True
+
+    def _submit(self, job: _Job, block_ids: list[int], slots: list[int], after_stream: object) -> None:
+        rt = self._rt
+        stream = self._streams[job.direction]
+        if after_stream is not None:
+            ev = check(rt, "cudaEventCreateWithFlags", rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming))
+            check(rt, "cudaEventRecord", rt.cudaEventRecord(ev, stream_handle(after_stream)))
+            check(rt, "cudaStreamWaitEvent", rt.cudaStreamWaitEvent(stream, ev, 0))
+            check(rt, "cudaEventDestroy", rt.cudaEventDestroy(ev))
+        kind = (
+            rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
+            if job.direction == "d2h"
+            else rt.cudaMemcpyKind.cudaMemcpyHostToDevice
+        )
+        pieces = self._pieces(job.direction, block_ids, slots)
+        if not (self._use_batch and self._issue_batch(pieces, stream)):
+            self._issue_2d(pieces, kind, stream)
+        done = check(rt, "cudaEventCreateWithFlags", rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming))
+        check(rt, "cudaEventRecord", rt.cudaEventRecord(done, stream))
+        with self._lock:
+            self._events[job.job_id] = (job, done)
+
+    def _collect(self) -> None:
+        rt = self._rt
+        with self._lock:
+            items = list(self._events.items())
+        for job_id, (job, ev) in items:
+            err = rt.cudaEventQuery(ev)[0]
+            if int(err) == int(rt.cudaError_t.cudaErrorNotReady):
+                continue
+            with self._lock:
+                self._events.pop(job_id, None)
+            rt.cudaEventDestroy(ev)
+            if int(err) == 0:
+                self._finish(job)
+            else:
+                self._finish(job, f"cudaEventQuery: {getattr(err, 'name', err)}")
+
+    def _block(self, job_ids: set[int]) -> None:
+        with self._lock:
+            evs = [self._events[j][1] for j in job_ids if j in self._events]
+        for ev in evs[:1]:
+            check(self._rt, "cudaEventSynchronize", self._rt.cudaEventSynchronize(ev))
+
+    def wait_on(self, job_id: int, stream: object) -> None:
+        """Make `stream` (e.g. the model's compute stream) wait until a job's copies are done."""
+        with self._lock:
+            item = self._events.get(job_id)
+        if item is not None:
+            check(self._rt, "cudaStreamWaitEvent", self._rt.cudaStreamWaitEvent(stream_handle(stream), item[1], 0))
+
+    def close(self) -> None:
+        rt = self._rt
+        for s in self._streams.values():
+            check(rt, "cudaStreamSynchronize", rt.cudaStreamSynchronize(s))
+        self._collect()
+        for s in self._streams.values():
+            rt.cudaStreamDestroy(s)
+        self._streams = {}
+        if self._registered:
+            check(rt, "cudaHostUnregister", rt.cudaHostUnregister(self.pool.ptr))
+            self._registered = False

@@ -1,0 +1,124 @@
+"""Where an engine keeps its KV blocks, described by data rather than code.
+
+A block's bytes on the device are one or more *regions*: each region is a tensor whose dim 0 is
+the block id, and one block's chunk in it starts at `offset_bytes` into the row and is
+`bytes_per_block` long; rows are `block_stride_bytes` apart. In a host slot, the regions' chunks
+are laid end to end in region order. This covers per-layer tensors (one region per layer, or
+two per layer when K and V are separate), a single pool tensor (one region, or one per layer
+with a layer offset), and packed rows whose stride exceeds the chunk (vLLM's canonical caches).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvtier_rs._core import InvalidArgumentError
+
+
+@dataclass(frozen=True)
+class Region:
+    tensor: torch.Tensor
+    bytes_per_block: int
+    block_stride_bytes: int
+    offset_bytes: int = 0
+
+    @staticmethod
+    def rows_of(tensor: torch.Tensor, *, offset_bytes: int = 0, bytes_per_block: int | None = None) -> Region:
+        """A region over whole rows of `tensor` (dim 0 = block id; each row contiguous)."""
+        if tensor.dim() < 1:
+            raise InvalidArgumentError("invalid argument `tensor`: needs a block dimension (dim 0)")
+        elem = tensor.element_size()
+        row = tensor[0] if tensor.shape[0] else tensor.new_empty(tensor.shape[1:])
+        if tensor.shape[0] and not row.is_contiguous():
+            raise InvalidArgumentError("invalid argument `tensor`: each block row (tensor[i]) must be contiguous")
+        row_bytes = row.numel() * elem
+        return Region(
+            tensor=tensor,
+            bytes_per_block=row_bytes - offset_bytes if bytes_per_block is None else bytes_per_block,
+            block_stride_bytes=tensor.stride(0) * elem,
+            offset_bytes=offset_bytes,
+        )
+
+    def byte_rows(self) -> torch.Tensor:
+        """A uint8 view (num_blocks, bytes_per_block) over this region's chunks (no copy)."""
+        t = self.tensor
+        storage = t.untyped_storage()
+        base = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+        start = t.storage_offset() * t.element_size() + self.offset_bytes
+        return base.as_strided((t.shape[0], self.bytes_per_block), (self.block_stride_bytes, 1), start)
+
+    def data_ptr(self) -> int:
+        """Address of block 0's chunk."""
+        return self.tensor.data_ptr() + self.offset_bytes
+
+
+class BlockLayout:
+    """The device-side layout of KV blocks: ordered regions and where each lands in a host slot."""
+
+    def __init__(self, regions: Sequence[Region]) -> None:
+        if not regions:
+            raise InvalidArgumentError("invalid argument `regions`: at least one region is needed")
+        devices = {r.tensor.device for r in regions}
+        if len(devices) != 1:
+            raise InvalidArgumentError(
+                f"invalid argument `regions`: all on one device, got {sorted(map(str, devices))}"
+            )
+        counts = {r.tensor.shape[0] for r in regions}
+        if len(counts) != 1:
+            raise InvalidArgumentError(f"invalid argument `regions`: block counts differ: {sorted(counts)}")
+        for i, r in enumerate(regions):
+            if r.bytes_per_block <= 0:
+                raise InvalidArgumentError(f"invalid argument `regions[{i}]`: bytes_per_block must be positive")
+            if (
+                r.offset_bytes < 0
+                or r.block_stride_bytes < r.offset_bytes + r.bytes_per_block
+                and r.tensor.shape[0] > 1
+            ):
+                raise InvalidArgumentError(
+                    f"invalid argument `regions[{i}]`: chunk [{r.offset_bytes}, +{r.bytes_per_block}) "
+                    f"overlaps the next row (stride {r.block_stride_bytes})"
+                )
+            end = r.tensor.storage_offset() * r.tensor.element_size() + r.offset_bytes
+            end += (r.tensor.shape[0] - 1) * r.block_stride_bytes + r.bytes_per_block
+            if r.tensor.shape[0] and end > r.tensor.untyped_storage().nbytes():
+                raise InvalidArgumentError(f"invalid argument `regions[{i}]`: chunks run past the tensor's storage")
+        self.regions = tuple(regions)
+        self.num_blocks = counts.pop()
+        self.device = devices.pop()
+        offs, acc = [], 0
+        for r in self.regions:
+            offs.append(acc)
+            acc += r.bytes_per_block
+        self.host_offsets = tuple(offs)
+        self.bytes_per_block = acc
+
+    @classmethod
+    def per_layer(cls, tensors: Sequence[torch.Tensor]) -> BlockLayout:
+        """One region per tensor, whole rows (e.g. vLLM CPU caches [blocks, heads, tokens, 2*dim])."""
+        return cls([Region.rows_of(t) for t in tensors])
+
+    @classmethod
+    def kv_split(cls, tensors: Sequence[torch.Tensor]) -> BlockLayout:
+        """Per-layer tensors shaped [2, blocks, ...] (K and V apart): two regions per layer."""
+        regions = []
+        for t in tensors:
+            if t.dim() < 2 or t.shape[0] != 2:
+                raise InvalidArgumentError(
+                    f"invalid argument `tensors`: expected [2, blocks, ...], got {tuple(t.shape)}"
+                )
+            regions += [Region.rows_of(t[0]), Region.rows_of(t[1])]
+        return cls(regions)
+
+    def check_block_ids(self, block_ids: Sequence[int], arg: str = "block_ids") -> None:
+        bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
+        if bad:
+            raise InvalidArgumentError(f"invalid argument `{arg}`: {bad[:5]} outside 0..{self.num_blocks}")
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockLayout(regions={len(self.regions)}, num_blocks={self.num_blocks}, "
+            f"bytes_per_block={self.bytes_per_block}, device={self.device})"
+        )

@@ -1,0 +1,367 @@
+//! io_uring engine: one ring thread owns the ring. Chains arrive through a queue; an eventfd
+//! read kept armed in the ring wakes the thread when new chains are queued, so it only ever
+//! sleeps in `io_uring_enter`. The ops of one chain are linked (IOSQE_IO_LINK): the kernel
+//! starts the header write only after the payload write completed in full, and a failed or
+//! short op cancels the rest of its chain.
+//!
+//! The ring thread only moves I/O. Checksums (a chain's `prep` for writes, its `done` for
+//! read verification) run on two helper threads, so the ring keeps the device busy while a
+//! 2 MiB block is being checksummed.
+//!
+//! At most `queue_depth` chains are in the ring at once. No fixed buffers: registering the host
+//! pool would count against RLIMIT_MEMLOCK and tie the ring to one pool.
+
+use std::collections::VecDeque;
+use std::os::fd::RawFd;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use io_uring::{cqueue, opcode, squeue, types, IoUring, Probe};
+use parking_lot::{Condvar, Mutex};
+
+use super::{Chain, ChainResult, DoneFn, IoEngine, IoFailure, IoOp, OpKind};
+
+const WAKE: u64 = u64::MAX;
+const MAX_OPS_PER_CHAIN: usize = 4;
+
+/// Whether io_uring works here: the ring can be set up, the opcodes we use are supported, and
+/// a no-op round trip through `io_uring_enter` completes. The error names the failing step
+/// (seccomp filters and gVisor fail at setup with EPERM / ENOSYS).
+pub fn probe() -> Result<(), String> {
+    let mut ring = IoUring::new(4).map_err(|e| format!("io_uring_setup failed: {e}"))?;
+    let mut p = Probe::new();
+    ring.submitter()
+        .register_probe(&mut p)
+        .map_err(|e| format!("io_uring_register(PROBE) failed: {e}"))?;
+    for (name, code) in
+        [("READV", opcode::Readv::CODE), ("WRITEV", opcode::Writev::CODE), ("READ", opcode::Read::CODE)]
+    {
+        if !p.is_supported(code) {
+            return Err(format!("the kernel's io_uring lacks the {name} opcode"));
+        }
+    }
+    let nop = opcode::Nop::new().build().user_data(7);
+    // SAFETY: a NOP references no memory.
+    unsafe { ring.submission().push(&nop) }.map_err(|_| "submission queue full".to_string())?;
+    ring.submit_and_wait(1).map_err(|e| format!("io_uring_enter failed: {e}"))?;
+    let cqe = ring.completion().next().ok_or("no completion for a NOP")?;
+    if cqe.result() < 0 {
+        return Err(format!("NOP failed: {}", std::io::Error::from_raw_os_error(-cqe.result())));
+    }
+    Ok(())
+}
+
+struct Prepared {
+    ops: Vec<IoOp>,
+    done: DoneFn,
+}
+
+struct Queue {
+    chains: VecDeque<Prepared>,
+    stopping: bool,
+}
+
+enum Task {
+    Prep(Chain),
+    Done(DoneFn, ChainResult),
+}
+
+struct Helpers {
+    tasks: VecDeque<Task>,
+    /// Chains submitted whose prep has not been handed to the ring yet.
+    preps_outstanding: usize,
+    stopping: bool,
+}
+
+struct Shared {
+    queue: Mutex<Queue>,
+    efd: RawFd,
+    helpers: Mutex<Helpers>,
+    helper_cv: Condvar,
+}
+
+const HELPERS: usize = 2;
+
+fn helper(shared: &Shared) {
+    loop {
+        let task = {
+            let mut h = shared.helpers.lock();
+            loop {
+                if let Some(t) = h.tasks.pop_front() {
+                    break t;
+                }
+                if h.stopping {
+                    return;
+                }
+                shared.helper_cv.wait(&mut h);
+            }
+        };
+        match task {
+            Task::Done(done, res) => done(res),
+            Task::Prep(chain) => {
+                if let Some((ops, done)) = chain.run_prep() {
+                    if ops.is_empty() {
+                        done(Ok(()));
+                    } else {
+                        shared.queue.lock().chains.push_back(Prepared { ops, done });
+                        shared.wake();
+                    }
+                }
+                let mut h = shared.helpers.lock();
+                h.preps_outstanding -= 1;
+                if h.preps_outstanding == 0 {
+                    shared.helper_cv.notify_all();
+                }
+            }
+        }
+    }
+}
+
+impl Shared {
+    fn wake(&self) {
+        let one: u64 = 1;
+        // SAFETY: writing 8 bytes to our own eventfd. EAGAIN (counter saturated) still wakes.
+        unsafe { libc::write(self.efd, (&one as *const u64).cast(), 8) };
+    }
+}
+
+pub struct UringEngine {
+    shared: Arc<Shared>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    helpers: Mutex<Vec<JoinHandle<()>>>,
+    depth: usize,
+}
+
+impl UringEngine {
+    pub fn new(depth: usize) -> Result<Self, String> {
+        probe()?;
+        let entries = ((depth * MAX_OPS_PER_CHAIN + 2).next_power_of_two()).min(32768) as u32;
+        let ring = IoUring::new(entries).map_err(|e| format!("io_uring_setup({entries}) failed: {e}"))?;
+        // SAFETY: plain syscall.
+        let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if efd < 0 {
+            return Err(format!("eventfd failed: {}", std::io::Error::last_os_error()));
+        }
+        let shared = Arc::new(Shared {
+            queue: Mutex::new(Queue { chains: VecDeque::new(), stopping: false }),
+            efd,
+            helpers: Mutex::new(Helpers { tasks: VecDeque::new(), preps_outstanding: 0, stopping: false }),
+            helper_cv: Condvar::new(),
+        });
+        let s2 = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("kvtier-uring".into())
+            .spawn(move || RingThread::new(ring, depth).run(&s2))
+            .map_err(|e| format!("spawn ring thread: {e}"))?;
+        let helpers = (0..HELPERS)
+            .map(|i| {
+                let s3 = shared.clone();
+                std::thread::Builder::new()
+                    .name(format!("kvtier-uring-helper-{i}"))
+                    .spawn(move || helper(&s3))
+                    .map_err(|e| format!("spawn helper thread: {e}"))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(UringEngine { shared, thread: Mutex::new(Some(thread)), helpers: Mutex::new(helpers), depth })
+    }
+}
+
+struct InFlight {
+    /// Kept alive until every op's completion arrived: the kernel reads the iovecs and buffers.
+    _ops: Vec<IoOp>,
+    _iovs: Vec<Box<[libc::iovec]>>,
+    wanted: Vec<usize>,
+    remaining: usize,
+    failure: Option<IoFailure>,
+    done: Option<DoneFn>,
+}
+
+struct RingThread {
+    ring: IoUring,
+    depth: usize,
+    slots: Vec<Option<InFlight>>,
+    free: Vec<usize>,
+    in_flight: usize,
+    wake_buf: Box<u64>,
+    wake_armed: bool,
+}
+
+impl RingThread {
+    fn new(ring: IoUring, depth: usize) -> Self {
+        RingThread {
+            ring,
+            depth,
+            slots: Vec::new(),
+            free: Vec::new(),
+            in_flight: 0,
+            wake_buf: Box::new(0),
+            wake_armed: false,
+        }
+    }
+
+    fn arm_wake(&mut self, efd: RawFd) {
+        let e = opcode::Read::new(types::Fd(efd), (&mut *self.wake_buf as *mut u64).cast(), 8)
+            .build()
+            .user_data(WAKE);
+        // SAFETY: wake_buf lives as long as the ring thread, which waits for this read to
+        // complete before it returns.
+        unsafe { self.ring.submission().push(&e) }.expect("ring sized for the wake read");
+        self.wake_armed = true;
+    }
+
+    fn start_chain(&mut self, chain: Prepared) {
+        let Prepared { ops, done } = chain;
+        assert!(ops.len() <= MAX_OPS_PER_CHAIN, "chain longer than the ring was sized for");
+        let id = self.free.pop().unwrap_or_else(|| {
+            self.slots.push(None);
+            self.slots.len() - 1
+        });
+        let iovs: Vec<Box<[libc::iovec]>> = ops
+            .iter()
+            .map(|op| op.bufs.iter().map(|b| libc::iovec { iov_base: b.ptr.cast(), iov_len: b.len }).collect())
+            .collect();
+        let n = ops.len();
+        for (i, (op, iov)) in ops.iter().zip(&iovs).enumerate() {
+            let fd = types::Fd(op.file.raw_fd());
+            let entry = match op.kind {
+                OpKind::Read => opcode::Readv::new(fd, iov.as_ptr(), iov.len() as u32).offset(op.offset).build(),
+                OpKind::Write => opcode::Writev::new(fd, iov.as_ptr(), iov.len() as u32).offset(op.offset).build(),
+            };
+            let mut entry = entry.user_data(((id as u64) << 8) | i as u64);
+            if i + 1 < n {
+                entry = entry.flags(squeue::Flags::IO_LINK);
+            }
+            // SAFETY: iovecs and buffers are kept alive in `slots[id]` until every op of the
+            // chain has completed.
+            unsafe { self.ring.submission().push(&entry) }.expect("ring sized for queue_depth chains");
+        }
+        let wanted = ops.iter().map(IoOp::len).collect();
+        self.slots[id] = Some(InFlight {
+            _ops: ops,
+            _iovs: iovs,
+            wanted,
+            remaining: n,
+            failure: None,
+            done: Some(done),
+        });
+        self.in_flight += 1;
+    }
+
+    fn complete(&mut self, cqe: &cqueue::Entry, shared: &Shared) -> bool {
+        let ud = cqe.user_data();
+        if ud == WAKE {
+            self.wake_armed = false;
+            return true;
+        }
+        let (id, op) = ((ud >> 8) as usize, (ud & 0xff) as usize);
+        let slot = self.slots[id].as_mut().expect("completion for a live chain");
+        let res = cqe.result();
+        if slot.failure.is_none() {
+            if res < 0 {
+                slot.failure = Some(IoFailure::Os(-res));
+            } else if (res as usize) < slot.wanted[op] {
+                slot.failure = Some(IoFailure::Short { op, done: res as usize, wanted: slot.wanted[op] });
+            }
+        }
+        slot.remaining -= 1;
+        if slot.remaining == 0 {
+            let mut fin = self.slots[id].take().expect("live");
+            self.free.push(id);
+            self.in_flight -= 1;
+            let result = fin.failure.map_or(Ok(()), Err);
+            let done = fin.done.take().expect("done once");
+            drop(fin);
+            shared.helpers.lock().tasks.push_back(Task::Done(done, result));
+            shared.helper_cv.notify_all(); // all: shutdown() waits on the same condvar
+        }
+        false
+    }
+
+    fn run(mut self, shared: &Shared) {
+        let mut pending: VecDeque<Prepared> = VecDeque::new();
+        let mut stopping = false;
+        self.arm_wake(shared.efd);
+        loop {
+            {
+                let mut q = shared.queue.lock();
+                pending.extend(q.chains.drain(..));
+                stopping |= q.stopping;
+            }
+            while self.in_flight < self.depth {
+                let Some(c) = pending.pop_front() else { break };
+                self.start_chain(c);
+            }
+            if stopping && self.in_flight == 0 && pending.is_empty() {
+                if !self.wake_armed {
+                    break;
+                }
+                // Complete our own wake read so its buffer is no longer in the kernel's hands.
+                shared.wake();
+            }
+            match self.ring.submit_and_wait(1) {
+                Ok(_) => {}
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) || e.raw_os_error() == Some(libc::EBUSY) => {}
+                Err(e) => panic!("io_uring_enter failed after a successful probe: {e}"),
+            }
+            let cqes: Vec<cqueue::Entry> = self.ring.completion().collect();
+            let mut rearm = false;
+            for cqe in &cqes {
+                rearm |= self.complete(cqe, shared);
+            }
+            if rearm && !(stopping && self.in_flight == 0 && pending.is_empty()) {
+                // Drain the counter so the next write wakes us again.
+                let mut sink = 0u64;
+                // SAFETY: non-blocking read of our own eventfd.
+                unsafe { libc::read(shared.efd, (&mut sink as *mut u64).cast(), 8) };
+                self.arm_wake(shared.efd);
+            }
+        }
+    }
+}
+
+impl IoEngine for UringEngine {
+    fn name(&self) -> &'static str {
+        "io_uring"
+    }
+    fn queue_depth(&self) -> usize {
+        self.depth
+    }
+    fn submit(&self, chains: Vec<Chain>) {
+        if chains.is_empty() {
+            return;
+        }
+        let mut h = self.shared.helpers.lock();
+        h.preps_outstanding += chains.len();
+        h.tasks.extend(chains.into_iter().map(Task::Prep));
+        drop(h);
+        self.shared.helper_cv.notify_all();
+    }
+    fn shutdown(&self) {
+        // Order matters: every prep must reach the ring before the ring is told to stop, and
+        // the helpers must outlive the ring so that its last completions still get run.
+        {
+            let mut h = self.shared.helpers.lock();
+            while h.preps_outstanding > 0 {
+                self.shared.helper_cv.wait(&mut h);
+            }
+        }
+        self.shared.queue.lock().stopping = true;
+        self.shared.wake();
+        if let Some(t) = self.thread.lock().take() {
+            let _ = t.join();
+        }
+        self.shared.helpers.lock().stopping = true;
+        self.shared.helper_cv.notify_all();
+        for t in self.helpers.lock().drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for UringEngine {
+    fn drop(&mut self) {
+        self.shutdown();
+        // SAFETY: the ring thread has exited; nobody uses the eventfd any more.
+        unsafe { libc::close(self.shared.efd) };
+    }
+}

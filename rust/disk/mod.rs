@@ -1,0 +1,964 @@
+//! The disk (NVMe) tier: the cold tier behind the host pool.
+//!
+//! Blocks move between host-pool slots and slots of a few preallocated slab files with no
+//! intermediate copy: a write sends the host slot's bytes to the file, a read lands in the host
+//! slot. The tier's own `TierIndex` maps keys to disk slots and carries its eviction policy and
+//! admission rule (default: a block reaches the disk only on its second use, to spare the SSD).
+//!
+//! Guarantees:
+//! - Never a wrong byte: every read checks the header (key in full, length, location,
+//!   checksum) and the payload checksum. A mismatch, short read or I/O error makes the block a
+//!   miss: the job reports it failed, the host slot's payload is zeroed, the disk slot freed.
+//! - Asynchronous: `submit_write`/`submit_read` queue I/O on the engine and return a job id;
+//!   `poll`/`wait` collect results. Only `wait` and `close` block.
+//! - Bounded: capacity is fixed at open (preallocated slabs); eviction frees slots for new
+//!   writes. A full device (ENOSPC where preallocation was impossible) stops admission for
+//!   `full_retry` while reads continue.
+//! - Restart-safe: reopening rebuilds the index from the slot headers (see `recovery`).
+//!
+//! Memory safety contract with the caller (the host tier): a host slot given to `submit_write`
+//! must not be modified, and one given to `submit_read` must not be read or written, until its
+//! job completed. The host tier's index enforces that with its Writing state and pins.
+
+pub mod io;
+pub mod layout;
+pub mod recovery;
+pub mod slab;
+
+#[cfg(test)]
+mod tests;
+
+use std::collections::{HashMap, HashSet};
+use std::os::fd::AsRawFd;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex, RwLock};
+
+use self::io::{build_engine, Chain, DoneFn, EngineChoice, IoBuf, IoEngine, IoFailure, IoOp, OpKind, PrepFn};
+use self::layout::{SlotHeader, HEADER_BYTES, PAGE};
+use self::slab::{AlignedBuf, DirLock, DirectMode, Geometry, Meta, SlabFile};
+use crate::admission::AdmissionRule;
+use crate::error::{KvError, KvResult};
+use crate::host_pool::HostRegion;
+use crate::index::{IndexConfig, TierIndex};
+use crate::keys::BlockKey;
+use crate::policy::{InsertHint, PolicyKind};
+use crate::slots::SlotAllocator;
+
+/// Host memory that reads land in and writes come from: a page-aligned region of fixed slots.
+/// Jobs hold an `Arc` of it until they are collected, so it outlives the I/O.
+pub trait HostMemory: Send + Sync {
+    fn base_ptr(&self) -> *mut u8;
+    fn slot_bytes(&self) -> usize;
+    fn num_slots(&self) -> usize;
+}
+
+impl HostMemory for HostRegion {
+    fn base_ptr(&self) -> *mut u8 {
+        self.as_ptr()
+    }
+    fn slot_bytes(&self) -> usize {
+        HostRegion::slot_bytes(self)
+    }
+    fn num_slots(&self) -> usize {
+        HostRegion::num_slots(self)
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct DiskConfig {
+    pub dir: PathBuf,
+    pub capacity_bytes: u64,
+    pub block_bytes: usize,
+    /// Number of slab files; 0 = automatic (4, fewer for tiny tiers, or what the directory has).
+    pub num_files: usize,
+    pub policy: PolicyKind,
+    pub admission: AdmissionRule,
+    pub engine: EngineChoice,
+    pub queue_depth: usize,
+    pub direct: DirectMode,
+    /// Read and check every payload at open (slower; drops torn slots up front).
+    pub verify_on_open: bool,
+    /// After ENOSPC, how long to refuse writes before trying again.
+    pub full_retry: Duration,
+}
+
+impl DiskConfig {
+    pub fn new(dir: impl Into<PathBuf>, capacity_bytes: u64, block_bytes: usize) -> Self {
+        DiskConfig {
+            dir: dir.into(),
+            capacity_bytes,
+            block_bytes,
+            num_files: 0,
+            policy: PolicyKind::Lru,
+            admission: AdmissionRule::AfterUses(2),
+            engine: EngineChoice::Auto,
+            queue_depth: 16,
+            direct: DirectMode::Auto,
+            verify_on_open: false,
+            full_retry: Duration::from_secs(10),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum JobKind {
+    Read,
+    Write,
+}
+
+/// Outcome of one job. `keepalive` holds the host memory until the result is dropped.
+pub struct JobResult {
+    pub id: u64,
+    pub kind: JobKind,
+    pub ok_keys: Vec<BlockKey>,
+    pub failed_keys: Vec<BlockKey>,
+    pub bytes: u64,
+    pub seconds: f64,
+    pub keepalive: Option<Arc<dyn HostMemory>>,
+}
+
+impl JobResult {
+    pub fn success(&self) -> bool {
+        self.failed_keys.is_empty()
+    }
+}
+
+/// What `submit_write` did with each key.
+#[derive(Debug, Default)]
+pub struct WriteTicket {
+    pub job_id: u64,
+    /// Keys being written by the job.
+    pub keys: Vec<BlockKey>,
+    /// Already on disk (or being written): nothing to do.
+    pub skipped: Vec<BlockKey>,
+    /// Turned away: by the admission rule, or because the device is full.
+    pub refused: Vec<BlockKey>,
+    /// Evicted to make room.
+    pub evicted: Vec<BlockKey>,
+}
+
+#[derive(Default)]
+struct Counters {
+    jobs: AtomicU64,
+    blocks_written: AtomicU64,
+    bytes_written: AtomicU64,
+    blocks_read: AtomicU64,
+    bytes_read: AtomicU64,
+    write_failures: AtomicU64,
+    read_misses: AtomicU64,
+    checksum_failures: AtomicU64,
+    short_reads: AtomicU64,
+    read_errors: AtomicU64,
+    enospc: AtomicU64,
+    refused_full: AtomicU64,
+    slabs_lost: AtomicU64,
+    blocks_lost: AtomicU64,
+    recovered_blocks: AtomicU64,
+    recovery_discarded: AtomicU64,
+    recovery_duplicates: AtomicU64,
+    recovery_us: AtomicU64,
+}
+
+enum JobSlot {
+    Running,
+    Done(JobResult),
+}
+
+struct Job {
+    id: u64,
+    kind: JobKind,
+    keys: Vec<BlockKey>,
+    ok: Vec<AtomicBool>,
+    remaining: AtomicUsize,
+    bytes: AtomicU64,
+    started: Instant,
+    host: Mutex<Option<Arc<dyn HostMemory>>>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// The next `count` block writes fail with this errno before touching the disk.
+    WriteErrno(i32),
+    /// The next `count` block reads fail with this errno.
+    ReadErrno(i32),
+}
+
+struct Shared {
+    index: TierIndex,
+    geo: Geometry,
+    dir_id: u64,
+    slabs: Vec<RwLock<Arc<SlabFile>>>,
+    counters: Counters,
+    jobs: Mutex<HashMap<u64, JobSlot>>,
+    job_done: Condvar,
+    next_job: AtomicU64,
+    next_gen: AtomicU64,
+    origin: Instant,
+    full_until_ns: AtomicU64,
+    full_retry: Duration,
+    fault: Mutex<Option<(Fault, u32)>>,
+}
+
+pub struct DiskTier {
+    shared: Arc<Shared>,
+    engine: Arc<dyn IoEngine>,
+    /// true once closed; submitters hold the read side so close() waits for them.
+    closed: RwLock<bool>,
+    lock: Mutex<Option<DirLock>>,
+    dir: PathBuf,
+    direct: bool,
+    preallocated: bool,
+    notes: Vec<String>,
+}
+
+fn random_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos());
+    h.write_u32(std::process::id());
+    h.finish() | 1
+}
+
+impl DiskTier {
+    pub fn open(cfg: DiskConfig) -> KvResult<DiskTier> {
+        if cfg.capacity_bytes == 0 {
+            return Err(KvError::invalid("capacity_bytes", "must be positive"));
+        }
+        if cfg.dir.as_os_str().is_empty() {
+            return Err(KvError::invalid("path", "must not be empty"));
+        }
+        slab::prepare_dir(&cfg.dir)?;
+        let lock = DirLock::acquire(&cfg.dir)?;
+        let meta = Meta::load(&cfg.dir)?;
+        let stride = layout::round_up_page(cfg.block_bytes.max(1)) + HEADER_BYTES;
+        let num_files = match (cfg.num_files, &meta) {
+            (0, Some(m)) => m.num_files,
+            (0, None) => ((cfg.capacity_bytes / stride as u64) as usize).clamp(1, 4),
+            (n, _) => n,
+        };
+        let geo = Geometry::new(cfg.capacity_bytes, cfg.block_bytes, num_files)?;
+        let dir_id = match &meta {
+            Some(m) => {
+                if m.block_bytes != geo.block_bytes {
+                    return Err(KvError::invalid(
+                        "block_bytes",
+                        format!("{} was created with block_bytes={}, not {}", cfg.dir.display(), m.block_bytes, geo.block_bytes),
+                    ));
+                }
+                if m.num_files != geo.num_files || m.slots_per_file != geo.slots_per_file {
+                    return Err(KvError::invalid(
+                        "capacity_bytes",
+                        format!(
+                            "{} was created with {} file(s) of {} slots ({} bytes); open it with that capacity and \
+                             num_files, or use a new directory",
+                            cfg.dir.display(),
+                            m.num_files,
+                            m.slots_per_file,
+                            m.num_files as u64 * m.slots_per_file as u64 * geo.slot_stride as u64
+                        ),
+                    ));
+                }
+                m.dir_id
+            }
+            None => {
+                let m = Meta {
+                    block_bytes: geo.block_bytes,
+                    slots_per_file: geo.slots_per_file,
+                    num_files: geo.num_files,
+                    dir_id: random_id(),
+                };
+                m.store(&cfg.dir)?;
+                m.dir_id
+            }
+        };
+
+        let mut notes = Vec::new();
+        let mut slabs = Vec::with_capacity(geo.num_files);
+        for i in 0..geo.num_files {
+            let opened = SlabFile::open(&cfg.dir.join(slab::slab_name(i)), geo.file_bytes(), cfg.direct)?;
+            if let Some(why) = opened.direct_refusal {
+                notes.push(format!("{}: buffered I/O (O_DIRECT refused: {why})", slab::slab_name(i)));
+            }
+            if let Some(why) = opened.prealloc_refusal {
+                notes.push(format!("{}: sparse, not preallocated ({why})", slab::slab_name(i)));
+            }
+            slabs.push(Arc::new(opened.slab));
+        }
+        let direct = slabs.iter().all(|s| s.direct);
+        let preallocated = slabs.iter().all(|s| s.preallocated);
+
+        let t0 = Instant::now();
+        let rec = recovery::scan(&geo, &slabs, dir_id, cfg.verify_on_open);
+        let total = geo.total_slots();
+        let allocator = Arc::new(SlotAllocator::empty(total));
+        for s in &rec.free {
+            allocator.release(*s);
+        }
+        let index = TierIndex::with_slots(
+            IndexConfig {
+                capacity: total,
+                policy: cfg.policy,
+                admission: cfg.admission,
+                tier: 2,
+                manual_clock: false,
+                block_bytes: geo.block_bytes as u64,
+            },
+            allocator,
+        )?;
+        for h in &rec.entries {
+            index.insert_recovered(h.key, h.slot, h.payload_len, h.payload_crc)?;
+        }
+        let counters = Counters::default();
+        counters.recovered_blocks.store(rec.entries.len() as u64, Ordering::Relaxed);
+        counters.recovery_discarded.store(rec.discarded, Ordering::Relaxed);
+        counters.recovery_duplicates.store(rec.duplicates, Ordering::Relaxed);
+        counters.recovery_us.store(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
+
+        let (engine, uring_refusal) = build_engine(cfg.engine, cfg.queue_depth)?;
+        if let Some(why) = uring_refusal {
+            notes.push(format!("engine: thread pool (io_uring unavailable: {why})"));
+        }
+        let shared = Arc::new(Shared {
+            index,
+            geo,
+            dir_id,
+            slabs: slabs.into_iter().map(RwLock::new).collect(),
+            counters,
+            jobs: Mutex::new(HashMap::new()),
+            job_done: Condvar::new(),
+            next_job: AtomicU64::new(1),
+            next_gen: AtomicU64::new(rec.max_generation + 1),
+            origin: Instant::now(),
+            full_until_ns: AtomicU64::new(0),
+            full_retry: cfg.full_retry,
+            fault: Mutex::new(None),
+        });
+        Ok(DiskTier {
+            shared,
+            engine,
+            closed: RwLock::new(false),
+            lock: Mutex::new(Some(lock)),
+            dir: cfg.dir,
+            direct,
+            preallocated,
+            notes,
+        })
+    }
+
+    // ---- facts ---------------------------------------------------------------------------
+
+    pub fn dir(&self) -> &std::path::Path {
+        &self.dir
+    }
+    pub fn geometry(&self) -> Geometry {
+        self.shared.geo
+    }
+    pub fn engine_name(&self) -> &'static str {
+        self.engine.name()
+    }
+    pub fn queue_depth(&self) -> usize {
+        self.engine.queue_depth()
+    }
+    /// "direct" when every slab uses O_DIRECT, "buffered" otherwise.
+    pub fn io_mode(&self) -> &'static str {
+        if self.direct {
+            "direct"
+        } else {
+            "buffered"
+        }
+    }
+    pub fn preallocated(&self) -> bool {
+        self.preallocated
+    }
+    /// Human-readable notes on fallbacks taken at open (buffered I/O, sparse files, engine).
+    pub fn notes(&self) -> &[String] {
+        &self.notes
+    }
+    pub fn index(&self) -> &TierIndex {
+        &self.shared.index
+    }
+    pub fn len(&self) -> usize {
+        self.shared.index.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    pub fn capacity_blocks(&self) -> usize {
+        self.shared.index.capacity()
+    }
+    pub fn is_full(&self) -> bool {
+        self.shared.is_full()
+    }
+    pub fn is_closed(&self) -> bool {
+        *self.closed.read()
+    }
+
+    fn check_open(&self) -> KvResult<()> {
+        if *self.closed.read() {
+            return Err(KvError::Closed(format!("disk tier at {}", self.dir.display())));
+        }
+        Ok(())
+    }
+
+    // ---- index passthroughs --------------------------------------------------------------
+
+    pub fn lookup_prefix(&self, keys: &[BlockKey]) -> KvResult<usize> {
+        self.check_open()?;
+        Ok(self.shared.index.lookup_prefix(keys))
+    }
+    pub fn contains(&self, keys: &[BlockKey]) -> KvResult<Vec<bool>> {
+        self.check_open()?;
+        Ok(self.shared.index.contains_ready(keys))
+    }
+    pub fn touch(&self, keys: &[BlockKey]) -> KvResult<()> {
+        self.check_open()?;
+        self.shared.index.touch(keys);
+        Ok(())
+    }
+    pub fn record_use(&self, keys: &[BlockKey]) -> KvResult<()> {
+        self.check_open()?;
+        self.shared.index.record_use(keys);
+        Ok(())
+    }
+    /// Drop ready, unpinned blocks from the tier. Their slots are reused by later writes; a
+    /// removed block whose slot was not reused yet can come back after a restart, with its own
+    /// (correct) bytes, since the header on disk is not erased.
+    pub fn remove(&self, keys: &[BlockKey]) -> KvResult<Vec<BlockKey>> {
+        self.check_open()?;
+        Ok(self.shared.index.remove(keys).into_iter().map(|(k, _)| k).collect())
+    }
+
+    /// Test hook: make the next `count` block writes or reads fail with an errno, at the I/O
+    /// layer (after the index reserved the slot, before any byte moves).
+    pub fn inject_fault(&self, fault: Option<Fault>, count: u32) {
+        *self.shared.fault.lock() = fault.map(|f| (f, count));
+    }
+
+    fn check_host(&self, host: &dyn HostMemory, slots: &[u32], keys: usize) -> KvResult<()> {
+        if slots.len() != keys {
+            return Err(KvError::invalid("slots", format!("{} slots for {keys} keys", slots.len())));
+        }
+        let geo = &self.shared.geo;
+        if host.slot_bytes() < geo.data_bytes {
+            return Err(KvError::invalid(
+                "pool",
+                format!("host slots are {} bytes, the disk tier needs {} per block", host.slot_bytes(), geo.data_bytes),
+            ));
+        }
+        if host.base_ptr() as usize % PAGE != 0 || host.slot_bytes() % PAGE != 0 {
+            return Err(KvError::invalid("pool", "host memory must be 4 KiB aligned with 4 KiB-multiple slots"));
+        }
+        if let Some(bad) = slots.iter().find(|&&s| s as usize >= host.num_slots()) {
+            return Err(KvError::invalid("slots", format!("slot {bad} out of range 0..{}", host.num_slots())));
+        }
+        Ok(())
+    }
+
+    fn new_job(&self, kind: JobKind, keys: Vec<BlockKey>, host: Arc<dyn HostMemory>) -> Arc<Job> {
+        let id = self.shared.next_job.fetch_add(1, Ordering::Relaxed);
+        let n = keys.len();
+        let job = Arc::new(Job {
+            id,
+            kind,
+            ok: (0..n).map(|_| AtomicBool::new(false)).collect(),
+            keys,
+            remaining: AtomicUsize::new(n),
+            bytes: AtomicU64::new(0),
+            started: Instant::now(),
+            host: Mutex::new(Some(host)),
+        });
+        self.shared.counters.jobs.fetch_add(1, Ordering::Relaxed);
+        self.shared.jobs.lock().insert(id, JobSlot::Running);
+        job
+    }
+
+    /// Write the blocks of `keys` from host slots `slots` of `host`. Keys already on disk are
+    /// skipped, keys the admission rule (or a full device) turns away are refused; the rest
+    /// get disk slots, evicting if needed (all-or-nothing: `NoSpace` changes nothing), and are
+    /// written asynchronously. Returns at once with the job id.
+    pub fn submit_write(
+        &self,
+        keys: &[BlockKey],
+        slots: &[u32],
+        host: Arc<dyn HostMemory>,
+        hint: InsertHint,
+    ) -> KvResult<WriteTicket> {
+        self.check_host(&*host, slots, keys.len())?;
+        let gate = self.closed.read();
+        if *gate {
+            return Err(KvError::Closed(format!("disk tier at {}", self.dir.display())));
+        }
+        let sh = &self.shared;
+        if sh.is_full() {
+            sh.counters.refused_full.fetch_add(keys.len() as u64, Ordering::Relaxed);
+            let job = self.new_job(JobKind::Write, Vec::new(), host);
+            sh.finalize(&job);
+            return Ok(WriteTicket { job_id: job.id, refused: keys.to_vec(), ..Default::default() });
+        }
+        let out = sh.index.prepare_store(keys, hint)?;
+        let mut host_slot: HashMap<BlockKey, u32> = HashMap::with_capacity(keys.len());
+        for (k, s) in keys.iter().zip(slots) {
+            host_slot.entry(*k).or_insert(*s);
+        }
+        let write_keys: Vec<BlockKey> = out.to_write.iter().map(|(k, _)| *k).collect();
+        let job = self.new_job(JobKind::Write, write_keys.clone(), host.clone());
+        let mut chains = Vec::with_capacity(out.to_write.len());
+        for (i, (key, disk_slot)) in out.to_write.iter().enumerate() {
+            chains.push(sh.write_chain(&job, i, *key, *disk_slot, host_slot[key], &host));
+        }
+        if chains.is_empty() {
+            sh.finalize(&job);
+        }
+        self.engine.submit(chains);
+        drop(gate);
+        Ok(WriteTicket {
+            job_id: job.id,
+            keys: write_keys,
+            skipped: out.already_present,
+            refused: out.refused,
+            evicted: out.evicted.into_iter().map(|(k, _)| k).collect(),
+        })
+    }
+
+    /// Read the blocks of `keys` into host slots `slots` of `host`. Keys not on disk fail at
+    /// once (misses); the others are pinned (safe from eviction) and read asynchronously, each
+    /// verified before it is reported ok. Returns the job id.
+    pub fn submit_read(&self, keys: &[BlockKey], slots: &[u32], host: Arc<dyn HostMemory>) -> KvResult<u64> {
+        self.check_host(&*host, slots, keys.len())?;
+        let mut seen = HashSet::with_capacity(slots.len());
+        if let Some(dup) = slots.iter().find(|s| !seen.insert(**s)) {
+            return Err(KvError::invalid("slots", format!("host slot {dup} appears twice in one read")));
+        }
+        let gate = self.closed.read();
+        if *gate {
+            return Err(KvError::Closed(format!("disk tier at {}", self.dir.display())));
+        }
+        let sh = &self.shared;
+        sh.check_slabs();
+        let job = self.new_job(JobKind::Read, keys.to_vec(), host.clone());
+        if keys.is_empty() {
+            sh.finalize(&job); // nothing will ever complete it otherwise
+        }
+        let mut chains = Vec::with_capacity(keys.len());
+        for (i, (key, hs)) in keys.iter().zip(slots).enumerate() {
+            let pinned = sh.index.pin_for_load(std::slice::from_ref(key)).ok().and_then(|s| {
+                let crc = sh.index.with_entry(key, |e| e.checksum.load(Ordering::Acquire));
+                crc.map(|c| (s[0], c))
+            });
+            match pinned {
+                Some((disk_slot, crc)) => chains.push(sh.read_chain(&job, i, *key, disk_slot, crc, *hs, &host)),
+                None => {
+                    sh.counters.read_misses.fetch_add(1, Ordering::Relaxed);
+                    sh.finish_one(&job, i, false, 0);
+                }
+            }
+        }
+        self.engine.submit(chains);
+        drop(gate);
+        Ok(job.id)
+    }
+
+    /// Collect every finished job (each is returned once).
+    pub fn poll(&self) -> Vec<JobResult> {
+        let mut jobs = self.shared.jobs.lock();
+        let done: Vec<u64> = jobs.iter().filter(|(_, s)| matches!(s, JobSlot::Done(_))).map(|(id, _)| *id).collect();
+        let mut out: Vec<JobResult> = done
+            .into_iter()
+            .filter_map(|id| match jobs.remove(&id) {
+                Some(JobSlot::Done(r)) => Some(r),
+                _ => None,
+            })
+            .collect();
+        out.sort_by_key(|r| r.id);
+        out
+    }
+
+    /// Take job `id`'s result if it finished; None if it is still running.
+    pub fn try_take(&self, id: u64) -> KvResult<Option<JobResult>> {
+        let mut jobs = self.shared.jobs.lock();
+        match jobs.get(&id) {
+            None => Err(unknown_job(id)),
+            Some(JobSlot::Running) => Ok(None),
+            Some(JobSlot::Done(_)) => match jobs.remove(&id) {
+                Some(JobSlot::Done(r)) => Ok(Some(r)),
+                _ => unreachable!("checked above"),
+            },
+        }
+    }
+
+    /// Block until job `id` finished (or `timeout` passed: None) and take its result.
+    pub fn wait(&self, id: u64, timeout: Option<Duration>) -> KvResult<Option<JobResult>> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut jobs = self.shared.jobs.lock();
+        loop {
+            match jobs.get(&id) {
+                None => return Err(unknown_job(id)),
+                Some(JobSlot::Done(_)) => {
+                    return match jobs.remove(&id) {
+                        Some(JobSlot::Done(r)) => Ok(Some(r)),
+                        _ => unreachable!("checked above"),
+                    }
+                }
+                Some(JobSlot::Running) => match deadline {
+                    None => self.shared.job_done.wait(&mut jobs),
+                    Some(d) => {
+                        if self.shared.job_done.wait_until(&mut jobs, d).timed_out() {
+                            return Ok(None);
+                        }
+                    }
+                },
+            }
+        }
+    }
+
+    /// Block until no job is running (or `timeout` passed: false).
+    pub fn wait_idle(&self, timeout: Option<Duration>) -> bool {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut jobs = self.shared.jobs.lock();
+        while jobs.values().any(|s| matches!(s, JobSlot::Running)) {
+            match deadline {
+                None => self.shared.job_done.wait(&mut jobs),
+                Some(d) => {
+                    if self.shared.job_done.wait_until(&mut jobs, d).timed_out() {
+                        return false;
+                    }
+                }
+            }
+        }
+        true
+    }
+
+    pub fn running_jobs(&self) -> usize {
+        self.shared.jobs.lock().values().filter(|s| matches!(s, JobSlot::Running)).count()
+    }
+
+    /// Finish all queued I/O, sync the slabs, release the directory lock. Finished results
+    /// stay collectable. Idempotent.
+    pub fn close(&self) -> KvResult<()> {
+        {
+            let mut closed = self.closed.write();
+            if *closed {
+                return Ok(());
+            }
+            *closed = true;
+        }
+        self.engine.shutdown();
+        let mut first_err = None;
+        for s in &self.shared.slabs {
+            let s = s.read().clone();
+            if let Err(e) = s.file.sync_data() {
+                first_err.get_or_insert(KvError::io("sync", &s.path, &e));
+            }
+        }
+        self.lock.lock().take();
+        first_err.map_or(Ok(()), Err)
+    }
+
+    /// Counters as (name, value) pairs: the disk tier's own, then its index's.
+    pub fn stats(&self) -> Vec<(&'static str, u64)> {
+        let c = &self.shared.counters;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let mut v = vec![
+            ("jobs", l(&c.jobs)),
+            ("blocks_written", l(&c.blocks_written)),
+            ("bytes_written", l(&c.bytes_written)),
+            ("blocks_read", l(&c.blocks_read)),
+            ("bytes_read", l(&c.bytes_read)),
+            ("write_failures", l(&c.write_failures)),
+            ("read_misses", l(&c.read_misses)),
+            ("checksum_failures", l(&c.checksum_failures)),
+            ("short_reads", l(&c.short_reads)),
+            ("read_errors", l(&c.read_errors)),
+            ("enospc", l(&c.enospc)),
+            ("refused_disk_full", l(&c.refused_full)),
+            ("disk_full", u64::from(self.shared.is_full())),
+            ("slabs_lost", l(&c.slabs_lost)),
+            ("blocks_lost", l(&c.blocks_lost)),
+            ("recovered_blocks", l(&c.recovered_blocks)),
+            ("recovery_discarded", l(&c.recovery_discarded)),
+            ("recovery_duplicates", l(&c.recovery_duplicates)),
+            ("recovery_us", l(&c.recovery_us)),
+            ("direct_io", u64::from(self.direct)),
+            ("preallocated", u64::from(self.preallocated)),
+            ("block_bytes", self.shared.geo.block_bytes as u64),
+            ("slot_stride", self.shared.geo.slot_stride as u64),
+            ("capacity_bytes", (self.shared.geo.total_slots() * self.shared.geo.slot_stride) as u64),
+        ];
+        v.extend(self.shared.index.stats().fields());
+        v
+    }
+}
+
+fn unknown_job(id: u64) -> KvError {
+    KvError::invalid("job_id", format!("no job {id} (unknown, or its result was already taken)"))
+}
+
+impl Drop for DiskTier {
+    fn drop(&mut self) {
+        let _ = self.close();
+    }
+}
+
+/// The write chain's header page plus the checksum computed in prep (read by `done`).
+struct WriteCtx {
+    header: AlignedBuf,
+    crc: AtomicU32,
+}
+
+impl Shared {
+    fn now_ns(&self) -> u64 {
+        self.origin.elapsed().as_nanos() as u64
+    }
+
+    fn is_full(&self) -> bool {
+        let until = self.full_until_ns.load(Ordering::Acquire);
+        until != 0 && self.now_ns() < until
+    }
+
+    fn mark_full(&self) {
+        let until = self.now_ns() + self.full_retry.as_nanos() as u64;
+        self.full_until_ns.store(until.max(1), Ordering::Release);
+    }
+
+    fn take_fault(&self, reading: bool) -> Option<i32> {
+        let mut f = self.fault.lock();
+        let (fault, count) = (*f)?;
+        let errno = match (fault, reading) {
+            (Fault::WriteErrno(e), false) | (Fault::ReadErrno(e), true) => e,
+            _ => return None,
+        };
+        *f = if count > 1 { Some((fault, count - 1)) } else { None };
+        Some(errno)
+    }
+
+    fn slab(&self, i: usize) -> Arc<SlabFile> {
+        self.slabs[i].read().clone()
+    }
+
+    /// A slab deleted behind our back: its blocks become misses, and a fresh file takes its
+    /// place for new writes. In-flight I/O keeps the old file open through its `Arc`, so no fd
+    /// number is ever reused under the kernel's feet.
+    fn check_slabs(&self) {
+        for (i, cell) in self.slabs.iter().enumerate() {
+            let cur = cell.read().clone();
+            // SAFETY: fstat on an fd kept open by `cur`.
+            let mut st: libc::stat = unsafe { std::mem::zeroed() };
+            let rc = unsafe { libc::fstat(cur.file.as_raw_fd(), &mut st) };
+            if rc != 0 || st.st_nlink > 0 {
+                continue;
+            }
+            let mut w = cell.write();
+            if !Arc::ptr_eq(&w, &cur) {
+                continue; // another thread replaced it already
+            }
+            let mode = if cur.direct { DirectMode::Auto } else { DirectMode::Off };
+            match SlabFile::open(&cur.path, self.geo.file_bytes(), mode) {
+                Ok(o) => *w = Arc::new(o.slab),
+                Err(_) => continue, // keep serving from the unlinked file; retried next read
+            }
+            drop(w);
+            self.counters.slabs_lost.fetch_add(1, Ordering::Relaxed);
+            let lo = (i * self.geo.slots_per_file) as u32;
+            let hi = lo + self.geo.slots_per_file as u32;
+            let keys: Vec<BlockKey> =
+                self.index.snapshot().into_iter().filter(|(_, _, _, s)| (lo..hi).contains(s)).map(|(k, ..)| k).collect();
+            let n = self.index.remove(&keys).len();
+            self.counters.blocks_lost.fetch_add(n as u64, Ordering::Relaxed);
+        }
+    }
+
+    fn finish_one(&self, job: &Job, i: usize, ok: bool, bytes: u64) {
+        if ok {
+            job.ok[i].store(true, Ordering::Release);
+            job.bytes.fetch_add(bytes, Ordering::Relaxed);
+        }
+        if job.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.finalize(job);
+        }
+    }
+
+    fn finalize(&self, job: &Job) {
+        let (mut ok_keys, mut failed_keys) = (Vec::new(), Vec::new());
+        for (k, ok) in job.keys.iter().zip(&job.ok) {
+            if ok.load(Ordering::Acquire) {
+                ok_keys.push(*k)
+            } else {
+                failed_keys.push(*k)
+            }
+        }
+        let result = JobResult {
+            id: job.id,
+            kind: job.kind,
+            ok_keys,
+            failed_keys,
+            bytes: job.bytes.load(Ordering::Relaxed),
+            seconds: job.started.elapsed().as_secs_f64(),
+            keepalive: job.host.lock().take(),
+        };
+        self.jobs.lock().insert(job.id, JobSlot::Done(result));
+        self.job_done.notify_all();
+    }
+
+    fn write_chain(
+        self: &Arc<Self>,
+        job: &Arc<Job>,
+        i: usize,
+        key: BlockKey,
+        disk_slot: u32,
+        host_slot: u32,
+        host: &Arc<dyn HostMemory>,
+    ) -> Chain {
+        let geo = self.geo;
+        let (file_i, payload_off) = geo.locate(disk_slot);
+        let file = self.slab(file_i);
+        // SAFETY: host_slot was range-checked; the slot is data_bytes or larger.
+        let src = unsafe { host.base_ptr().add(host_slot as usize * host.slot_bytes()) };
+        let ctx = Arc::new(WriteCtx { header: AlignedBuf::new(HEADER_BYTES), crc: AtomicU32::new(0) });
+        let generation = self.next_gen.fetch_add(1, Ordering::Relaxed);
+        let prep = {
+            let (me, ctx) = (self.clone(), ctx.clone());
+            let src = IoBuf { ptr: src, len: geo.block_bytes };
+            Box::new(move || {
+                let src = src; // capture the whole Send wrapper, not its raw field
+                if let Some(e) = me.take_fault(false) {
+                    return Err(e);
+                }
+                // SAFETY: the caller keeps the host slot unchanged until the job completes.
+                let payload = unsafe { std::slice::from_raw_parts(src.ptr, src.len) };
+                let crc = crc32c::crc32c(payload);
+                let h = SlotHeader {
+                    key,
+                    generation,
+                    payload_len: geo.block_bytes as u64,
+                    payload_crc: crc,
+                    slot: disk_slot,
+                    dir_id: me.dir_id,
+                };
+                // SAFETY: the header page is only touched here before the ops start, and by
+                // the kernel afterwards; nobody else has a reference that writes it.
+                let page = unsafe { std::slice::from_raw_parts_mut(ctx.header.ptr(), HEADER_BYTES) };
+                h.encode_into(page);
+                ctx.crc.store(crc, Ordering::Release);
+                Ok(())
+            }) as PrepFn
+        };
+        let ops = vec![
+            IoOp {
+                kind: OpKind::Write,
+                file: file.clone(),
+                offset: payload_off,
+                bufs: vec![IoBuf { ptr: src, len: geo.data_bytes }],
+            },
+            IoOp {
+                kind: OpKind::Write,
+                file,
+                offset: payload_off + geo.data_bytes as u64,
+                bufs: vec![IoBuf { ptr: ctx.header.ptr(), len: HEADER_BYTES }],
+            },
+        ];
+        let done = {
+            let (me, job) = (self.clone(), job.clone());
+            Box::new(move |res: Result<(), IoFailure>| {
+                let c = &me.counters;
+                match res {
+                    Ok(()) => {
+                        let crc = ctx.crc.load(Ordering::Acquire);
+                        me.index.with_entry(&key, |e| e.checksum.store(crc, Ordering::Release));
+                        me.index.complete_store(&[key], true);
+                        let bytes = geo.slot_stride as u64;
+                        c.blocks_written.fetch_add(1, Ordering::Relaxed);
+                        c.bytes_written.fetch_add(bytes, Ordering::Relaxed);
+                        me.finish_one(&job, i, true, geo.block_bytes as u64);
+                    }
+                    Err(f) => {
+                        me.index.complete_store(&[key], false);
+                        c.write_failures.fetch_add(1, Ordering::Relaxed);
+                        // A short write on a sized file, ENOSPC or EDQUOT: the device is full.
+                        if matches!(f.errno(), Some(libc::ENOSPC) | Some(libc::EDQUOT))
+                            || matches!(f, IoFailure::Short { .. })
+                        {
+                            c.enospc.fetch_add(1, Ordering::Relaxed);
+                            me.mark_full();
+                        }
+                        me.finish_one(&job, i, false, 0);
+                    }
+                }
+                drop(ctx);
+            }) as DoneFn
+        };
+        Chain { prep: Some(prep), ops, done }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn read_chain(
+        self: &Arc<Self>,
+        job: &Arc<Job>,
+        i: usize,
+        key: BlockKey,
+        disk_slot: u32,
+        expected_crc: u32,
+        host_slot: u32,
+        host: &Arc<dyn HostMemory>,
+    ) -> Chain {
+        let geo = self.geo;
+        let (file_i, payload_off) = geo.locate(disk_slot);
+        let file = self.slab(file_i);
+        // SAFETY: host_slot was range-checked; the slot is data_bytes or larger.
+        let dst = IoBuf { ptr: unsafe { host.base_ptr().add(host_slot as usize * host.slot_bytes()) }, len: geo.data_bytes };
+        let header = Arc::new(AlignedBuf::new(HEADER_BYTES));
+        let prep = {
+            let me = self.clone();
+            Box::new(move || me.take_fault(true).map_or(Ok(()), Err)) as PrepFn
+        };
+        let ops = vec![IoOp {
+            kind: OpKind::Read,
+            file,
+            offset: payload_off,
+            bufs: vec![dst, IoBuf { ptr: header.ptr(), len: HEADER_BYTES }],
+        }];
+        let done = {
+            let (me, job) = (self.clone(), job.clone());
+            Box::new(move |res: Result<(), IoFailure>| {
+                let dst = dst; // capture the whole Send wrapper, not its raw field
+                let c = &me.counters;
+                // SAFETY: the read completed (or failed); the slot is ours until the job ends.
+                let payload = unsafe { std::slice::from_raw_parts_mut(dst.ptr, geo.block_bytes) };
+                let verdict = match res {
+                    Err(IoFailure::Short { .. }) => Err(&c.short_reads),
+                    Err(_) => Err(&c.read_errors),
+                    Ok(()) => match SlotHeader::decode(header.as_slice(), disk_slot, me.dir_id) {
+                        Ok(h) if h.key == key
+                            && h.payload_len == geo.block_bytes as u64
+                            && h.payload_crc == expected_crc
+                            && h.payload_matches(payload) =>
+                        {
+                            Ok(())
+                        }
+                        _ => Err(&c.checksum_failures),
+                    },
+                };
+                let _ = me.index.unpin(&[key]);
+                match verdict {
+                    Ok(()) => {
+                        me.index.touch(&[key]);
+                        c.blocks_read.fetch_add(1, Ordering::Relaxed);
+                        c.bytes_read.fetch_add(geo.block_bytes as u64, Ordering::Relaxed);
+                        me.finish_one(&job, i, true, geo.block_bytes as u64);
+                    }
+                    Err(counter) => {
+                        // Never leave unverified bytes where the caller might use them.
+                        payload.fill(0);
+                        counter.fetch_add(1, Ordering::Relaxed);
+                        me.index.remove(&[key]);
+                        me.finish_one(&job, i, false, 0);
+                    }
+                }
+            }) as DoneFn
+        };
+        Chain { prep: Some(prep), ops, done }
+    }
+}

@@ -1,0 +1,343 @@
+//! The directory: lock file, metadata file, and the slab files of fixed-size slots.
+//!
+//! File names are fixed (`kvtier-disk.lock`, `kvtier-disk.meta`, `slab-NNN.kvt`): keys never
+//! become path components. Files are created 0600 and the directory 0700. The metadata file is
+//! plain `name=value` text written to a temporary name, synced and renamed over, so it is either
+//! the old or the new version; stale temporaries from a crash are removed at open.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use super::io::FdOwner;
+use super::layout::{round_up_page, HEADER_BYTES, PAGE};
+use crate::error::{KvError, KvResult};
+
+pub const LOCK_NAME: &str = "kvtier-disk.lock";
+pub const META_NAME: &str = "kvtier-disk.meta";
+const META_TMP_PREFIX: &str = ".kvtier-disk.meta.tmp";
+const META_FORMAT: u32 = 1;
+
+pub fn slab_name(i: usize) -> String {
+    format!("slab-{i:03}.kvt")
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Geometry {
+    pub block_bytes: usize,
+    /// Payload area of a slot: block_bytes rounded up to 4 KiB.
+    pub data_bytes: usize,
+    /// data_bytes + one header page.
+    pub slot_stride: usize,
+    pub slots_per_file: usize,
+    pub num_files: usize,
+}
+
+impl Geometry {
+    pub fn new(capacity_bytes: u64, block_bytes: usize, num_files: usize) -> KvResult<Self> {
+        if block_bytes == 0 {
+            return Err(KvError::invalid("block_bytes", "must be positive"));
+        }
+        if block_bytes > (1 << 30) {
+            return Err(KvError::invalid("block_bytes", format!("{block_bytes} is over the 1 GiB limit")));
+        }
+        if num_files == 0 || num_files > 999 {
+            return Err(KvError::invalid("num_files", format!("must be in 1..=999, got {num_files}")));
+        }
+        let data_bytes = round_up_page(block_bytes);
+        let slot_stride = data_bytes + HEADER_BYTES;
+        let total = (capacity_bytes / slot_stride as u64) as usize;
+        if total < num_files {
+            return Err(KvError::invalid(
+                "capacity_bytes",
+                format!(
+                    "{capacity_bytes} bytes hold {total} slot(s) of {slot_stride} bytes (block plus 4 KiB header), \
+                     fewer than num_files={num_files}"
+                ),
+            ));
+        }
+        if total > u32::MAX as usize / 2 {
+            return Err(KvError::invalid("capacity_bytes", "more than 2^31 slots"));
+        }
+        Ok(Geometry { block_bytes, data_bytes, slot_stride, slots_per_file: total / num_files, num_files })
+    }
+
+    pub fn total_slots(&self) -> usize {
+        self.slots_per_file * self.num_files
+    }
+    pub fn file_bytes(&self) -> u64 {
+        (self.slots_per_file * self.slot_stride) as u64
+    }
+    /// (file index, byte offset of the slot's payload).
+    pub fn locate(&self, slot: u32) -> (usize, u64) {
+        let s = slot as usize;
+        (s / self.slots_per_file, ((s % self.slots_per_file) * self.slot_stride) as u64)
+    }
+    pub fn header_offset(&self, slot: u32) -> (usize, u64) {
+        let (f, off) = self.locate(slot);
+        (f, off + self.data_bytes as u64)
+    }
+}
+
+/// Create (0700) or check the directory, and tighten its mode if we own it.
+pub fn prepare_dir(dir: &Path) -> KvResult<()> {
+    match fs::metadata(dir) {
+        Ok(m) if !m.is_dir() => {
+            return Err(KvError::Io { op: "open", path: dir.display().to_string(), detail: "not a directory".into() })
+        }
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).map_err(|e| KvError::io("create directory", dir, &e))?;
+        }
+        Err(e) => return Err(KvError::io("open", dir, &e)),
+    }
+    let _ = fs::set_permissions(dir, fs::Permissions::from_mode(0o700));
+    // Remove temporaries a crash may have left (only our own fixed prefix).
+    if let Ok(rd) = fs::read_dir(dir) {
+        for e in rd.flatten() {
+            if e.file_name().to_string_lossy().starts_with(META_TMP_PREFIX) {
+                let _ = fs::remove_file(e.path());
+            }
+        }
+    }
+    Ok(())
+}
+
+fn open_private(path: &Path, create: bool) -> std::io::Result<File> {
+    OpenOptions::new().read(true).write(true).create(create).mode(0o600).custom_flags(libc::O_CLOEXEC).open(path)
+}
+
+/// Exclusive advisory lock on the directory for the life of the tier (flock: released by the
+/// kernel if the process dies, so a crash never leaves the directory locked).
+pub struct DirLock {
+    _file: File,
+}
+
+impl DirLock {
+    pub fn acquire(dir: &Path) -> KvResult<Self> {
+        let path = dir.join(LOCK_NAME);
+        let mut file = open_private(&path, true).map_err(|e| KvError::io("open lock file", &path, &e))?;
+        // SAFETY: plain syscall on an fd we own.
+        let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        if rc != 0 {
+            let err = std::io::Error::last_os_error();
+            if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
+                let mut holder = String::new();
+                let _ = file.read_to_string(&mut holder);
+                let holder = holder.trim();
+                return Err(KvError::Locked(format!(
+                    "{} is already open by another disk tier{}",
+                    dir.display(),
+                    if holder.is_empty() { String::new() } else { format!(" (pid {holder})") }
+                )));
+            }
+            return Err(KvError::io("lock", &path, &err));
+        }
+        let _ = file.set_len(0);
+        let _ = write!(file, "{}", std::process::id());
+        Ok(DirLock { _file: file })
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Meta {
+    pub block_bytes: usize,
+    pub slots_per_file: usize,
+    pub num_files: usize,
+    pub dir_id: u64,
+}
+
+impl Meta {
+    fn render(&self) -> String {
+        format!(
+            "format={META_FORMAT}\nblock_bytes={}\nslots_per_file={}\nnum_files={}\ndir_id={}\n",
+            self.block_bytes, self.slots_per_file, self.num_files, self.dir_id
+        )
+    }
+
+    /// Parse the metadata text; never evaluates anything, only integers by name.
+    fn parse(text: &str) -> Option<Meta> {
+        let get = |name: &str| -> Option<u64> {
+            text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix('=')?.trim().parse().ok())
+        };
+        if get("format")? != u64::from(META_FORMAT) {
+            return None;
+        }
+        Some(Meta {
+            block_bytes: get("block_bytes")? as usize,
+            slots_per_file: get("slots_per_file")? as usize,
+            num_files: get("num_files")? as usize,
+            dir_id: get("dir_id")?,
+        })
+    }
+
+    pub fn load(dir: &Path) -> KvResult<Option<Meta>> {
+        let path = dir.join(META_NAME);
+        match fs::read_to_string(&path) {
+            Ok(t) => Meta::parse(&t).map(Some).ok_or_else(|| KvError::Io {
+                op: "read",
+                path: path.display().to_string(),
+                detail: "not a kvtier disk-tier metadata file (unknown format); refusing to touch this directory".into(),
+            }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(KvError::io("read", &path, &e)),
+        }
+    }
+
+    pub fn store(&self, dir: &Path) -> KvResult<()> {
+        let tmp = dir.join(format!("{META_TMP_PREFIX}.{}", std::process::id()));
+        let dst = dir.join(META_NAME);
+        let res = (|| -> std::io::Result<()> {
+            let mut f = OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
+            f.write_all(self.render().as_bytes())?;
+            f.sync_all()?;
+            fs::rename(&tmp, &dst)?;
+            File::open(dir)?.sync_all()
+        })();
+        if let Err(e) = res {
+            let _ = fs::remove_file(&tmp);
+            return Err(KvError::io("write", &dst, &e));
+        }
+        Ok(())
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DirectMode {
+    Auto,
+    On,
+    Off,
+}
+
+impl DirectMode {
+    pub fn parse(s: &str) -> KvResult<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(DirectMode::Auto),
+            "on" | "true" | "yes" => Ok(DirectMode::On),
+            "off" | "false" | "no" => Ok(DirectMode::Off),
+            other => Err(KvError::invalid("direct", format!("{other:?}: expected \"auto\", \"on\" or \"off\""))),
+        }
+    }
+}
+
+pub struct SlabFile {
+    pub file: File,
+    pub path: PathBuf,
+    pub direct: bool,
+    pub preallocated: bool,
+}
+
+impl FdOwner for SlabFile {
+    fn raw_fd(&self) -> RawFd {
+        self.file.as_raw_fd()
+    }
+}
+
+/// Why O_DIRECT was not used, if it was not (for stats).
+pub struct SlabOpen {
+    pub slab: SlabFile,
+    pub direct_refusal: Option<String>,
+    pub prealloc_refusal: Option<String>,
+}
+
+impl SlabFile {
+    /// Open or create a slab, size it (fallocate, or a sparse file where the filesystem cannot
+    /// preallocate or is full) and pick direct or buffered I/O.
+    pub fn open(path: &Path, bytes: u64, mode: DirectMode) -> KvResult<SlabOpen> {
+        let file = open_private(path, true).map_err(|e| KvError::io("open slab", path, &e))?;
+        let _ = fs::set_permissions(path, fs::Permissions::from_mode(0o600));
+        let fd = file.as_raw_fd();
+        // SAFETY: plain syscall on an fd we own.
+        let rc = unsafe { libc::fallocate(fd, 0, 0, bytes as libc::off_t) };
+        let prealloc_refusal = if rc == 0 {
+            None
+        } else {
+            let err = std::io::Error::last_os_error();
+            // Unsupported (some network filesystems) or no room: fall back to a sparse file. A
+            // full device then shows up as ENOSPC on writes, which the tier degrades on.
+            let cur = file.metadata().map_err(|e| KvError::io("stat slab", path, &e))?.len();
+            if cur < bytes {
+                file.set_len(bytes).map_err(|e| KvError::io("size slab", path, &e))?;
+            }
+            Some(format!("fallocate: {err}"))
+        };
+        let mut direct_refusal = None;
+        let mut slab = SlabFile { file, path: path.to_path_buf(), direct: false, preallocated: prealloc_refusal.is_none() };
+        if mode != DirectMode::Off {
+            match Self::reopen_direct(path) {
+                Ok(f) => {
+                    slab.file = f;
+                    slab.direct = true;
+                }
+                Err(why) if mode == DirectMode::Auto => direct_refusal = Some(why),
+                Err(why) => {
+                    return Err(KvError::Io { op: "open O_DIRECT", path: path.display().to_string(), detail: why })
+                }
+            }
+        }
+        Ok(SlabOpen { slab, direct_refusal, prealloc_refusal })
+    }
+
+    /// Open with O_DIRECT and prove it works with one aligned read (some filesystems accept the
+    /// flag at open and refuse the I/O).
+    fn reopen_direct(path: &Path) -> Result<File, String> {
+        let f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_DIRECT | libc::O_CLOEXEC)
+            .open(path)
+            .map_err(|e| format!("open: {e}"))?;
+        let buf = AlignedBuf::new(PAGE);
+        // SAFETY: buf is PAGE bytes, PAGE aligned.
+        let n = unsafe { libc::pread(f.as_raw_fd(), buf.ptr().cast(), PAGE, 0) };
+        if n < 0 {
+            return Err(format!("aligned read: {}", std::io::Error::last_os_error()));
+        }
+        Ok(f)
+    }
+}
+
+/// A zeroed, page-aligned heap buffer (header pages, recovery scratch).
+pub struct AlignedBuf {
+    ptr: std::ptr::NonNull<u8>,
+    layout: std::alloc::Layout,
+}
+// SAFETY: plain owned memory.
+unsafe impl Send for AlignedBuf {}
+unsafe impl Sync for AlignedBuf {}
+
+impl AlignedBuf {
+    pub fn new(len: usize) -> Self {
+        let layout = std::alloc::Layout::from_size_align(len.max(PAGE), PAGE).expect("valid layout");
+        // SAFETY: non-zero size.
+        let raw = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr = std::ptr::NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        AlignedBuf { ptr, layout }
+    }
+    pub fn ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+    pub fn len(&self) -> usize {
+        self.layout.size()
+    }
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: owned, initialised (zeroed) memory.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.layout.size()) }
+    }
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: owned, initialised memory, exclusive borrow.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.layout.size()) }
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+    }
+}

@@ -1,0 +1,420 @@
+//! `DiskTier`: the NVMe tier. Reads land in, and writes come from, slots of a `HostPool`; the
+//! pool is kept alive (a `Py<HostPool>` held by each job) until the job's result is taken.
+//! Every call that touches the disk or walks keys releases the GIL; only `wait`, `wait_idle`
+//! and `close` block on I/O, and only because they are asked to.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+use super::convert::{keys_from_py, keys_to_py};
+use super::errors::invalid;
+use super::host_pool::HostPool;
+use super::index::positive;
+use crate::admission::AdmissionRule;
+use crate::disk::io::{uring, EngineChoice};
+use crate::disk::slab::DirectMode;
+use crate::disk::{self, DiskConfig, Fault, HostMemory, JobKind, JobResult};
+use crate::policy::{InsertHint, PolicyKind, DEFAULT_PRIORITY, MAX_PRIORITY};
+
+/// A host pool seen by the core as `HostMemory`; holding it keeps the pool's memory alive.
+struct PoolRef(Py<HostPool>);
+
+impl HostMemory for PoolRef {
+    fn base_ptr(&self) -> *mut u8 {
+        self.0.get().region().as_ptr()
+    }
+    fn slot_bytes(&self) -> usize {
+        self.0.get().region().slot_bytes()
+    }
+    fn num_slots(&self) -> usize {
+        self.0.get().region().num_slots()
+    }
+}
+
+fn slots_from_py(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    let raw: Vec<i64> = obj.extract().map_err(|_| invalid("slots", "expected a sequence of int slot numbers"))?;
+    raw.into_iter()
+        .map(|s| u32::try_from(s).map_err(|_| invalid("slots", format!("slot {s} is not a valid slot number"))))
+        .collect()
+}
+
+fn seconds(arg: &'static str, v: Option<f64>) -> PyResult<Option<Duration>> {
+    match v {
+        None => Ok(None),
+        Some(s) if s.is_finite() && s >= 0.0 => Ok(Some(Duration::from_secs_f64(s))),
+        Some(s) => Err(invalid(arg, format!("must be a non-negative number of seconds, got {s}"))),
+    }
+}
+
+/// Result of one disk job.
+#[pyclass(frozen, module = "kvtier_rs._core", get_all)]
+pub struct DiskJobResult {
+    pub job_id: u64,
+    /// "read" or "write".
+    pub kind: &'static str,
+    /// True when every key of the job succeeded.
+    pub success: bool,
+    /// Keys written, or read and verified (their host slots hold the block).
+    pub ok_keys: Py<PyList>,
+    /// Keys that failed: misses, checksum or key mismatches, I/O errors, a full device.
+    pub failed_keys: Py<PyList>,
+    /// Payload bytes moved for the ok keys.
+    pub bytes: u64,
+    /// Seconds from submission to the last completion.
+    pub seconds: f64,
+}
+
+#[pymethods]
+impl DiskJobResult {
+    fn __repr__(&self, py: Python<'_>) -> String {
+        format!(
+            "DiskJobResult(job_id={}, kind={:?}, ok={}, failed={}, bytes={}, seconds={:.6})",
+            self.job_id,
+            self.kind,
+            self.ok_keys.bind(py).len(),
+            self.failed_keys.bind(py).len(),
+            self.bytes,
+            self.seconds
+        )
+    }
+}
+
+fn result_to_py(py: Python<'_>, r: JobResult) -> PyResult<DiskJobResult> {
+    let success = r.success();
+    let out = DiskJobResult {
+        job_id: r.id,
+        kind: match r.kind {
+            JobKind::Read => "read",
+            JobKind::Write => "write",
+        },
+        success,
+        ok_keys: keys_to_py(py, r.ok_keys)?.unbind(),
+        failed_keys: keys_to_py(py, r.failed_keys)?.unbind(),
+        bytes: r.bytes,
+        seconds: r.seconds,
+    };
+    // The pool reference (r.keepalive) is dropped here, with the GIL held.
+    drop(r.keepalive);
+    Ok(out)
+}
+
+/// What `submit_write` did with each key.
+#[pyclass(frozen, module = "kvtier_rs._core", get_all)]
+pub struct DiskWriteTicket {
+    pub job_id: u64,
+    /// Keys the job writes.
+    pub keys: Py<PyList>,
+    /// Already on disk or being written.
+    pub skipped: Py<PyList>,
+    /// Turned away by admission, or because the device is full.
+    pub refused: Py<PyList>,
+    /// Evicted from the disk tier to make room.
+    pub evicted: Py<PyList>,
+}
+
+#[pymethods]
+impl DiskWriteTicket {
+    fn __repr__(&self, py: Python<'_>) -> String {
+        format!(
+            "DiskWriteTicket(job_id={}, keys={}, skipped={}, refused={}, evicted={})",
+            self.job_id,
+            self.keys.bind(py).len(),
+            self.skipped.bind(py).len(),
+            self.refused.bind(py).len(),
+            self.evicted.bind(py).len()
+        )
+    }
+}
+
+#[pyclass(frozen, module = "kvtier_rs._core", name = "DiskTier")]
+pub struct PyDiskTier {
+    inner: disk::DiskTier,
+    policy: &'static str,
+    admission: String,
+}
+
+#[pymethods]
+impl PyDiskTier {
+    /// Open (or create) a disk tier in directory `path`: `capacity_bytes` of slab files holding
+    /// blocks of `block_bytes`. Reopening a directory recovers its blocks; the geometry must
+    /// match the one it was created with.
+    #[new]
+    #[pyo3(signature = (path, capacity_bytes, block_bytes, *, num_files=0, policy="lru", admission="uses:2",
+                        engine="auto", queue_depth=16, direct="auto", verify_on_open=false, full_retry_s=10.0))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        path: std::path::PathBuf,
+        capacity_bytes: i64,
+        block_bytes: i64,
+        num_files: i64,
+        policy: &str,
+        admission: &str,
+        engine: &str,
+        queue_depth: i64,
+        direct: &str,
+        verify_on_open: bool,
+        full_retry_s: f64,
+    ) -> PyResult<Self> {
+        let mut cfg = DiskConfig::new(path, positive("capacity_bytes", capacity_bytes)? as u64, positive("block_bytes", block_bytes)?);
+        if num_files < 0 {
+            return Err(invalid("num_files", format!("must be 0 (automatic) or positive, got {num_files}")));
+        }
+        cfg.num_files = num_files as usize;
+        cfg.policy = PolicyKind::parse(policy)?;
+        cfg.admission = AdmissionRule::parse(admission)?;
+        cfg.engine = EngineChoice::parse(engine)?;
+        cfg.queue_depth = positive("queue_depth", queue_depth)?;
+        cfg.direct = DirectMode::parse(direct)?;
+        cfg.verify_on_open = verify_on_open;
+        cfg.full_retry = seconds("full_retry_s", Some(full_retry_s))?.expect("given");
+        let policy_name = cfg.policy.name();
+        let admission_name = cfg.admission.describe();
+        let inner = py.detach(|| disk::DiskTier::open(cfg))?;
+        Ok(PyDiskTier { inner, policy: policy_name, admission: admission_name })
+    }
+
+    #[getter]
+    fn path(&self) -> std::path::PathBuf {
+        self.inner.dir().to_path_buf()
+    }
+    /// "io_uring" or "pool".
+    #[getter]
+    fn engine(&self) -> &'static str {
+        self.inner.engine_name()
+    }
+    #[getter]
+    fn queue_depth(&self) -> usize {
+        self.inner.queue_depth()
+    }
+    /// "direct" (O_DIRECT on every slab) or "buffered" (the filesystem refused O_DIRECT).
+    #[getter]
+    fn io_mode(&self) -> &'static str {
+        self.inner.io_mode()
+    }
+    #[getter]
+    fn preallocated(&self) -> bool {
+        self.inner.preallocated()
+    }
+    /// Fallbacks taken at open, in words (buffered I/O, sparse files, io_uring refused).
+    #[getter]
+    fn notes(&self) -> Vec<String> {
+        self.inner.notes().to_vec()
+    }
+    #[getter]
+    fn block_bytes(&self) -> usize {
+        self.inner.geometry().block_bytes
+    }
+    /// Bytes one block takes on disk (payload rounded to 4 KiB plus a 4 KiB header).
+    #[getter]
+    fn slot_stride(&self) -> usize {
+        self.inner.geometry().slot_stride
+    }
+    #[getter]
+    fn capacity_blocks(&self) -> usize {
+        self.inner.capacity_blocks()
+    }
+    #[getter]
+    fn num_files(&self) -> usize {
+        self.inner.geometry().num_files
+    }
+    #[getter]
+    fn policy(&self) -> &'static str {
+        self.policy
+    }
+    #[getter]
+    fn admission(&self) -> &str {
+        &self.admission
+    }
+    #[getter]
+    fn closed(&self) -> bool {
+        self.inner.is_closed()
+    }
+    /// True while writes are refused after the device reported it is full.
+    #[getter]
+    fn disk_full(&self) -> bool {
+        self.inner.is_full()
+    }
+    fn __len__(&self) -> usize {
+        self.inner.len()
+    }
+    fn __repr__(&self) -> String {
+        format!(
+            "DiskTier(path={:?}, capacity_blocks={}, block_bytes={}, engine={:?}, io_mode={:?}, resident={})",
+            self.inner.dir().display().to_string(),
+            self.inner.capacity_blocks(),
+            self.inner.geometry().block_bytes,
+            self.inner.engine_name(),
+            self.inner.io_mode(),
+            self.inner.len()
+        )
+    }
+    fn __enter__(slf: Bound<'_, Self>) -> Bound<'_, Self> {
+        slf
+    }
+    fn __exit__(&self, py: Python<'_>, _t: &Bound<'_, PyAny>, _v: &Bound<'_, PyAny>, _tb: &Bound<'_, PyAny>) -> PyResult<bool> {
+        self.close(py)?;
+        Ok(false)
+    }
+
+    /// Queue writes of `keys` from `pool` slots `slots` (same order). Keys already on disk are
+    /// skipped; keys the admission rule refuses (or all, while the device is full) are
+    /// refused. Returns at once; the host slots must stay unchanged until the job is done.
+    #[pyo3(signature = (keys, pool, slots, *, priority=DEFAULT_PRIORITY as i64, duration_s=None))]
+    fn submit_write(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        pool: &Bound<'_, HostPool>,
+        slots: &Bound<'_, PyAny>,
+        priority: i64,
+        duration_s: Option<f64>,
+    ) -> PyResult<DiskWriteTicket> {
+        let keys = keys_from_py(keys)?;
+        let slots = slots_from_py(slots)?;
+        if !(0..=i64::from(MAX_PRIORITY)).contains(&priority) {
+            return Err(invalid("priority", format!("{priority} is outside 0..=100")));
+        }
+        let hint = InsertHint {
+            priority: priority as u8,
+            duration_ns: seconds("duration_s", duration_s)?.map(|d| d.as_nanos() as u64),
+        };
+        let host: Arc<dyn HostMemory> = Arc::new(PoolRef(pool.clone().unbind()));
+        let t = py.detach(|| self.inner.submit_write(&keys, &slots, host, hint))?;
+        Ok(DiskWriteTicket {
+            job_id: t.job_id,
+            keys: keys_to_py(py, t.keys)?.unbind(),
+            skipped: keys_to_py(py, t.skipped)?.unbind(),
+            refused: keys_to_py(py, t.refused)?.unbind(),
+            evicted: keys_to_py(py, t.evicted)?.unbind(),
+        })
+    }
+
+    /// Queue reads of `keys` into `pool` slots `slots` (same order). Missing keys fail at
+    /// once; the rest are verified before they are reported ok. Returns the job id; the host
+    /// slots must not be used until the job is done.
+    fn submit_read(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, pool: &Bound<'_, HostPool>, slots: &Bound<'_, PyAny>) -> PyResult<u64> {
+        let keys = keys_from_py(keys)?;
+        let slots = slots_from_py(slots)?;
+        let host: Arc<dyn HostMemory> = Arc::new(PoolRef(pool.clone().unbind()));
+        Ok(py.detach(|| self.inner.submit_read(&keys, &slots, host))?)
+    }
+
+    /// Results of every job finished since the last call (each returned once). Never blocks.
+    fn poll(&self, py: Python<'_>) -> PyResult<Vec<DiskJobResult>> {
+        let done = py.detach(|| self.inner.poll());
+        done.into_iter().map(|r| result_to_py(py, r)).collect()
+    }
+
+    /// The result of `job_id` if it finished, else None. Never blocks.
+    fn try_take(&self, py: Python<'_>, job_id: u64) -> PyResult<Option<DiskJobResult>> {
+        match self.inner.try_take(job_id)? {
+            Some(r) => Ok(Some(result_to_py(py, r)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Wait for `job_id` (at most `timeout` seconds; None = no limit) and return its result,
+    /// or None on timeout. The GIL is released while waiting.
+    #[pyo3(signature = (job_id, timeout=None))]
+    fn wait(&self, py: Python<'_>, job_id: u64, timeout: Option<f64>) -> PyResult<Option<DiskJobResult>> {
+        let t = seconds("timeout", timeout)?;
+        match py.detach(|| self.inner.wait(job_id, t))? {
+            Some(r) => Ok(Some(result_to_py(py, r)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Wait until no job is running; False on timeout. Results stay collectable.
+    #[pyo3(signature = (timeout=None))]
+    fn wait_idle(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+        let t = seconds("timeout", timeout)?;
+        Ok(py.detach(|| self.inner.wait_idle(t)))
+    }
+
+    #[getter]
+    fn running_jobs(&self) -> usize {
+        self.inner.running_jobs()
+    }
+
+    /// Length of the longest prefix of `keys` on disk.
+    fn lookup_prefix(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let keys = keys_from_py(keys)?;
+        Ok(py.detach(|| self.inner.lookup_prefix(&keys))?)
+    }
+
+    fn contains(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
+        let keys = keys_from_py(keys)?;
+        Ok(py.detach(|| self.inner.contains(&keys))?)
+    }
+
+    /// Record a use of blocks on disk (eviction order).
+    fn touch(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<()> {
+        let keys = keys_from_py(keys)?;
+        Ok(py.detach(|| self.inner.touch(&keys))?)
+    }
+
+    /// Count uses toward disk admission without writing (e.g. hits served by the CPU tier).
+    fn record_use(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<()> {
+        let keys = keys_from_py(keys)?;
+        Ok(py.detach(|| self.inner.record_use(&keys))?)
+    }
+
+    /// Drop ready, unread blocks; returns the keys removed.
+    fn remove<'py>(&self, py: Python<'py>, keys: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
+        let keys = keys_from_py(keys)?;
+        let removed = py.detach(|| self.inner.remove(&keys))?;
+        keys_to_py(py, removed)
+    }
+
+    /// Counters (ints) plus `write_amplification` (bytes written per payload byte read back)
+    /// and the engine and I/O mode names.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = py.detach(|| self.inner.stats());
+        let d = PyDict::new(py);
+        let (mut written, mut read) = (0u64, 0u64);
+        for (name, v) in s {
+            match name {
+                "bytes_written" => written = v,
+                "bytes_read" => read = v,
+                _ => {}
+            }
+            d.set_item(name, v)?;
+        }
+        d.set_item("write_amplification", if read == 0 { f64::NAN } else { written as f64 / read as f64 })?;
+        d.set_item("engine", self.inner.engine_name())?;
+        d.set_item("io_mode", self.inner.io_mode())?;
+        Ok(d)
+    }
+
+    /// Finish queued I/O, sync the files and release the directory. Idempotent.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        Ok(py.detach(|| self.inner.close())?)
+    }
+
+    /// Test hook: make the next `count` block writes ("enospc", "eio_write") or reads
+    /// ("eio_read") fail at the I/O layer; None clears it.
+    #[pyo3(signature = (kind, count=1))]
+    fn _inject_fault(&self, kind: Option<&str>, count: u32) -> PyResult<()> {
+        let fault = match kind {
+            None => None,
+            Some("enospc") => Some(Fault::WriteErrno(libc::ENOSPC)),
+            Some("eio_write") => Some(Fault::WriteErrno(libc::EIO)),
+            Some("eio_read") => Some(Fault::ReadErrno(libc::EIO)),
+            Some(other) => {
+                return Err(invalid("kind", format!("{other:?}: expected \"enospc\", \"eio_write\" or \"eio_read\"")))
+            }
+        };
+        self.inner.inject_fault(fault, count);
+        Ok(())
+    }
+}
+
+/// None when io_uring works in this process, else the reason (seccomp, gVisor, sysctl).
+#[pyfunction]
+pub fn io_uring_probe(py: Python<'_>) -> Option<String> {
+    py.detach(|| uring::probe().err())
+}

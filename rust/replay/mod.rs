@@ -1,0 +1,195 @@
+//! Trace replay for the planner: the core's eviction policies driven by a request trace under
+//! prefix-cache rules, plus the offline pieces the planner needs (Belady `opt`, an infinite
+//! "ceiling" cache, a multi-tier replay and trace statistics).
+//!
+//! Semantics (kept identical to the independent Python model in tests/planner_reference.py):
+//! - Requests are replayed in trace order. Each request is a chain of block keys; block `i`
+//!   holds `min(block_size, input_tokens - i * block_size)` tokens, and tokens not covered by any
+//!   block (traces that list only full blocks) always miss.
+//! - Lookup: the request's hit blocks are the longest prefix of its chain that is resident.
+//!   After the first miss every later block is a miss, even if resident.
+//! - Placement: from the first miss on, blocks are placed one at a time. A block already
+//!   resident is kept as is; otherwise it must pass the admission rule, and, when the cache is
+//!   full, one victim is asked for. Victims are never blocks of the request being served and,
+//!   in prefix-tree mode, only leaves of the cached prefix tree (blocks with no cached child).
+//!   Placement stops at the first block that cannot be placed. In prefix-tree mode a block is
+//!   therefore only admitted when its parent (the previous block of the chain) is cached.
+//! - Apply: the policy then sees the request's chain tail first, as the live index applies it
+//!   and as vLLM frees a finished request's blocks: `insert` for blocks placed by this request,
+//!   `touch` for the rest, so the head of a chain is always more recent than its tail.
+//! - Hit rate is token-weighted over the measured requests (all but the first `warmup` share).
+
+mod analysis;
+mod multitier;
+mod opt;
+mod prefix_tree;
+mod sweep;
+
+#[cfg(test)]
+mod tests;
+
+use std::collections::HashMap;
+use std::sync::OnceLock;
+
+pub use analysis::{analyze, SharedPrefix, TraceAnalysis};
+pub use multitier::{replay_tiers, TierResult, TierSpec, TiersResult};
+pub use prefix_tree::{replay_one, Mode, ReplayStats, Replayer};
+pub use sweep::{run_sweep, Job, JobKind, Progress};
+
+use crate::error::{KvError, KvResult};
+
+/// Marker for "no next use" / "no parent".
+pub(crate) const NONE: u32 = u32::MAX;
+
+/// A request trace with keys remapped to dense ids `0..n_keys`.
+pub struct Trace {
+    block_size: u32,
+    /// `offsets[r]..offsets[r + 1]` are request `r`'s positions in `keys`.
+    offsets: Vec<u32>,
+    keys: Vec<u32>,
+    input_tokens: Vec<u64>,
+    timestamps_ns: Vec<u64>,
+    raw_keys: Vec<u64>,
+    /// Per reference: index of the next request that uses the same key (NONE if never).
+    next_use: OnceLock<Vec<u32>>,
+}
+
+impl Trace {
+    /// `offsets` has one entry per request plus a final one (`offsets[0] == 0`,
+    /// `offsets[last] == keys.len()`); `input_tokens` and `timestamps_s` one per request.
+    pub fn new(
+        block_size: u32,
+        offsets: Vec<u64>,
+        keys: Vec<u64>,
+        input_tokens: Vec<u64>,
+        timestamps_s: Vec<f64>,
+    ) -> KvResult<Self> {
+        if block_size == 0 {
+            return Err(KvError::invalid("block_size", "must be positive"));
+        }
+        let n = input_tokens.len();
+        if offsets.len() != n + 1 {
+            return Err(KvError::invalid(
+                "offsets",
+                format!("expected {} entries (requests + 1), got {}", n + 1, offsets.len()),
+            ));
+        }
+        if timestamps_s.len() != n {
+            return Err(KvError::invalid("timestamps", format!("expected {n} entries, got {}", timestamps_s.len())));
+        }
+        if offsets[0] != 0 || offsets[n] != keys.len() as u64 {
+            return Err(KvError::invalid("offsets", "must start at 0 and end at the number of keys"));
+        }
+        if keys.len() >= u32::MAX as usize || n >= u32::MAX as usize {
+            return Err(KvError::invalid("keys", "trace too large (more than 2^32 - 1 block references)"));
+        }
+        let bs = u64::from(block_size);
+        for r in 0..n {
+            let (a, b) = (offsets[r], offsets[r + 1]);
+            if b < a {
+                return Err(KvError::invalid("offsets", format!("decrease at request {r}")));
+            }
+            // Every block must hold at least one token.
+            let blocks = b - a;
+            if blocks > 0 && input_tokens[r] <= (blocks - 1) * bs {
+                return Err(KvError::invalid(
+                    "hash_ids",
+                    format!(
+                        "request {r} has {blocks} blocks but only {} input tokens (block size {bs})",
+                        input_tokens[r]
+                    ),
+                ));
+            }
+        }
+        let mut ids: HashMap<u64, u32, foldhash::fast::RandomState> = HashMap::default();
+        let mut raw_keys = Vec::new();
+        let dense = keys
+            .iter()
+            .map(|&k| {
+                *ids.entry(k).or_insert_with(|| {
+                    raw_keys.push(k);
+                    (raw_keys.len() - 1) as u32
+                })
+            })
+            .collect();
+        let timestamps_ns = timestamps_s.iter().map(|&t| if t.is_finite() && t > 0.0 { (t * 1e9) as u64 } else { 0 }).collect();
+        Ok(Trace {
+            block_size,
+            offsets: offsets.into_iter().map(|o| o as u32).collect(),
+            keys: dense,
+            input_tokens,
+            timestamps_ns,
+            raw_keys,
+            next_use: OnceLock::new(),
+        })
+    }
+
+    pub fn block_size(&self) -> u32 {
+        self.block_size
+    }
+    pub fn n_requests(&self) -> usize {
+        self.input_tokens.len()
+    }
+    pub fn n_refs(&self) -> usize {
+        self.keys.len()
+    }
+    pub fn n_keys(&self) -> usize {
+        self.raw_keys.len()
+    }
+    pub fn raw_key(&self, id: u32) -> u64 {
+        self.raw_keys[id as usize]
+    }
+    pub fn total_tokens(&self) -> u64 {
+        self.input_tokens.iter().sum()
+    }
+    pub(crate) fn range(&self, r: usize) -> std::ops::Range<usize> {
+        self.offsets[r] as usize..self.offsets[r + 1] as usize
+    }
+    pub(crate) fn request(&self, r: usize) -> &[u32] {
+        &self.keys[self.range(r)]
+    }
+    pub(crate) fn input_tokens(&self, r: usize) -> u64 {
+        self.input_tokens[r]
+    }
+    pub(crate) fn timestamp_ns(&self, r: usize) -> u64 {
+        self.timestamps_ns[r]
+    }
+    /// Tokens held by block `i` of request `r`.
+    #[inline]
+    pub(crate) fn block_tokens(&self, r: usize, i: usize) -> u64 {
+        let bs = u64::from(self.block_size);
+        bs.min(self.input_tokens[r] - i as u64 * bs)
+    }
+
+    /// First measured request for a warmup share `warmup` in [0, 1).
+    pub fn warmup_requests(&self, warmup: f64) -> usize {
+        ((self.n_requests() as f64) * warmup).floor() as usize
+    }
+
+    /// Next request using the same key, per reference (computed once, shared by `opt` jobs).
+    pub(crate) fn next_use(&self) -> &[u32] {
+        self.next_use.get_or_init(|| {
+            let mut last = vec![NONE; self.n_keys()];
+            let mut out = vec![NONE; self.keys.len()];
+            for r in (0..self.n_requests()).rev() {
+                let range = self.range(r);
+                // Read every key's next use before recording this request, so a key repeated
+                // inside one request still points past it.
+                for p in range.clone() {
+                    out[p] = last[self.keys[p] as usize];
+                }
+                for p in range {
+                    last[self.keys[p] as usize] = r as u32;
+                }
+            }
+            out
+        })
+    }
+}
+
+pub(crate) fn check_warmup(warmup: f64) -> KvResult<()> {
+    if !(0.0..1.0).contains(&warmup) {
+        return Err(KvError::invalid("warmup", format!("must be in [0, 1), got {warmup}")));
+    }
+    Ok(())
+}

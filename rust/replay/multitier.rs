@@ -1,0 +1,96 @@
+//! Multi-tier replay: GPU, CPU and disk tiers, each its own prefix-tree cache with its own
+//! policy and admission rule.
+//!
+//! Tiers are inclusive and written through, as vLLM's offloading connector stores every
+//! computed block to the CPU tier and the CPU tier feeds the secondary ones: every tier sees
+//! each request's whole chain (hits touched, new blocks offered to its admission rule) and
+//! evicts on its own. A request's usable prefix is the longest prefix whose blocks are each
+//! held by some tier; each block of it is served by the fastest tier holding it (tier order),
+//! so a block from the CPU tier is a CPU promotion and one from disk a disk promotion.
+
+use super::prefix_tree::{Cache, Mode, Online};
+use super::{check_warmup, Trace};
+use crate::admission::AdmissionRule;
+use crate::error::{KvError, KvResult};
+use crate::policy::PolicyKind;
+
+#[derive(Clone, Debug)]
+pub struct TierSpec {
+    pub name: String,
+    pub capacity: usize,
+    pub policy: PolicyKind,
+    pub admission: AdmissionRule,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TierResult {
+    pub name: String,
+    /// Measured tokens and blocks served from this tier (GPU hits, or promotions).
+    pub served_tokens: u64,
+    pub served_blocks: u64,
+    /// Blocks written into / evicted from this tier over the whole replay.
+    pub insertions: u64,
+    pub evictions: u64,
+    pub underfilled: bool,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TiersResult {
+    pub tiers: Vec<TierResult>,
+    pub miss_tokens: u64,
+    pub miss_blocks: u64,
+    pub total_tokens: u64,
+    pub total_blocks: u64,
+    pub measured_requests: u64,
+}
+
+pub fn replay_tiers(trace: &Trace, specs: &[TierSpec], mode: Mode, warmup: f64) -> KvResult<TiersResult> {
+    check_warmup(warmup)?;
+    if specs.is_empty() {
+        return Err(KvError::invalid("tiers", "give at least one tier"));
+    }
+    if let Some(t) = specs.iter().find(|t| t.capacity == 0) {
+        return Err(KvError::invalid("tiers", format!("tier {:?} has capacity 0", t.name)));
+    }
+    let mut caches: Vec<Cache> =
+        specs.iter().map(|t| Cache::new(trace.n_keys(), t.capacity, mode, t.admission)).collect();
+    let mut policies: Vec<Online> = specs.iter().map(|t| Online::new(t.policy, t.capacity)).collect();
+    let mut out = TiersResult {
+        tiers: specs.iter().map(|t| TierResult { name: t.name.clone(), ..Default::default() }).collect(),
+        ..Default::default()
+    };
+    let first = trace.warmup_requests(warmup);
+    let mut full_before = vec![false; specs.len()];
+    for r in 0..trace.n_requests() {
+        if r == first {
+            for (f, c) in full_before.iter_mut().zip(&caches) {
+                *f = c.ever_full();
+            }
+        }
+        if r >= first {
+            let keys = trace.request(r);
+            let mut served = 0;
+            for (i, &k) in keys.iter().enumerate() {
+                let Some(t) = caches.iter().position(|c| c.is_resident(k)) else { break };
+                out.tiers[t].served_tokens += trace.block_tokens(r, i);
+                out.tiers[t].served_blocks += 1;
+                served += 1;
+            }
+            let served_tokens: u64 = (0..served).map(|i| trace.block_tokens(r, i)).sum();
+            out.measured_requests += 1;
+            out.total_tokens += trace.input_tokens(r);
+            out.total_blocks += keys.len() as u64;
+            out.miss_tokens += trace.input_tokens(r) - served_tokens;
+            out.miss_blocks += (keys.len() - served) as u64;
+        }
+        for (cache, policy) in caches.iter_mut().zip(policies.iter_mut()) {
+            cache.step(policy, trace, r);
+        }
+    }
+    for (i, (t, c)) in out.tiers.iter_mut().zip(&caches).enumerate() {
+        t.insertions = c.insertions;
+        t.evictions = c.evictions;
+        t.underfilled = if first == 0 { !c.ever_full() } else { !full_before[i] };
+    }
+    Ok(out)
+}

@@ -1,0 +1,275 @@
+use proptest::prelude::*;
+
+use super::*;
+use crate::admission::AdmissionRule;
+use crate::policy::PolicyKind;
+
+const ONLINE: [PolicyKind; 5] =
+    [PolicyKind::Fifo, PolicyKind::Lru, PolicyKind::Arc, PolicyKind::Priority, PolicyKind::S3Fifo];
+
+/// A trace of full 4-token blocks from chains given as key lists.
+fn trace_of(chains: &[Vec<u64>]) -> Trace {
+    let mut offsets = vec![0u64];
+    let mut keys = Vec::new();
+    let mut tokens = Vec::new();
+    for c in chains {
+        keys.extend_from_slice(c);
+        offsets.push(keys.len() as u64);
+        tokens.push(c.len() as u64 * 4);
+    }
+    let ts = (0..chains.len()).map(|i| i as f64).collect();
+    Trace::new(4, offsets, keys, tokens, ts).unwrap()
+}
+
+fn run(t: &Trace, which: Replayer, cap: usize, mode: Mode) -> ReplayStats {
+    replay_one(t, which, cap, AdmissionRule::Always, mode, 0.0, None).unwrap()
+}
+
+/// Chained random traces: each request continues a prefix of an earlier request (or starts a
+/// new chain) and appends fresh blocks, so a key always has the same parent.
+fn chained(seed_ops: &[(u8, u8, u8)]) -> Trace {
+    let mut chains: Vec<Vec<u64>> = Vec::new();
+    let mut next = 0u64;
+    for &(pick, keep, add) in seed_ops {
+        let mut c = if chains.is_empty() || pick % 4 == 0 {
+            Vec::new()
+        } else {
+            let base = &chains[pick as usize % chains.len()];
+            base[..(keep as usize % (base.len() + 1))].to_vec()
+        };
+        for _ in 0..(add % 5) {
+            c.push(next);
+            next += 1;
+        }
+        if c.is_empty() {
+            c.push(next);
+            next += 1;
+        }
+        chains.push(c);
+    }
+    trace_of(&chains)
+}
+
+#[test]
+fn hand_computed_lru_prefix_tree() {
+    // Capacity 3. r0 places [1,2]; r1 hits 1, places 3 (cache 1,2,3 full); r2 = [4]:
+    // leaves are 2 and 3; tail-first apply made 2 older than 3's chain head, so LRU evicts 2.
+    let t = trace_of(&[vec![1, 2], vec![1, 3], vec![4], vec![1, 3], vec![1, 2]]);
+    let s = run(&t, Replayer::Policy(PolicyKind::Lru), 3, Mode::Tree);
+    // Hits: r1: 1 block, r3: 2 blocks ([1,3] still cached), r4: 1 block (2 was evicted).
+    assert_eq!(s.hit_blocks, 4);
+    assert_eq!(s.hit_tokens, 16);
+    assert_eq!(s.total_blocks, 9);
+    assert_eq!(s.evictions, 2); // 2 for r2's block 4, then 4 (a leaf, least recent) for r4's 2
+    assert!(!s.underfilled);
+}
+
+#[test]
+fn interior_blocks_and_current_request_are_never_victims() {
+    // Capacity 2 holding the chain [1,2]: a new root block can only evict the leaf 2, never the
+    // interior 1; a request [1,5] cannot evict its own hit 1 and evicts leaf 2.
+    let t = trace_of(&[vec![1, 2], vec![3], vec![1], vec![1, 5], vec![1, 5]]);
+    for kind in ONLINE {
+        let s = run(&t, Replayer::Policy(kind), 2, Mode::Tree);
+        // r1 evicts 2 (only leaf) -> {1,3}; r2 hits 1; r3 hits 1, evicts 3 (1 is protected);
+        // r4 hits [1,5].
+        assert_eq!(s.hit_blocks, 4, "{kind:?}");
+    }
+}
+
+#[test]
+fn placement_stops_at_first_block_that_cannot_be_placed() {
+    // Capacity 2 and a 3-block request: only 2 blocks fit, the third has no evictable victim.
+    let t = trace_of(&[vec![1, 2, 3], vec![1, 2, 3]]);
+    let s = run(&t, Replayer::Policy(PolicyKind::Lru), 2, Mode::Tree);
+    assert_eq!(s.hit_blocks, 2);
+    assert_eq!(s.insertions, 2);
+}
+
+#[test]
+fn hits_stop_at_first_miss_even_if_later_blocks_are_cached() {
+    // Flat mode lets the interior block 1 be evicted while 2 stays: [1,2] then hits nothing.
+    let t = trace_of(&[vec![1, 2], vec![2], vec![3], vec![1, 2]]);
+    let s = run(&t, Replayer::Policy(PolicyKind::Lru), 2, Mode::Flat);
+    // r1 hits 2 (a chain head here). r2 evicts LRU = 1. r3: 1 misses, so 2 is not a hit.
+    assert_eq!(s.hit_blocks, 1);
+}
+
+#[test]
+fn token_weighting_counts_partial_last_blocks_and_uncovered_tokens() {
+    // Block size 4; r0 has 10 tokens over [1,2,3] (last block 2 tokens); r1 has 9 tokens but
+    // lists only [1,2] (a full-blocks-only trace): its last token is never a hit.
+    let t = Trace::new(4, vec![0, 3, 5], vec![1, 2, 3, 1, 2], vec![10, 9], vec![0.0, 1.0]).unwrap();
+    let s = replay_one(&t, Replayer::Ceiling, 0, AdmissionRule::Always, Mode::Tree, 0.0, None).unwrap();
+    assert_eq!((s.hit_tokens, s.total_tokens), (8, 19));
+}
+
+#[test]
+fn trace_validation_names_the_field() {
+    let e = Trace::new(4, vec![0, 3], vec![1, 2, 3], vec![8], vec![0.0]).err().unwrap().to_string();
+    assert!(e.contains("hash_ids") && e.contains("3 blocks"), "{e}");
+    let e = Trace::new(4, vec![0, 1], vec![1], vec![8, 8], vec![0.0]).err().unwrap().to_string();
+    assert!(e.contains("offsets"), "{e}");
+    let e = Trace::new(0, vec![0], vec![], vec![], vec![]).err().unwrap().to_string();
+    assert!(e.contains("block_size"), "{e}");
+}
+
+#[test]
+fn warmup_excludes_early_requests_and_flags_underfilled() {
+    let t = trace_of(&[vec![1], vec![1], vec![2], vec![1]]);
+    let s = replay_one(&t, Replayer::Policy(PolicyKind::Lru), 10, AdmissionRule::Always, Mode::Tree, 0.5, None)
+        .unwrap();
+    assert_eq!((s.measured_requests, s.hit_blocks, s.total_blocks), (2, 1, 2));
+    assert!(s.underfilled);
+    let s = replay_one(&t, Replayer::Policy(PolicyKind::Lru), 1, AdmissionRule::Always, Mode::Tree, 0.5, None)
+        .unwrap();
+    assert!(!s.underfilled);
+    assert!(replay_one(&t, Replayer::Opt, 1, AdmissionRule::Always, Mode::Tree, 1.0, None).is_err());
+}
+
+#[test]
+fn admission_after_two_uses_keeps_one_hit_blocks_out() {
+    let t = trace_of(&[vec![1], vec![2], vec![1], vec![1], vec![3]]);
+    let s = replay_one(&t, Replayer::Policy(PolicyKind::Lru), 4, AdmissionRule::AfterUses(2), Mode::Tree, 0.0, None)
+        .unwrap();
+    assert_eq!(s.insertions, 1); // only key 1, on its second use
+    assert_eq!(s.hit_blocks, 1); // its third use
+}
+
+#[test]
+fn opt_refuses_a_block_used_later_than_every_leaf() {
+    // Capacity 1: [1] cached; [2] is next used after 1 is, so opt keeps 1 and refuses 2.
+    let t = trace_of(&[vec![1], vec![2], vec![1], vec![2]]);
+    let s = run(&t, Replayer::Opt, 1, Mode::Tree);
+    assert_eq!(s.hit_blocks, 1);
+    assert_eq!(s.evictions, 1); // r3 evicts 1 (never used again) for 2
+}
+
+#[test]
+fn multitier_serves_each_block_from_the_fastest_holder() {
+    let t = chained(&[(0, 0, 3), (1, 2, 2), (0, 0, 4), (2, 3, 1), (1, 1, 3), (3, 9, 2), (5, 4, 1), (2, 5, 2)]);
+    let specs = |caps: &[usize]| -> Vec<TierSpec> {
+        caps.iter()
+            .enumerate()
+            .map(|(i, &c)| TierSpec {
+                name: format!("t{i}"),
+                capacity: c,
+                policy: PolicyKind::Lru,
+                admission: AdmissionRule::Always,
+            })
+            .collect()
+    };
+    let m = replay_tiers(&t, &specs(&[2, 5, 1000]), Mode::Tree, 0.0).unwrap();
+    let gpu = run(&t, Replayer::Policy(PolicyKind::Lru), 2, Mode::Tree);
+    let ceil = run(&t, Replayer::Ceiling, 0, Mode::Tree);
+    // Tiers are independent inclusive caches: the first serves what it alone would hit, and
+    // with a last tier larger than the trace, the union serves exactly the ceiling.
+    assert_eq!(m.tiers[0].served_tokens, gpu.hit_tokens);
+    let served: u64 = m.tiers.iter().map(|t| t.served_tokens).sum();
+    assert_eq!(served, ceil.hit_tokens);
+    assert_eq!(served + m.miss_tokens, m.total_tokens);
+    assert!(m.tiers[2].underfilled && !m.tiers[0].underfilled);
+}
+
+#[test]
+fn sweep_matches_individual_replays() {
+    let t = chained(&(0..200u32).map(|i| ((i * 7 % 13) as u8, (i * 5 % 11) as u8, (i % 6) as u8)).collect::<Vec<_>>());
+    let mut jobs = Vec::new();
+    for kind in [Replayer::Policy(PolicyKind::Lru), Replayer::Policy(PolicyKind::Arc), Replayer::Opt, Replayer::Ceiling] {
+        for cap in [3, 10, 40] {
+            jobs.push(Job { kind, capacity: cap, admission: AdmissionRule::Always });
+        }
+    }
+    let p = Progress::default();
+    let out = run_sweep(&t, &jobs, Mode::Tree, 0.25, 2, &p).unwrap();
+    for (j, s) in jobs.iter().zip(&out) {
+        assert_eq!(*s, replay_one(&t, j.kind, j.capacity, j.admission, Mode::Tree, 0.25, None).unwrap());
+    }
+    assert_eq!(p.done.load(std::sync::atomic::Ordering::Relaxed), (jobs.len() * t.n_requests()) as u64);
+}
+
+#[test]
+fn analysis_reuse_distance_and_shared_prefixes() {
+    // Refs: 1 2 | 3 | 1 2 | 1 4: block 1 is reused after {2,3} (distance 2) and after {2}
+    // (distance 1); block 2 after {3,1}... within r2 block 1 was referenced just before it.
+    let t = trace_of(&[vec![1, 2], vec![3], vec![1, 2], vec![1, 4]]);
+    let a = analyze(&t, 5);
+    assert_eq!(a.reuse_distance, vec![2, 2, 1]);
+    assert_eq!(a.reuse_time_s, vec![2.0, 2.0, 1.0]);
+    assert_eq!((a.one_hit_keys, a.one_hit_refs), (2, 2));
+    // Maximal shared prefixes: [1,2] used by 2 requests (8 tokens) and [1] by 3 (4 tokens):
+    // [1] is not maximal-dominated since its child 2 has fewer users.
+    let tops: Vec<(u64, u64, u64)> = a.top_prefixes.iter().map(|p| (p.last_key, p.tokens, p.requests)).collect();
+    assert_eq!(tops, vec![(1, 4, 3), (2, 8, 2)]);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// Belady is optimal in blocks on chained traces; the infinite cache bounds everything;
+    /// a cache that holds every key equals the ceiling.
+    #[test]
+    fn opt_dominates_and_ceiling_bounds(ops in prop::collection::vec((0u8..255, 0u8..255, 0u8..255), 1..120),
+                                         cap in 1usize..30) {
+        let t = chained(&ops);
+        let ceil = run(&t, Replayer::Ceiling, 0, Mode::Tree);
+        let opt = run(&t, Replayer::Opt, cap, Mode::Tree);
+        prop_assert!(opt.hit_blocks <= ceil.hit_blocks);
+        for kind in ONLINE {
+            let s = run(&t, Replayer::Policy(kind), cap, Mode::Tree);
+            prop_assert!(s.hit_blocks <= opt.hit_blocks, "{:?} {} > opt {}", kind, s.hit_blocks, opt.hit_blocks);
+            let big = run(&t, Replayer::Policy(kind), t.n_keys(), Mode::Tree);
+            prop_assert_eq!(big.hit_tokens, ceil.hit_tokens);
+        }
+    }
+
+    /// The cached set stays prefix-closed in tree mode: every hit prefix is exactly the
+    /// resident blocks of the request, so a flat-mode-style gap never appears.
+    #[test]
+    fn tree_mode_keeps_cached_set_prefix_closed(ops in prop::collection::vec((0u8..255, 0u8..255, 0u8..255), 1..80),
+                                                cap in 1usize..12, k in 0usize..5) {
+        let t = chained(&ops);
+        let kind = ONLINE[k];
+        let mut cache = prefix_tree::Cache::new(t.n_keys(), cap, Mode::Tree, AdmissionRule::Always);
+        let mut pol = prefix_tree::Online::new(kind, cap);
+        for r in 0..t.n_requests() {
+            for c in t.request(r).windows(2) {
+                prop_assert!(!cache.is_resident(c[1]) || cache.is_resident(c[0]));
+            }
+            cache.step(&mut pol, &t, r);
+        }
+    }
+
+    /// The indexed FIFO picks exactly the victims the core's `Lru::fifo()` picks through the
+    /// `evictable` predicate, in both modes and with admission.
+    #[test]
+    fn leaf_fifo_equals_core_fifo(ops in prop::collection::vec((0u8..255, 0u8..255, 0u8..255), 1..150),
+                                  cap in 1usize..25, flat in any::<bool>(), uses in 1u32..3) {
+        let t = chained(&ops);
+        let mode = if flat { Mode::Flat } else { Mode::Tree };
+        let adm = if uses == 1 { AdmissionRule::Always } else { AdmissionRule::AfterUses(uses) };
+        let mut c1 = prefix_tree::Cache::new(t.n_keys(), cap, mode, adm);
+        let mut c2 = prefix_tree::Cache::new(t.n_keys(), cap, mode, adm);
+        let mut core = prefix_tree::Online::new(PolicyKind::Fifo, cap);
+        let mut fast = prefix_tree::LeafFifo::new(t.n_keys());
+        for r in 0..t.n_requests() {
+            prop_assert_eq!(c1.step(&mut core, &t, r), c2.step(&mut fast, &t, r), "request {}", r);
+            for k in 0..t.n_keys() as u32 {
+                prop_assert_eq!(c1.is_resident(k), c2.is_resident(k));
+            }
+        }
+    }
+
+    /// LRU without prefix rules is a stack algorithm, and so is Belady: more capacity never
+    /// loses hits.
+    #[test]
+    fn lru_flat_and_opt_tree_are_monotone(ops in prop::collection::vec((0u8..255, 0u8..255, 0u8..255), 1..100),
+                                     cap in 1usize..20) {
+        let t = chained(&ops);
+        for (which, mode) in [(Replayer::Policy(PolicyKind::Lru), Mode::Flat), (Replayer::Opt, Mode::Tree)] {
+            let a = run(&t, which, cap, mode);
+            let b = run(&t, which, cap + 1, mode);
+            prop_assert!(a.hit_blocks <= b.hit_blocks, "{:?}: {} at {} > {} at {}", which, a.hit_blocks, cap, b.hit_blocks, cap + 1);
+        }
+    }
+}

@@ -1,0 +1,324 @@
+"""An independent plain-Python model of the planner's replay semantics, for exact comparison
+with the Rust engine. It shares no code with it: the policies are re-implemented from their
+documented rules with OrderedDicts, and the prefix-tree rules are applied by direct scans.
+
+Semantics (as documented in `kvtier plan --help`):
+- lookup: hits are the longest cached prefix of the request's blocks;
+- placement from the first miss: a cached block is kept, otherwise it must pass admission and,
+  when the cache is full, one victim is chosen among cached blocks outside the request (leaves
+  only in tree mode); placement stops at the first block that cannot be placed;
+- apply: the chain tail first, each key once: insert blocks placed by this request, touch others;
+- opt: evict the candidate with the farthest next use (ties: the key first seen latest); refuse a
+  block whose next use is later than that candidate's.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+NEVER = float("inf")
+
+
+class Fifo:
+    def __init__(self, capacity: int, refresh: bool = False) -> None:
+        self.order: OrderedDict = OrderedDict()
+        self.refresh = refresh
+
+    def insert(self, k):
+        if k not in self.order:
+            self.order[k] = None
+
+    def touch(self, k):
+        if self.refresh and k in self.order:
+            self.order.move_to_end(k)
+
+    def victim(self, evictable):
+        for k in self.order:
+            if evictable(k):
+                del self.order[k]
+                return k
+        return None
+
+
+class Lru(Fifo):
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity, refresh=True)
+
+
+class Arc:
+    def __init__(self, capacity: int) -> None:
+        self.c = max(1, capacity)
+        self.p = 0
+        self.t1: OrderedDict = OrderedDict()
+        self.t2: OrderedDict = OrderedDict()
+        self.b1: OrderedDict = OrderedDict()
+        self.b2: OrderedDict = OrderedDict()
+
+    def _trim(self):
+        while len(self.t1) + len(self.b1) > self.c and self.b1:
+            self.b1.popitem(last=False)
+        while len(self.t1) + len(self.t2) + len(self.b1) + len(self.b2) > 2 * self.c and self.b2:
+            self.b2.popitem(last=False)
+
+    def insert(self, k):
+        if k in self.t1 or k in self.t2:
+            return
+        if k in self.b1:
+            self.p = min(self.p + max(1, len(self.b2) // len(self.b1)), self.c)
+            del self.b1[k]
+            self.t2[k] = None
+        elif k in self.b2:
+            self.p = max(self.p - max(1, len(self.b1) // len(self.b2)), 0)
+            del self.b2[k]
+            self.t2[k] = None
+        else:
+            self.t1[k] = None
+        self._trim()
+
+    def touch(self, k):
+        if k in self.t1:
+            del self.t1[k]
+            self.t2[k] = None
+        elif k in self.t2:
+            self.t2.move_to_end(k)
+
+    def victim(self, evictable):
+        first = next((k for k in self.t1 if evictable(k)), None)
+        second = next((k for k in self.t2 if evictable(k)), None)
+        if first is None and second is None:
+            return None
+        use_t1 = first is not None and (len(self.t1) > self.p or second is None)
+        if use_t1:
+            del self.t1[first]
+            self.b1[first] = None
+            k = first
+        else:
+            del self.t2[second]
+            self.b2[second] = None
+            k = second
+        self._trim()
+        return k
+
+
+class S3Fifo:
+    def __init__(self, capacity: int) -> None:
+        self.c = max(1, capacity)
+        self.small: OrderedDict = OrderedDict()
+        self.main: OrderedDict = OrderedDict()
+        self.ghost: OrderedDict = OrderedDict()
+
+    def insert(self, k):
+        if k in self.small or k in self.main:
+            return
+        if k in self.ghost:
+            del self.ghost[k]
+            self.main[k] = 0
+        else:
+            self.small[k] = 0
+
+    def touch(self, k):
+        for q in (self.small, self.main):
+            if k in q:
+                q[k] = min(q[k] + 1, 3)
+                return
+
+    def victim(self, evictable):
+        if not any(evictable(k) for k in (*self.small, *self.main)):
+            return None
+        while True:
+            cand = None
+            if len(self.small) >= max(1, self.c // 10):
+                cand = next((k for k in self.small if evictable(k)), None)
+            if cand is not None:
+                v = self._small(cand)
+            else:
+                m = next((k for k in self.main if evictable(k)), None)
+                if m is not None:
+                    f = self.main.pop(m)
+                    if f >= 1:
+                        self.main[m] = f - 1
+                        v = None
+                    else:
+                        v = m
+                else:
+                    v = self._small(next(k for k in self.small if evictable(k)))
+            if v is not None:
+                return v
+
+    def _small(self, k):
+        f = self.small.pop(k)
+        if f >= 1:
+            self.main[k] = 0
+            return None
+        self.ghost.pop(k, None)
+        self.ghost[k] = None
+        while len(self.ghost) > self.c:
+            self.ghost.popitem(last=False)
+        return k
+
+
+POLICIES = {"fifo": Fifo, "lru": Lru, "arc": Arc, "s3fifo": S3Fifo}
+
+
+def next_uses(requests):
+    """Per request, per position: index of the next request using the key (NEVER if none)."""
+    last: dict = {}
+    out = [None] * len(requests)
+    for r in range(len(requests) - 1, -1, -1):
+        keys = requests[r][0]
+        out[r] = [last.get(k, NEVER) for k in keys]
+        for k in keys:
+            last[k] = r
+    return out
+
+
+def block_tokens(n_in: int, i: int, bs: int) -> int:
+    return min(bs, n_in - i * bs)
+
+
+class Cache:
+    def __init__(self, policy: str, capacity: float, mode: str, admit_after: int, requests) -> None:
+        self.policy_name = policy
+        self.capacity = capacity
+        self.mode = mode
+        self.admit_after = admit_after
+        self.cached: set = set()
+        self.parent: dict = {}
+        self.kids: dict = {}
+        self.uses: dict = {}
+        self.ever_full = False
+        self.insertions = 0
+        self.evictions = 0
+        if policy == "opt":
+            self.nu: dict = {}
+            self.next = next_uses(requests)
+            order: dict = {}
+            for keys, _ in requests:
+                for k in keys:
+                    order.setdefault(k, len(order))
+            self.first_seen = order
+        elif policy != "ceiling":
+            self.pol = POLICIES[policy](int(capacity))
+
+    def children(self, k) -> int:
+        return self.kids.get(k, 0)
+
+    def step(self, r: int, keys: list, n_in: int) -> int:
+        current = set(keys)
+        for k in keys:
+            self.uses[k] = self.uses.get(k, 0) + 1
+        hits = 0
+        while hits < len(keys) and keys[hits] in self.cached:
+            hits += 1
+
+        def evictable(k):
+            if k in current:
+                return False
+            return self.mode == "flat" or self.children(k) == 0
+
+        placed: set = set()
+        end = hits
+        while end < len(keys):
+            k = keys[end]
+            if k not in self.cached:
+                if self.uses[k] < self.admit_after:
+                    break
+                if len(self.cached) >= self.capacity:
+                    v = self._victim(r, end, evictable)
+                    if v is None:
+                        break
+                    self.cached.discard(v)
+                    p = self.parent.pop(v, None)
+                    if p is not None:
+                        self.kids[p] -= 1
+                    self.evictions += 1
+                self.cached.add(k)
+                self.insertions += 1
+                placed.add(k)
+                if self.mode == "tree" and end > 0:
+                    self.parent[k] = keys[end - 1]
+                    self.kids[keys[end - 1]] = self.kids.get(keys[end - 1], 0) + 1
+            end += 1
+        if len(self.cached) >= self.capacity:
+            self.ever_full = True
+        if self.policy_name == "opt":
+            for i, k in enumerate(keys):
+                if k in self.cached:
+                    self.nu[k] = self.next[r][i]
+        elif self.policy_name != "ceiling":
+            seen: set = set()
+            for k in reversed(keys[:end]):
+                if k not in seen:
+                    seen.add(k)
+                    (self.pol.insert if k in placed else self.pol.touch)(k)
+        return hits
+
+    def _victim(self, r, pos, evictable):
+        if self.policy_name == "ceiling":
+            return None
+        if self.policy_name != "opt":
+            return self.pol.victim(evictable)
+        cands = [k for k in self.cached if evictable(k)]
+        if not cands:
+            return None
+        best = max(cands, key=lambda k: (self.nu[k], self.first_seen[k]))
+        if self.next[r][pos] > self.nu[best]:
+            return None
+        return best
+
+
+def replay(requests, block_size, policy, capacity, *, warmup=0.5, mode="tree", admit_after=1):
+    """`requests`: list of (keys, input_tokens). Returns the measured counts."""
+    cap = float("inf") if policy == "ceiling" else capacity
+    cache = Cache(policy, cap, mode, 1 if policy == "ceiling" else admit_after, requests)
+    first = int(len(requests) * warmup)
+    out = {"hit_tokens": 0, "total_tokens": 0, "hit_blocks": 0, "total_blocks": 0}
+    full_before = False
+    for r, (keys, n_in) in enumerate(requests):
+        if r == first:
+            full_before = cache.ever_full
+        hits = cache.step(r, keys, n_in)
+        if r >= first:
+            out["total_tokens"] += n_in
+            out["total_blocks"] += len(keys)
+            out["hit_blocks"] += hits
+            out["hit_tokens"] += sum(block_tokens(n_in, i, block_size) for i in range(hits))
+    bounded = policy != "ceiling"
+    out["underfilled"] = bounded and (not cache.ever_full if first == 0 else not full_before)
+    out["insertions"], out["evictions"] = cache.insertions, cache.evictions
+    return out
+
+
+def replay_tiers(requests, block_size, tiers, *, warmup=0.5, mode="tree"):
+    """`tiers`: list of (name, capacity, policy, admit_after), fastest first."""
+    caches = [Cache(pol, cap, mode, k, requests) for _, cap, pol, k in tiers]
+    first = int(len(requests) * warmup)
+    served = {name: 0 for name, *_ in tiers}
+    miss = total = 0
+    for r, (keys, n_in) in enumerate(requests):
+        if r >= first:
+            got = 0
+            for i, k in enumerate(keys):
+                holder = next((t for t, c in enumerate(caches) if k in c.cached), None)
+                if holder is None:
+                    break
+                tok = block_tokens(n_in, i, block_size)
+                served[tiers[holder][0]] += tok
+                got += tok
+            total += n_in
+            miss += n_in - got
+        for c in caches:
+            c.step(r, keys, n_in)
+    return {"served": served, "miss_tokens": miss, "total_tokens": total}
+
+
+def reuse_distances(requests):
+    """Distinct other blocks referenced between a block's use and its use in a later request."""
+    seq = [(r, k) for r, (keys, _) in enumerate(requests) for k in keys]
+    last: dict = {}
+    out = []
+    for p, (r, k) in enumerate(seq):
+        if k in last and seq[last[k]][0] != r:
+            out.append(len({kk for _, kk in seq[last[k] + 1 : p]} - {k}))
+        last[k] = p
+    return out

@@ -1,0 +1,333 @@
+"""The data path on CPU: device blocks (CPU tensors) -> CPU tier -> disk -> CPU -> device, with
+random layouts, many requests, partial hits, failures injected at each stage, and the cost
+model and SLO guard deciding on synthetic numbers."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import kvtier_rs as kv
+from kvtier_rs._core import DiskTier
+from kvtier_rs.orchestrator import CostModel, GuardRule, SloGuard, TierOrchestrator
+from kvtier_rs.transfer import BlockLayout, CpuTransferEngine, Region, coalesce_runs
+
+
+def random_layout(rng: random.Random, num_blocks: int) -> tuple[BlockLayout, list[torch.Tensor]]:
+    """Per-layer, K/V-split or one pool tensor, with random shapes and dtypes."""
+    dtype = rng.choice([torch.float16, torch.float32, torch.bfloat16, torch.int8])
+    layers = rng.randint(1, 4)
+    tokens, heads, dim = rng.choice([4, 16]), rng.randint(1, 3), rng.choice([8, 32, 64])
+    kind = rng.choice(["per_layer", "kv_split", "pool"])
+    if kind == "per_layer":
+        ts = [torch.randn(num_blocks, heads, tokens, 2 * dim).to(dtype) for _ in range(layers)]
+        return BlockLayout.per_layer(ts), ts
+    if kind == "kv_split":
+        ts = [torch.randn(2, num_blocks, tokens, heads, dim).to(dtype) for _ in range(layers)]
+        return BlockLayout.kv_split(ts), ts
+    pool = torch.randn(num_blocks, layers, 2, tokens, heads * dim).to(dtype)
+    row = pool[0].numel() * pool.element_size()
+    per_layer = row // layers
+    regions = [Region.rows_of(pool, offset_bytes=i * per_layer, bytes_per_block=per_layer) for i in range(layers)]
+    return BlockLayout(regions), [pool]
+
+
+def block_bytes_of(layout: BlockLayout, block: int) -> bytes:
+    return b"".join(r.byte_rows()[block].numpy().tobytes() for r in layout.regions)
+
+
+def make(tmp_path, rng, *, cpu_blocks=8, disk_blocks=64, gpu_blocks=32, disk_admission="always", **kw):
+    layout, tensors = random_layout(rng, gpu_blocks)
+    host = kv.HostTier(kv.TierConfig(cpu_blocks * (-(-layout.bytes_per_block // 4096) * 4096), layout.bytes_per_block))
+    engine = CpuTransferEngine(layout, host.pool)
+    disk = DiskTier(
+        str(tmp_path / "disk"),
+        disk_blocks * host.pool.slot_bytes,
+        host.pool.slot_bytes,
+        admission=disk_admission,
+        engine="pool",
+    )
+    orch = TierOrchestrator(host, engine, disk=disk, **kw)
+    return orch, layout, tensors
+
+
+def scramble(tensors):
+    for t in tensors:
+        t.copy_(torch.randn(t.shape).to(t.dtype))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_round_trip_through_cpu_and_disk_is_byte_identical(tmp_path, seed):
+    rng = random.Random(seed)
+    orch, layout, tensors = make(tmp_path, rng)
+    keys = [f"req-{seed}-{i}".encode() for i in range(6)]
+    src_blocks = rng.sample(range(32), 6)
+    want = [block_bytes_of(layout, b) for b in src_blocks]
+    orch.offload(keys, src_blocks)
+    orch.drain()
+    assert orch.stats()["tiers"]["disk"]["writes"]["completed"] == 6
+    # Push the chain out of the CPU tier (8 slots) so it must come back from disk.
+    other = [f"other-{i}".encode() for i in range(8)]
+    orch.offload(other, list(range(8)))
+    orch.drain()
+    plan = orch.plan(keys)
+    assert (plan.cpu_hits, plan.disk_hits) == (0, 6)
+    scramble(tensors)
+    dst = rng.sample(range(32), 6)
+    orch.load(keys, dst, request_id="r")
+    (res,) = orch.drain()
+    assert (res.loaded_disk, res.failed) == (6, 0)
+    assert [block_bytes_of(layout, b) for b in dst] == want
+
+
+def test_many_requests_and_partial_hits(tmp_path):
+    rng = random.Random(99)
+    orch, layout, tensors = make(tmp_path, rng, cpu_blocks=16, disk_blocks=128)
+    chains = {r: [f"c{r}-{i}".encode() for i in range(4)] for r in range(6)}
+    truth = {}
+    for r, chain in chains.items():
+        blocks = list(range(r * 4 % 32, r * 4 % 32 + 4))
+        truth.update({k: block_bytes_of(layout, b) for k, b in zip(chain, blocks, strict=True)})
+        orch.offload(chain, blocks)
+        orch.drain()  # an engine polls every step; stores in flight cannot be evicted
+    scramble(tensors)
+    # Several loads in flight at once; each request's chain extended by 2 unknown blocks.
+    dsts = {}
+    free_dst = rng.sample(range(32), 24)  # disjoint destinations for the concurrent loads
+    for r, chain in chains.items():
+        keys = chain + [f"new{r}-{j}".encode() for j in range(2)]
+        plan = orch.plan(keys)
+        assert plan.cpu_hits + plan.disk_hits == 4 and plan.misses == 2
+        dsts[r] = free_dst[r * 4 : r * 4 + 4]
+        orch.load(keys, dsts[r], request_id=r, plan=plan)
+    results = {res.request_id: res for res in orch.drain()}
+    assert set(results) == set(chains)
+    # With every CPU slot pinned by the loads in flight, a disk promotion finds no room: that
+    # request recomputes (all-or-nothing, counted) rather than waiting. Retried alone, it loads.
+    starved = [r for r, res in results.items() if res.loaded == 0]
+    assert orch.stager.counters.promotions_no_cpu_space == len(starved) <= 2
+    for r in starved:
+        assert results[r].failed == 4
+        orch.load(chains[r], dsts[r], request_id=("retry", r))
+        (again,) = orch.drain()
+        assert again.loaded == 4
+    for r, chain in chains.items():
+        got = [block_bytes_of(layout, b) for b in dsts[r]]
+        assert got == [truth[k] for k in chain], f"request {r}"
+    s = orch.stats()
+    assert s["misses"] == 12
+    assert s["tiers"]["cpu"]["promotions"] + s["tiers"]["disk"]["promotions"] == 24
+
+
+def test_gpu_hits_are_skipped_and_counted(tmp_path):
+    orch, layout, _ = make(tmp_path, random.Random(1))
+    keys = [b"a", b"b", b"c"]
+    orch.offload(keys, [0, 1, 2])
+    orch.drain()
+    plan = orch.plan(keys, gpu_hit_blocks=1)
+    assert (plan.gpu_hits, plan.cpu_hits, plan.load_cpu) == (1, 2, 2)
+    orch.load(keys, [5, 6], gpu_hit_blocks=1, request_id=1)
+    (res,) = orch.drain()
+    assert res.loaded_cpu == 2
+    assert block_bytes_of(layout, 5) == block_bytes_of(layout, 1)
+    assert orch.stats()["tiers"]["gpu"]["hits"] == 1
+
+
+class FailingEngine(CpuTransferEngine):
+    """Fails the next job of the given direction (injected at the copy stage)."""
+
+    fail: set[str] = set()
+
+    def copy_now(self, direction, block_ids, slots):
+        if direction in self.fail:
+            self.fail.discard(direction)
+            raise RuntimeError(f"injected {direction} failure")
+        super().copy_now(direction, block_ids, slots)
+
+
+def make_failing(tmp_path, rng):
+    layout, tensors = random_layout(rng, 32)
+    host = kv.HostTier(kv.TierConfig(8 * (-(-layout.bytes_per_block // 4096) * 4096), layout.bytes_per_block))
+    engine = FailingEngine(layout, host.pool)
+    engine.fail = set()
+    disk = DiskTier(
+        str(tmp_path / "d"), 64 * host.pool.slot_bytes, host.pool.slot_bytes, admission="always", engine="pool"
+    )
+    return TierOrchestrator(host, engine, disk=disk), layout, tensors, engine
+
+
+def test_offload_without_space_changes_nothing(tmp_path):
+    orch, _, _ = make(tmp_path, random.Random(9), cpu_blocks=2)
+    orch.offload([b"a", b"b"], [0, 1])  # both slots now being written
+    t = orch.offload([b"c"], [2])
+    assert t.no_space and t.stored == []
+    orch.drain()
+    assert orch.host.index.lookup_prefix([b"a", b"b", b"c"]) == 2
+    assert orch.stats()["tiers"]["cpu"]["store_no_space"] == 1
+
+
+def test_failed_offload_leaves_nothing_readable(tmp_path):
+    orch, _, _, engine = make_failing(tmp_path, random.Random(2))
+    engine.fail.add("d2h")
+    orch.offload([b"x", b"y"], [0, 1])
+    orch.drain()
+    assert orch.host.index.lookup_prefix([b"x", b"y"]) == 0
+    assert len(orch.host.index) == 0, "the failed store's slots were freed"
+    assert orch.stager.disk.lookup_prefix([b"x"]) == 0, "nothing was written through"
+    assert orch.stats()["tiers"]["cpu"]["store_failed"] == 2
+
+
+def test_failed_load_is_counted_and_pins_released(tmp_path):
+    orch, layout, tensors, engine = make_failing(tmp_path, random.Random(3))
+    orch.offload([b"x", b"y"], [0, 1])
+    orch.drain()
+    engine.fail.add("h2d")
+    orch.load([b"x", b"y"], [4, 5], request_id="r")
+    (res,) = orch.drain()
+    assert (res.loaded, res.failed) == (0, 2)
+    assert all(pins == 0 for _, _, pins, _ in orch.host.index.entries())
+    assert orch.stats()["load_failed"] == 2
+
+
+def test_corrupt_disk_block_is_a_miss_and_never_loaded(tmp_path):
+    rng = random.Random(4)
+    orch, layout, tensors, _ = make_failing(tmp_path, rng)
+    keys = [b"k0", b"k1", b"k2"]
+    want = [block_bytes_of(layout, b) for b in (0, 1, 2)]
+    orch.offload(keys, [0, 1, 2])
+    orch.drain()
+    orch.host.index.clear()  # only the disk copies are left
+    disk = orch.stager.disk
+    disk.close()
+    # Find k1's payload in the slab files by its content and flip one byte in the middle.
+    for f in (tmp_path / "d").iterdir():
+        data = bytearray(f.read_bytes())
+        at = data.find(want[1])
+        if at >= 0:
+            data[at + len(want[1]) // 2] ^= 0xFF
+            f.write_bytes(bytes(data))
+            break
+    else:
+        raise AssertionError("k1's payload not found on disk")
+    orch.stager.disk = DiskTier(
+        str(tmp_path / "d"),
+        64 * orch.host.pool.slot_bytes,
+        orch.host.pool.slot_bytes,
+        admission="always",
+        engine="pool",
+    )
+    scramble(tensors)
+    before = [block_bytes_of(layout, b) for b in (8, 9, 10)]
+    plan = orch.plan(keys)
+    assert plan.disk_hits == 3, "the damage is only found when the block is read"
+    orch.load(keys, [8, 9, 10], request_id="r", plan=plan)
+    (res,) = orch.drain()
+    assert (res.loaded_disk, res.failed) == (1, 2), "k0 verifies; k1 is corrupt; k2 is past the hole"
+    assert block_bytes_of(layout, 8) == want[0]
+    assert [block_bytes_of(layout, b) for b in (9, 10)] == before[1:], "no corrupt byte reached the device"
+    assert orch.host.index.lookup_prefix(keys) == 1
+    assert orch.stats()["tiers"]["disk"]["promotion_blocks_failed"] == 1
+
+
+def test_cost_model_refuses_loads_slower_than_recompute(tmp_path):
+    rng = random.Random(5)
+    layout, _ = random_layout(rng, 32)
+    bpb = layout.bytes_per_block
+    # Recomputing one block takes 16 tokens / 1e6 tok/s = 16 us.
+    cost = CostModel(
+        prefill_tokens_per_s=1e6,
+        tokens_per_block=16,
+        block_bytes=bpb,
+        bandwidth={"cpu": bpb / 1e-6, "disk": bpb / 1e-3},
+        latency_s={"cpu": 0.0, "disk": 0.0},
+    )
+    assert cost.worth_loading("cpu", 4)  # 4 us < 64 us
+    assert not cost.worth_loading("disk", 4)  # 4 ms + 4 us > 64 us
+    orch, layout, _ = make(tmp_path, rng, cost=cost)
+    cost.block_bytes = layout.bytes_per_block
+    cost.bandwidth = {"cpu": layout.bytes_per_block / 1e-6, "disk": layout.bytes_per_block / 1e-3}
+    keys = [b"p", b"q"]
+    orch.offload(keys, [0, 1])
+    orch.drain()
+    orch.host.index.clear()
+    plan = orch.plan(keys)
+    assert plan.disk_hits == 2 and plan.load_disk == 0
+    assert plan.refused == {"disk": {"cost": 2}}
+    # Measured transfers move the estimate: a fast disk observation makes loading worth it.
+    for _ in range(50):
+        cost.observe("disk", 10**9, 1e-3)
+    assert orch.plan(keys).load_disk == 2
+
+
+def test_backpressure_recomputes_instead_of_queueing(tmp_path):
+    orch, _, _ = make(tmp_path, random.Random(6), max_promotions_in_flight={"cpu": 1})
+    orch.offload([b"a"], [0])
+    orch.offload([b"b"], [1])
+    orch.drain()
+    orch.engine.close()  # the copy thread stops: the first load stays in flight
+    orch.load([b"a"], [3], request_id=1)
+    plan = orch.plan([b"b"])
+    assert plan.load_cpu == 0 and plan.refused == {"cpu": {"backpressure": 1}}
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_guard_trips_on_tail_latency_and_recovers():
+    clock = FakeClock()
+    g = SloGuard("disk", GuardRule(p99_ms=20, window_s=5, recover_s=10, min_samples=10), clock=clock)
+    for _ in range(50):
+        clock.t += 0.05
+        g.record(0.002)  # 2 ms: fine
+    assert g.allows() and g.state()["trips"] == 0
+    for _ in range(10):
+        clock.t += 0.05
+        g.record(0.100)  # 100 ms tail
+    assert not g.allows()
+    st = g.state()
+    assert st["state"] == "bypassed" and st["trips"] == 1 and st["bypassed_for_s"] > 9
+    clock.t += 10.1
+    assert g.allows(), "back on probation after recover_s"
+    # Old slow samples fell out of the window: fast samples keep it active.
+    for _ in range(30):
+        clock.t += 0.05
+        g.record(0.001)
+    assert g.allows() and g.state()["trips"] == 1
+
+
+def test_guard_bypass_is_a_refusal_in_the_plan(tmp_path):
+    orch, _, _ = make(tmp_path, random.Random(7), guards={"cpu": GuardRule(p99_ms=1, min_samples=1)})
+    orch.offload([b"a"], [0])
+    orch.drain()
+    orch.guards["cpu"].record(0.5)
+    plan = orch.plan([b"a"])
+    assert plan.load_cpu == 0 and plan.refused == {"cpu": {"guard": 1}}
+    assert orch.stats()["guards"]["cpu"]["state"] == "bypassed"
+
+
+def test_bad_arguments_are_clear_errors(tmp_path):
+    orch, layout, _ = make(tmp_path, random.Random(8))
+    with pytest.raises(kv.InvalidArgumentError, match="gpu_block_ids"):
+        orch.offload([b"a", b"b"], [0])
+    with pytest.raises(kv.InvalidArgumentError, match="gpu_block_ids"):
+        orch.offload([b"a"], [10_000])
+    with pytest.raises(kv.InvalidArgumentError, match="gpu_hit_blocks"):
+        orch.plan([b"a"], gpu_hit_blocks=5)
+    with pytest.raises(kv.InvalidArgumentError, match="guards"):
+        TierOrchestrator(orch.host, orch.engine, guards={"tape": GuardRule(p99_ms=1)})
+    with pytest.raises(kv.InvalidArgumentError, match="p99_ms"):
+        GuardRule(p99_ms=0)
+    with pytest.raises(kv.InvalidArgumentError, match="prefill_tokens_per_s"):
+        CostModel(prefill_tokens_per_s=0, tokens_per_block=16, block_bytes=4096)
+
+
+def test_coalescing_merges_adjacent_blocks_and_slots():
+    assert coalesce_runs([5, 3, 4, 9], [12, 10, 11, 1]) == [(3, 10, 3), (9, 1, 1)]
+    assert coalesce_runs([1, 2], [5, 7]) == [(1, 5, 1), (2, 7, 1)]

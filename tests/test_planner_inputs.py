@@ -1,0 +1,227 @@
+"""Trace readers, model byte accounting and size parsing: formats, gzip, auto-detection, and
+errors that name the file, line and field."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from kvtier_rs.planner.errors import PlanError, TraceError
+from kvtier_rs.planner.model import bytes_per_token_from_config, parse_size
+from kvtier_rs.planner.traces import chain_hash, detect_format, read_trace
+
+TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+
+
+def write_lines(path: Path, records) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+MOON = [
+    {"timestamp": 0, "input_length": 1000, "output_length": 5, "hash_ids": [0, 1]},
+    {"timestamp": 1500, "input_length": 600, "output_length": 5, "hash_ids": [0, 2]},
+]
+
+
+def test_mooncake_reader_and_gzip(tmp_path):
+    p = write_lines(tmp_path / "t.jsonl", MOON)
+    d = read_trace(p)
+    assert (d.format, d.block_size, d.n_requests) == ("mooncake", 512, 2)
+    assert list(d.keys) == [0, 1, 0, 2] and list(d.offsets) == [0, 2, 4]
+    assert list(d.timestamps_s) == [0.0, 1.5]  # milliseconds to seconds
+    gz = tmp_path / "t.jsonl.gz"
+    with gzip.open(gz, "wt") as f:
+        f.write(p.read_text())
+    assert list(read_trace(gz).keys) == list(d.keys)
+
+
+@pytest.mark.parametrize(
+    "bad,field",
+    [
+        ({"timestamp": 0, "input_length": 1000, "hash_ids": "x"}, "hash_ids"),
+        ({"timestamp": 0, "input_length": -1, "hash_ids": []}, "input_length"),
+        ({"timestamp": "soon", "input_length": 10, "hash_ids": [1]}, "timestamp"),
+        ({"timestamp": 0, "input_length": 100, "hash_ids": [1, 2]}, "input_length"),
+        ({"timestamp": 0, "input_length": 100, "hash_ids": [1, -2]}, "hash_ids"),
+        ({"timestamp": 0, "hash_ids": [1]}, "input_length"),
+    ],
+)
+def test_malformed_record_names_file_line_and_field(tmp_path, bad, field):
+    p = write_lines(tmp_path / "bad.jsonl", [MOON[0], bad, MOON[1]])
+    with pytest.raises(TraceError) as e:
+        read_trace(p, "mooncake")
+    assert (e.value.where, e.value.field) == ("2", field)
+    assert str(p) in str(e.value) and f"'{field}'" in str(e.value)
+    d = read_trace(p, "mooncake", skip_bad=True)
+    assert (d.n_requests, d.skipped) == (2, 1)
+
+
+def test_invalid_json_line_and_skip_bad(tmp_path):
+    p = write_lines(tmp_path / "j.jsonl", [MOON[0], "{not json", MOON[1]])
+    with pytest.raises(TraceError, match=r"j.jsonl:2: not valid JSON"):
+        read_trace(p)
+    assert read_trace(p, skip_bad=True).skipped == 1
+
+
+def test_block_size_per_record_and_flag(tmp_path):
+    recs = [
+        {**MOON[0], "block_size": 1000, "hash_ids": [7]},
+        {**MOON[1], "block_size": 1000, "hash_ids": [7]},
+    ]
+    d = read_trace(write_lines(tmp_path / "b.jsonl", recs))
+    assert d.block_size == 1000
+    mixed = [recs[0], {**recs[1], "block_size": 256}]
+    with pytest.raises(TraceError, match="block_size"):
+        read_trace(write_lines(tmp_path / "m.jsonl", mixed))
+    with pytest.raises(TraceError, match="block_size"):
+        read_trace(write_lines(tmp_path / "f.jsonl", recs), block_size=512)
+
+
+def test_bailian_detection_and_seconds(tmp_path):
+    recs = [
+        {
+            "chat_id": 1,
+            "parent_chat_id": -1,
+            "timestamp": 2.5,
+            "input_length": 40,
+            "output_length": 3,
+            "type": "text",
+            "turn": 1,
+            "hash_ids": [1, 2, 3],
+        }
+    ]
+    p = write_lines(tmp_path / "bl.jsonl", recs)
+    d = read_trace(p)
+    assert (d.format, d.block_size, list(d.timestamps_s)) == ("bailian", 16, [2.5])
+
+
+def test_kvcache_tester_single_and_many_conversations(tmp_path):
+    conv = {
+        "block_size": 4,
+        "hash_id_scope": "local",
+        "requests": [
+            {"t": 0, "in": 9, "out": 1, "hash_ids": [1, 2]},
+            {"t": 3, "in": 13, "out": 1, "hash_ids": [1, 2, 3]},
+        ],
+    }
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps(conv, indent=2))  # pretty-printed: spans lines
+    assert detect_format(p) == "kvcache-tester"
+    d = read_trace(p)
+    assert (d.block_size, list(d.keys), list(d.input_tokens)) == (4, [1, 2, 1, 2, 3], [9, 13])
+    many = tmp_path / "many.json"
+    many.write_text(json.dumps([conv, {**conv, "requests": [{"t": 1, "in": 5, "out": 1, "hash_ids": [1]}]}]))
+    d2 = read_trace(many)
+    # Local ids of the second conversation are a different key space, merged in time order.
+    assert d2.n_requests == 3 and d2.keys[2] not in (d2.keys[0], d2.keys[1])
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**conv, "requests": [{"t": 0, "in": "many", "hash_ids": []}]}))
+    with pytest.raises(TraceError, match=r"requests\[0\]: field 'in'"):
+        read_trace(bad)
+
+
+def test_token_trace_is_chain_hashed(tmp_path):
+    recs = [
+        {"timestamp": 0, "token_ids": list(range(40))},
+        {"timestamp": 1, "token_ids": list(range(32)) + [99] * 3},
+    ]
+    d = read_trace(write_lines(tmp_path / "tok.jsonl", recs), block_size=16)
+    assert d.format == "tokens"
+    a, b = list(d.keys[0:3]), list(d.keys[3:6])
+    assert a[:2] == b[:2] and a[2] != b[2]  # shared 32-token prefix, different tails
+    assert chain_hash(list(range(16)), 16) != chain_hash(list(range(1, 17)), 16)
+    # A block's key depends on its whole prefix, not just its own tokens.
+    assert chain_hash([1] * 16 + [2] * 16, 16)[1] != chain_hash([3] * 16 + [2] * 16, 16)[1]
+
+
+@pytest.mark.skipif(not TRACES.is_dir(), reason="shared traces not present")
+def test_shared_trace_facts():
+    d = read_trace(TRACES / "weka_kvcachetester_trace_0001.json")
+    assert (d.format, d.block_size, d.n_requests) == ("kvcache-tester", 64, 41)
+    m = read_trace(TRACES / "mooncake_conversation_trace.jsonl")
+    assert (m.n_requests, len(m.keys), len(set(m.keys))) == (12031, 288500, 182790)
+
+
+def test_unknown_format_and_empty(tmp_path):
+    with pytest.raises(PlanError, match="cannot tell the trace format"):
+        read_trace(write_lines(tmp_path / "u.jsonl", [{"a": 1}]))
+    (tmp_path / "e.jsonl").write_text("")
+    with pytest.raises(PlanError, match="empty"):
+        read_trace(tmp_path / "e.jsonl")
+    with pytest.raises(PlanError, match="no such trace"):
+        read_trace(tmp_path / "missing.jsonl")
+
+
+def cfg(tmp_path, **kw) -> Path:
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(kw))
+    return p
+
+
+def test_model_bytes_gqa_mla_and_windows(tmp_path):
+    llama = cfg(
+        tmp_path,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        hidden_size=4096,
+        torch_dtype="bfloat16",
+    )
+    assert bytes_per_token_from_config(llama).bytes_per_token == 2 * 32 * 8 * 128 * 2
+    assert bytes_per_token_from_config(llama, "fp8").bytes_per_token == 2 * 32 * 8 * 128
+    mla = cfg(
+        tmp_path,
+        num_hidden_layers=61,
+        num_attention_heads=128,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        torch_dtype="bfloat16",
+    )
+    m = bytes_per_token_from_config(mla)
+    assert m.bytes_per_token == 61 * (512 + 64) * 2 and "MLA" in m.notes[0]
+    hybrid = cfg(
+        tmp_path,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        torch_dtype="float16",
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        sliding_window=128,
+    )
+    assert bytes_per_token_from_config(hybrid).bytes_per_token == 2 * 2 * 2 * 64 * 2
+    swa = cfg(tmp_path, num_hidden_layers=32, num_attention_heads=32, hidden_size=4096, sliding_window=4096)
+    with pytest.raises(PlanError, match="sliding window of 4096"):
+        bytes_per_token_from_config(swa)
+    qwen = cfg(
+        tmp_path,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        hidden_size=256,
+        sliding_window=4096,
+        use_sliding_window=False,
+        torch_dtype="bfloat16",
+    )
+    assert bytes_per_token_from_config(qwen).bytes_per_token == 2 * 2 * 2 * 64 * 2
+    with pytest.raises(PlanError, match="num_hidden_layers"):
+        bytes_per_token_from_config(cfg(tmp_path, hidden_size=1))
+    with pytest.raises(PlanError, match="no such file"):
+        bytes_per_token_from_config(tmp_path / "nope.json")
+
+
+def test_sizes():
+    assert parse_size("40GiB", "--gpu").value == 40 * 2**30
+    assert parse_size("2TB", "--disk").value == 2 * 10**12
+    s = parse_size("5000blocks", "--cpu")
+    assert s.in_blocks and s.blocks(None, "--cpu") == 5000
+    assert parse_size("1MiB", "--cpu").blocks(1000, "--cpu") == 1048
+    for bad in ["40", "forty GiB", "3 parsecs", "0blocks"]:
+        with pytest.raises(PlanError, match="--gpu"):
+            parse_size(bad, "--gpu")
+    with pytest.raises(PlanError, match="needs --bytes-per-token"):
+        parse_size("1GiB", "--gpu").blocks(None, "--gpu")

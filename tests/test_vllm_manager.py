@@ -1,0 +1,248 @@
+"""kvtier's vLLM OffloadingManager against vLLM 0.32's documented contract (no engine)."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+
+import pytest
+from vllm_support import engine as E
+
+E.require_vllm()
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (  # noqa: E402
+    OffloadingConnectorStats,
+)
+from vllm.v1.kv_offload.base import LookupResult, Medium, ReqContext  # noqa: E402
+
+from kvtier_rs import BlockIndex, InvalidArgumentError, NotReadyError  # noqa: E402
+from kvtier_rs.integrations.vllm import metrics as m  # noqa: E402
+from kvtier_rs.integrations.vllm.manager import KvtierOffloadingManager  # noqa: E402
+from kvtier_rs.integrations.vllm.options import parse_options  # noqa: E402
+
+
+def key(i: int) -> bytes:
+    """A vLLM-shaped OffloadKey: a 32-byte sha256 block hash plus a 4-byte group index."""
+    return hashlib.sha256(i.to_bytes(8, "little")).digest() + (0).to_bytes(4, "big")
+
+
+def mgr(n: int = 4, events: bool = True, policy: str = "lru") -> KvtierOffloadingManager:
+    return KvtierOffloadingManager(BlockIndex(n, policy=policy), enable_events=events)
+
+
+def ctx(name: str = "r") -> ReqContext:
+    return ReqContext(req_id=name)
+
+
+def store(mg, keys, c=None):
+    c = c or ctx()
+    out = mg.prepare_store(keys, c)
+    assert out is not None
+    mg.complete_store(out.keys_to_store, c)
+    return out
+
+
+def test_lookup_miss_pending_hit():
+    mg, c = mgr(), ctx()
+    k = key(1)
+    assert mg.lookup(k, c) is LookupResult.MISS
+    out = mg.prepare_store([k], c)
+    assert out.keys_to_store == [k] and list(out.store_spec.block_ids) == [0]
+    assert mg.lookup(k, c) is LookupResult.HIT_PENDING  # written, not yet readable
+    mg.complete_store([k], c)
+    assert mg.lookup(k, c) is LookupResult.HIT
+
+
+def test_prepare_store_skips_present_keys_and_keeps_order():
+    mg = mgr(8)
+    store(mg, [key(1), key(2)])
+    out = mg.prepare_store([key(1), key(2), key(3), key(4)], ctx())
+    assert out.keys_to_store == [key(3), key(4)]
+    assert len(out.store_spec.block_ids) == 2
+    assert mg.prepare_store([key(1)], ctx()).keys_to_store == []
+
+
+def test_load_pins_until_complete_load():
+    mg, c = mgr(2), ctx()
+    store(mg, [key(1), key(2)])
+    spec = mg.prepare_load([key(1), key(2)], c)
+    assert sorted(spec.block_ids.tolist()) == [0, 1]
+    # Both slots pinned: a store that needs an eviction cannot happen -> None, nothing changed.
+    assert mg.prepare_store([key(3)], ctx("other")) is None
+    assert mg.lookup(key(1), c) is LookupResult.HIT and mg.lookup(key(2), c) is LookupResult.HIT
+    mg.complete_load([key(1), key(2)], c)
+    out = mg.prepare_store([key(3)], ctx("other"))
+    assert out is not None and out.keys_to_store == [key(3)] and len(out.evicted_keys) == 1
+
+
+def test_prepare_load_of_missing_key_raises():
+    mg = mgr()
+    with pytest.raises(NotReadyError):
+        mg.prepare_load([key(9)], ctx())
+
+
+def test_prepare_store_never_evicts_an_input_key():
+    mg = mgr(3)
+    for i in (1, 2, 3):
+        store(mg, [key(i)])
+    # key(1) is the least recent and an input; the two new keys need 2 slots: the only
+    # evictable non-input blocks are key(2) and key(3).
+    out = mg.prepare_store([key(1), key(4), key(5)], ctx())
+    assert out is not None and out.keys_to_store == [key(4), key(5)]
+    assert set(out.evicted_keys) == {key(2), key(3)}
+    assert mg.lookup(key(1), ctx()) is LookupResult.HIT
+
+
+def test_prepare_store_is_all_or_nothing():
+    mg = mgr(3)
+    store(mg, [key(1), key(2)])
+    # Needs 3 new slots; 1 free + only 1 evictable non-input (key(2); key(1) is an input).
+    assert mg.prepare_store([key(1), key(3), key(4), key(5)], ctx()) is None
+    assert mg.lookup(key(1), ctx()) is LookupResult.HIT
+    assert mg.lookup(key(2), ctx()) is LookupResult.HIT
+    assert mg.lookup(key(3), ctx()) is LookupResult.MISS
+    assert not any(e.removed for e in mg.take_events()), "a refused store must evict nothing"
+
+
+def test_writing_blocks_are_not_evicted():
+    mg = mgr(2)
+    assert mg.prepare_store([key(1), key(2)], ctx()) is not None  # both writing
+    assert mg.prepare_store([key(3)], ctx()) is None
+
+
+def test_failed_store_frees_its_slot():
+    mg, c = mgr(1), ctx()
+    mg.prepare_store([key(1)], c)
+    mg.complete_store([key(1)], c, success=False)
+    assert mg.lookup(key(1), c) is LookupResult.MISS
+    assert mg.prepare_store([key(2)], c).keys_to_store == [key(2)]
+
+
+def test_events_removal_before_store():
+    mg = mgr(1)
+    store(mg, [key(1)])
+    store(mg, [key(2)])
+    ev = list(mg.take_events())
+    assert [(e.keys, e.removed, e.medium) for e in ev] == [
+        ([key(1)], False, Medium.CPU),
+        ([key(1)], True, Medium.CPU),
+        ([key(2)], False, Medium.CPU),
+    ]
+    assert list(mg.take_events()) == []
+
+
+def test_no_events_when_disabled():
+    mg = mgr(1, events=False)
+    store(mg, [key(1)])
+    store(mg, [key(2)])
+    assert list(mg.take_events()) == []
+
+
+def test_request_finish_refreshes_recency():
+    mg = mgr(3)
+    for i in (1, 2, 3):  # one at a time: key(1) is the least recent
+        store(mg, [key(i)])
+    c = ctx("reuse")
+    mg.on_new_request(c)
+    mg.prepare_load([key(1)], c)
+    mg.complete_load([key(1)], c)
+    mg.on_request_finished(c)  # key(1) becomes the most recent
+    out = mg.prepare_store([key(4)], ctx())
+    assert out.evicted_keys == [key(2)]
+
+
+def test_reset_cache_drops_everything_including_in_flight():
+    mg, c = mgr(3), ctx()
+    store(mg, [key(1)])
+    mg.prepare_load([key(1)], c)  # pinned, its completion will never come
+    mg.prepare_store([key(2)], c)  # writing, likewise
+    mg.reset_cache()
+    for k in (key(1), key(2)):
+        assert mg.lookup(k, c) is LookupResult.MISS
+    out = mg.prepare_store([key(3), key(4), key(5)], ctx("new"))
+    assert out is not None and len(out.keys_to_store) == 3
+
+
+def test_admission_store_threshold():
+    opts = parse_options({"cpu_bytes_to_use": 1 << 20, "store_threshold": 2})
+    assert opts.cpu_admission == "uses:2"
+    mg = KvtierOffloadingManager(BlockIndex(4, admission=opts.cpu_admission))
+    assert mg.prepare_store([key(1)], ctx()).keys_to_store == []  # first offer: refused
+    assert mg.prepare_store([key(1)], ctx()).keys_to_store == [key(1)]  # second: admitted
+
+
+def test_get_stats_emits_only_declared_metrics():
+    mg = mgr(1)
+    store(mg, [key(1)])
+    store(mg, [key(2)])
+    c = ctx()
+    mg.prepare_load([key(2)], c)
+    mg.complete_load([key(2)], c)
+    stats = mg.get_stats()
+    assert isinstance(stats, OffloadingConnectorStats)
+    declared = m.metric_definitions()
+    types, values = stats.data["types"], stats.data["data"]
+    assert values, "no metrics emitted"
+    for name, by_labels in values.items():
+        assert name in declared, f"undeclared metric {name}: vLLM would assert"
+        for labelvalues in by_labels:
+            assert len(labelvalues) == len(declared[name].labelnames), name
+    assert values[m.PREFIX + "loads_cpu"][()] == 1
+    assert values[m.PREFIX + "evictions"][("cpu",)] == 1
+    assert values[m.PREFIX + "resident_blocks"][("cpu",)] == 1
+    assert types[m.PREFIX + "loads_cpu"] == "counter"
+    # Counters are deltas: with no new activity, no counter is emitted again.
+    again = mg.get_stats().data
+    assert not [n for n, t in again["types"].items() if t == "counter"]
+
+
+def test_package_imports_without_vllm():
+    code = (
+        "import sys; sys.modules['vllm'] = None\n"
+        "import kvtier_rs.integrations.vllm as v\n"
+        "try:\n    v.KvtierOffloadingSpec\nexcept ImportError as e:\n    print('ERR', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.startswith("ERR kvtier_rs.integrations.vllm needs vLLM 0.32.x")
+
+
+@pytest.mark.parametrize(
+    "extra, key_name",
+    [
+        ({}, "cpu_bytes_to_use"),
+        ({"cpu_bytes_to_use": "lots"}, "cpu_bytes_to_use"),
+        ({"cpu_bytes_to_use": 1 << 20, "eviction_policy": "mru"}, "eviction_policy"),
+        ({"cpu_bytes_to_use": 1 << 20, "cpu_admission": "sometimes"}, "cpu_admission"),
+        ({"cpu_bytes_to_use": 1 << 20, "disk_bytes_to_use": "1GiB"}, "disk_bytes_to_use"),
+        ({"cpu_bytes_to_use": 1 << 20, "disk_root": "/tmp/x"}, "disk_bytes_to_use"),
+        (
+            {"cpu_bytes_to_use": 1 << 20, "disk_root": "/x", "disk_bytes_to_use": 1, "disk_io_engine": "aio"},
+            "disk_io_engine",
+        ),
+        ({"cpu_bytes_to_use": 1 << 20, "cost_model": {"prefill_tokens_per_s": -1}}, "cost_model"),
+        ({"cpu_bytes_to_use": 1 << 20, "guard": "off"}, "guard"),
+        ({"cpu_bytes_to_use": 1 << 20, "cache_policy_module_path": "x"}, "cache_policy_module_path"),
+        ({"cpu_bytes_to_use": 1 << 20, "dsik_root": "/x"}, "dsik_root"),
+    ],
+)
+def test_bad_extra_config_names_the_key(extra, key_name):
+    with pytest.raises(InvalidArgumentError, match=rf"kv_connector_extra_config\['{key_name}'\]"):
+        parse_options(extra)
+
+
+def test_good_extra_config():
+    o = parse_options(
+        {
+            "spec_name": "KvtierOffloadingSpec",
+            "cpu_bytes_to_use": "2MiB",
+            "eviction_policy": "ARC",
+            "disk_root": "/tmp/kv",
+            "disk_bytes_to_use": "1GiB",
+            "disk_io_engine": "pool",
+            "cost_model": {"prefill_tokens_per_s": 1000, "disk_read_bytes_per_s": 1e9},
+        }
+    )
+    assert (o.cpu_bytes, o.cpu_policy, o.disk_bytes, o.disk_enabled) == (2 << 20, "arc", 1 << 30, True)
+    assert o.cost_model.load_beats_recompute(tokens=32, nbytes=32768)  # 33 us read vs 32 ms compute
+    assert not o.cost_model.load_beats_recompute(tokens=1, nbytes=1 << 30)

@@ -1,0 +1,56 @@
+"""Build the tiny random Llama used by the vLLM tests and benches (no download).
+
+hidden 128, 4 heads (head_dim 32, the smallest head size vLLM's CPU attention accepts), 2 KV
+heads, 2 layers, vocab 1000, fp32. 2-D weights are scaled by 4 so that greedy decoding is not
+degenerate (a freshly initialised model tends to repeat one token, which would make the
+"outputs match the baseline" comparisons weak).
+
+Usage: python tests/vllm_support/make_tiny_model.py DIR   (prints DIR; reuses a complete DIR)
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# Bump when the recipe changes so that cached copies are rebuilt.
+RECIPE_VERSION = "1"
+
+
+def build_tiny_llama(out_dir: str | Path, seed: int = 0) -> Path:
+    out = Path(out_dir)
+    stamp = out / f".kvtier-tiny-llama-v{RECIPE_VERSION}"
+    if stamp.exists():
+        return out
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        torch_dtype="float32",
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).to(torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    stamp.touch()
+    return out
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    print(build_tiny_llama(sys.argv[1]))
