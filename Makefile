@@ -9,7 +9,7 @@ UV := $(VENV)/bin/uv
 STAMP := $(VENV)/.deps-stamp
 export PYO3_PYTHON := $(abspath $(VPY))
 
-.PHONY: demo test build venv rust-test loom py-test lint bench clean
+.PHONY: demo test build venv rust-test loom py-test lint bench bench-disk bench-vllm clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -24,8 +24,11 @@ venv: $(STAMP)
 build: venv
 	$(VENV)/bin/maturin develop --release --uv -q
 
+# The main job on an embedded default: the quick start (a real host tier with KV tensors), then
+# the planner on a synthesized workload, writing its report and plots to out/plan-demo.
 demo: build
 	$(VPY) examples/quickstart.py
+	$(VPY) examples/plan_demo.py out/plan-demo
 
 rust-test:
 	cargo test --all-targets
@@ -51,6 +54,14 @@ bench: build
 	$(VPY) -m pytest benches -q
 	$(VPY) benches/bench_manager.py
 	$(VPY) benches/bench_policies.py
+	$(VPY) benches/bench_plan.py
+
+bench-disk: build
+	command -v fio >/dev/null || (apt-get update -qq && apt-get install -y -qq fio)
+	$(VPY) benches/bench_disk.py
+
+bench-vllm: build vllm-env
+	$(VPY) benches/bench_vllm_manager.py
 
 clean:
 	rm -rf target $(VENV) python/kvtier_rs/*.so

@@ -1,9 +1,13 @@
-"""kvtier quick start: a real host (CPU DRAM) tier holding real KV tensors.
+"""kvtier quick start: real tiers holding real KV tensors.
 
-A tiny "engine" KV cache (torch, per-layer K/V tensors) produces blocks for two requests that
-share a system prompt. Blocks are offloaded into the host tier, the tier evicts under pressure,
-a later request looks its prefix up, and the blocks read back are byte-identical to what the
-engine wrote. Per-tier counters are printed at the end.
+Part 1, the host tier alone: a tiny "engine" KV cache (torch) produces blocks for requests that
+share a system prompt. Blocks are offloaded into the CPU tier, the tier evicts under pressure, a
+later request looks its prefix up, and the blocks read back are byte-identical.
+
+Part 2, the whole data path: the tier orchestrator over the engine's blocks, a small CPU tier
+and a disk tier (a temporary directory, O_DIRECT where the filesystem allows). The shared prefix
+is pushed out of the CPU tier, comes back from disk through CPU into other device blocks,
+byte-identical, and the per-tier counters (GPU hits, CPU and disk promotions, misses) show it.
 
 Run: make demo   (or: .venv/bin/python examples/quickstart.py)
 """
@@ -11,10 +15,14 @@ Run: make demo   (or: .venv/bin/python examples/quickstart.py)
 from __future__ import annotations
 
 import hashlib
+import tempfile
 
 import torch
 
 import kvtier_rs as kv
+from kvtier_rs._core import DiskTier
+from kvtier_rs.orchestrator import TierOrchestrator
+from kvtier_rs.transfer import BlockLayout, auto
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK_TOKENS = 4, 2, 64, 16
 DTYPE = torch.float16
@@ -35,7 +43,7 @@ def block_bytes(kv_cache: torch.Tensor, block: int) -> torch.Tensor:
     return kv_cache[:, :, block].contiguous().view(torch.uint8).reshape(-1)
 
 
-def main() -> None:
+def part1_host_tier() -> None:
     torch.manual_seed(0)
     gpu_blocks = 64
     # [layers, K/V, blocks, tokens, heads, dim]: the "device" KV cache (CPU tensors here).
@@ -84,7 +92,7 @@ def main() -> None:
         raise SystemExit("quickstart failed: blocks did not come back intact")
 
     s = tier.stats()
-    print("\nhost tier counters:")
+    print("host tier counters:")
     for name in (
         "capacity_blocks",
         "resident_blocks",
@@ -97,6 +105,60 @@ def main() -> None:
         "unpins",
     ):
         print(f"  {name:<18} {s[name]}")
+
+
+def part2_orchestrator() -> None:
+    torch.manual_seed(1)
+    # Per-layer "device" caches [blocks, K/V, tokens, heads, dim]; CPU tensors here, CUDA on a GPU.
+    layers = [torch.randn(64, 2, BLOCK_TOKENS, KV_HEADS, HEAD_DIM, dtype=DTYPE) for _ in range(LAYERS)]
+    layout = BlockLayout.per_layer(layers)
+    host = kv.HostTier(kv.TierConfig(capacity_bytes=12 * layout.bytes_per_block, block_bytes=layout.bytes_per_block))
+    with tempfile.TemporaryDirectory() as root:
+        disk = DiskTier(root, 64 * host.pool.slot_bytes * 2, host.pool.slot_bytes, admission="always")
+        engine = auto(layout, host.pool)
+        orch = TierOrchestrator(host, engine, disk=disk)
+        print(
+            f"\norchestrator: CPU tier {host.num_slots} blocks, disk tier {disk.capacity_blocks} blocks "
+            f"({disk.engine}, {disk.io_mode} I/O), transfer engine {engine.name}"
+        )
+
+        prefix = block_keys(list(range(1000, 1000 + 8 * BLOCK_TOKENS)))
+        want = [b"".join(r.byte_rows()[b].numpy().tobytes() for r in layout.regions) for b in range(8)]
+        orch.offload(prefix, list(range(8)))
+        orch.drain()
+        for i in range(3):  # other traffic pushes the prefix out of the CPU tier
+            other = block_keys(list(range(5000 + i * 999, 5000 + i * 999 + 6 * BLOCK_TOKENS)))
+            orch.offload(other, list(range(8 + 6 * i, 14 + 6 * i)))
+            orch.drain()
+
+        request = prefix + block_keys(list(range(1000, 1000 + 8 * BLOCK_TOKENS)) + [7] * BLOCK_TOKENS)[8:]
+        plan = orch.plan(request, gpu_hit_blocks=2)  # pretend the engine still holds 2 blocks
+        print(f"plan: {plan.gpu_hits} GPU hits, {plan.cpu_hits} in CPU, {plan.disk_hits} on disk, {plan.misses} miss")
+        dst = list(range(40, 40 + plan.loaded))
+        orch.load(request, dst, gpu_hit_blocks=2, request_id="demo")
+        (res,) = orch.drain()
+        got = [b"".join(r.byte_rows()[b].numpy().tobytes() for r in layout.regions) for b in dst]
+        identical = got == want[2 : 2 + res.loaded]
+        print(f"loaded {res.loaded_cpu} from CPU and {res.loaded_disk} from disk, byte-identical: {identical}")
+        if not identical or res.loaded_disk == 0:
+            raise SystemExit("quickstart failed: the disk path did not bring the blocks back intact")
+        s = orch.stats()
+        t = s["tiers"]
+        print("per-tier counters:")
+        print(f"  GPU hits           {t['gpu']['hits']}")
+        print(f"  CPU promotions     {t['cpu']['promotions']}   (CPU hits {t['cpu']['hits']})")
+        print(f"  disk promotions    {t['disk']['promotions']}   (disk hits {t['disk']['hits']})")
+        print(f"  misses (recompute) {s['misses']}")
+        print(
+            f"  disk blocks written {t['disk']['writes']['completed']}, CPU evictions {t['cpu']['index']['evictions']}"
+        )
+        engine.close()
+        disk.close()
+
+
+def main() -> None:
+    part1_host_tier()
+    part2_orchestrator()
 
 
 if __name__ == "__main__":

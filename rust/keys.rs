@@ -47,15 +47,54 @@ impl Hash for KeyBytes {
     }
 }
 
+/// The exact value of a key.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
-pub enum BlockKey {
+pub enum KeyValue {
     Int(i128),
     Bytes(KeyBytes),
 }
 
+/// A block key: its exact value plus a hash of it computed once at construction. Maps, policy
+/// queues and the admission sketch hash a key many times per operation; they all reuse this
+/// one. Equality compares the hash first (a fast reject) and then the full value, so a hash
+/// collision can never make two keys equal.
+#[derive(Clone, Copy)]
+pub struct BlockKey {
+    hash: u64,
+    value: KeyValue,
+}
+
+impl PartialEq for BlockKey {
+    fn eq(&self, other: &Self) -> bool {
+        self.hash == other.hash && self.value == other.value
+    }
+}
+impl Eq for BlockKey {}
+
+impl Hash for BlockKey {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        state.write_u64(self.hash)
+    }
+}
+
+fn key_hash(value: &KeyValue) -> u64 {
+    use std::hash::BuildHasher;
+    // Fixed seed: the hash only places keys in memory, it is never persisted or compared across
+    // processes, but a fixed seed keeps eviction order reproducible run to run.
+    foldhash::fast::FixedState::with_seed(0x6b76_7469_6572_6b65).hash_one(value)
+}
+
 impl BlockKey {
+    fn new(value: KeyValue) -> Self {
+        BlockKey { hash: key_hash(&value), value }
+    }
+
+    pub fn value(&self) -> &KeyValue {
+        &self.value
+    }
+
     pub fn from_int(v: i128) -> Self {
-        BlockKey::Int(v)
+        BlockKey::new(KeyValue::Int(v))
     }
 
     pub fn from_bytes(b: &[u8]) -> KvResult<Self> {
@@ -70,19 +109,19 @@ impl BlockKey {
         }
         let mut buf = [0u8; MAX_KEY_BYTES];
         buf[..b.len()].copy_from_slice(b);
-        Ok(BlockKey::Bytes(KeyBytes { len: b.len() as u8, buf }))
+        Ok(BlockKey::new(KeyValue::Bytes(KeyBytes { len: b.len() as u8, buf })))
     }
 
     /// A stable, self-describing encoding (tag byte, length byte, content) for persistence:
     /// the disk tier stores this in slot headers and compares it in full on every read.
     pub fn encode(&self) -> Vec<u8> {
-        match self {
-            BlockKey::Int(v) => {
+        match &self.value {
+            KeyValue::Int(v) => {
                 let mut out = vec![0u8, 16];
                 out.extend_from_slice(&v.to_le_bytes());
                 out
             }
-            BlockKey::Bytes(b) => {
+            KeyValue::Bytes(b) => {
                 let mut out = vec![1u8, b.len];
                 out.extend_from_slice(b.as_slice());
                 out
@@ -96,7 +135,7 @@ impl BlockKey {
         let (&len, rest) = rest.split_first()?;
         let body = rest.get(..len as usize)?;
         match tag {
-            0 if len == 16 => Some(BlockKey::Int(i128::from_le_bytes(body.try_into().ok()?))),
+            0 if len == 16 => Some(BlockKey::from_int(i128::from_le_bytes(body.try_into().ok()?))),
             1 => BlockKey::from_bytes(body).ok(),
             _ => None,
         }
@@ -105,9 +144,9 @@ impl BlockKey {
 
 impl fmt::Debug for BlockKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            BlockKey::Int(v) => write!(f, "Int({v})"),
-            BlockKey::Bytes(b) => {
+        match &self.value {
+            KeyValue::Int(v) => write!(f, "Int({v})"),
+            KeyValue::Bytes(b) => {
                 write!(f, "Bytes(")?;
                 for byte in b.as_slice() {
                     write!(f, "{byte:02x}")?;

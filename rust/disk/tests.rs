@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use super::io::{uring, EngineChoice};
 use super::*;
+use crate::keys::KeyValue;
 
 static NEXT: AtomicU64 = AtomicU64::new(0);
 
@@ -157,8 +158,8 @@ fn truncated_slab_gives_misses_not_errors() {
         assert_eq!(r.ok_keys.len(), 2, "{engine:?}");
         assert_eq!(r.failed_keys.len(), 2);
         for (s, key) in r.ok_keys.iter().enumerate() {
-            let BlockKey::Int(id) = key else { unreachable!() };
-            assert_eq!(slot_bytes(&h, s as u32), expected(*id as u64));
+            let KeyValue::Int(id) = *key.value() else { unreachable!() };
+            assert_eq!(slot_bytes(&h, s as u32), expected(id as u64));
         }
     }
 }
@@ -248,8 +249,8 @@ fn eviction_keeps_capacity_and_newest_copy_wins_after_restart() {
     let t = DiskTier::open(config(&dir, 4, EngineChoice::Pool)).unwrap();
     assert_eq!(t.len(), 4);
     assert_eq!(t.contains(&[k(0)]).unwrap(), vec![true]);
-    let ids: Vec<i128> = t.index().snapshot().into_iter().map(|(k, ..)| match k {
-        BlockKey::Int(i) => i,
+    let ids: Vec<i128> = t.index().snapshot().into_iter().map(|(k, ..)| match *k.value() {
+        KeyValue::Int(i) => i,
         _ => unreachable!(),
     }).collect();
     let r = read_all(&t, &h, &ids);

@@ -2,8 +2,10 @@
 //! policy and admission rule.
 //!
 //! Concurrency design:
-//! - The map is papaya's lock-free hash map. `lookup_prefix` and `state_of` only read it and the
-//!   entries' atomic state words: readers never wait on writers.
+//! - The map is scc's `HashIndex`, whose reads (`peek`) are lock-free. `lookup_prefix` and
+//!   `state_of` only read it and the entries' atomic state words: readers never wait on writers.
+//!   (papaya, tried first, cost 2-3x more per insert+remove under the constant churn of a full
+//!   tier; benches/rust/index.rs measures the store path.)
 //! - Every operation that changes residency or policy order (prepare/complete store, pin, touch,
 //!   remove, clear) takes one short mutex around the policy. Pins are taken under it, so a
 //!   block's evictability can only *grow* while the mutex is held (a lock-free `unpin` may free
@@ -23,6 +25,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
+use scc::Guard;
 
 pub use entry_state::{BlockState, EntryState};
 pub use stats::{IndexStats, StatsSnapshot};
@@ -34,7 +37,7 @@ use crate::keys::BlockKey;
 use crate::policy::{EvictionPolicy, InsertHint, PolicyKind, MAX_PRIORITY};
 use crate::slots::SlotAllocator;
 
-type Map = papaya::HashMap<BlockKey, BlockEntry, foldhash::fast::RandomState>;
+type Map = scc::HashIndex<BlockKey, BlockEntry, foldhash::fast::RandomState>;
 
 /// Everything the index knows about one block.
 #[derive(Debug)]
@@ -129,7 +132,7 @@ impl TierIndex {
         }
         let clock = if config.manual_clock { Clock::manual() } else { Clock::monotonic() };
         Ok(TierIndex {
-            map: Map::with_hasher(foldhash::fast::RandomState::default()),
+            map: Map::with_capacity_and_hasher(config.capacity, foldhash::fast::RandomState::default()),
             inner: Mutex::new(Inner {
                 policy: config.policy.build(config.capacity),
                 admission: Admission::new(config.admission, config.capacity * 4),
@@ -139,6 +142,12 @@ impl TierIndex {
             clock,
             stats: IndexStats::default(),
         })
+    }
+
+    /// Insert a key known to be absent: every writer holds the policy lock and checked first.
+    fn insert_entry(&self, key: BlockKey, entry: BlockEntry) {
+        let inserted = self.map.insert_sync(key, entry).is_ok();
+        debug_assert!(inserted, "a key was inserted twice");
     }
 
     pub fn config(&self) -> &IndexConfig {
@@ -171,13 +180,13 @@ impl TierIndex {
     /// caller that must convert keys (the Python binding) converts only those it examines.
     /// A conversion error is returned as is.
     pub fn lookup_prefix_lazy<E>(&self, keys: impl Iterator<Item = Result<BlockKey, E>>) -> Result<usize, E> {
-        let guard = self.map.pin();
+        let guard = Guard::new();
         let mut n = 0usize;
         let mut examined = 0usize;
         for k in keys {
             let k = k?;
             examined += 1;
-            if !guard.get(&k).is_some_and(|e| e.state.is_ready()) {
+            if !self.map.peek(&k, &guard).is_some_and(|e| e.state.is_ready()) {
                 break;
             }
             n += 1;
@@ -189,22 +198,22 @@ impl TierIndex {
     /// The state of one key, counted as a one-key lookup (hit when ready). The engine adapters'
     /// per-key lookup (vLLM's `lookup` -> HIT / HIT_PENDING / MISS) goes through here.
     pub fn lookup_state(&self, key: &BlockKey) -> Option<BlockState> {
-        let guard = self.map.pin();
-        let state = guard.get(key).map(|e| e.state.load().0);
+        let guard = Guard::new();
+        let state = self.map.peek(key, &guard).map(|e| e.state.load().0);
         self.stats.record_lookup(1, usize::from(state == Some(BlockState::Ready)));
         state
     }
 
     /// Whether each key is ready (no prefix semantics).
     pub fn contains_ready(&self, keys: &[BlockKey]) -> Vec<bool> {
-        let guard = self.map.pin();
-        keys.iter().map(|k| guard.get(k).is_some_and(|e| e.state.is_ready())).collect()
+        let guard = Guard::new();
+        keys.iter().map(|k| self.map.peek(k, &guard).is_some_and(|e| e.state.is_ready())).collect()
     }
 
     /// State, pins and slot of one key.
     pub fn state_of(&self, key: &BlockKey) -> Option<(BlockState, u32, u32)> {
-        let guard = self.map.pin();
-        guard.get(key).map(|e| {
+        let guard = Guard::new();
+        self.map.peek(key, &guard).map(|e| {
             let (s, p) = e.state.load();
             (s, p, e.slot)
         })
@@ -212,15 +221,15 @@ impl TierIndex {
 
     /// Run `f` on the entry of `key` while it is protected from reclamation.
     pub fn with_entry<R>(&self, key: &BlockKey, f: impl FnOnce(&BlockEntry) -> R) -> Option<R> {
-        let guard = self.map.pin();
-        guard.get(key).map(f)
+        let guard = Guard::new();
+        self.map.peek(key, &guard).map(f)
     }
 
     /// All keys with their state and slot (a snapshot, for status and tests).
     pub fn snapshot(&self) -> Vec<(BlockKey, BlockState, u32, u32)> {
-        let guard = self.map.pin();
-        guard
-            .iter()
+        let guard = Guard::new();
+        self.map
+            .iter(&guard)
             .map(|(k, e)| {
                 let (s, p) = e.state.load();
                 (*k, s, p, e.slot)
@@ -239,7 +248,7 @@ impl TierIndex {
         }
         let now = self.clock.now_ns();
         let mut inner = self.inner.lock();
-        let guard = self.map.pin();
+        let guard = Guard::new();
         let mut out = StoreOutcome::default();
         let mut new_keys: Vec<BlockKey> = Vec::with_capacity(keys.len());
         let mut seen = std::collections::HashSet::with_capacity_and_hasher(
@@ -247,7 +256,7 @@ impl TierIndex {
             foldhash::fast::RandomState::default(),
         );
         for (pos, k) in keys.iter().enumerate() {
-            if !seen.insert(*k) || guard.get(k).is_some() {
+            if !seen.insert(*k) || self.map.peek(k, &guard).is_some() {
                 out.already_present.push(*k);
                 out.already_present_pos.push(pos);
             } else if inner.admission.offer(k, hint.priority) {
@@ -269,22 +278,22 @@ impl TierIndex {
                 // Never evict a key of this very batch (vLLM's contract, and the only sane one:
                 // the caller was just told it is present).
                 .select_victims(need, now, &mut |k| {
-                    !seen.contains(k) && guard.get(k).is_some_and(|e| e.state.is_evictable())
+                    !seen.contains(k) && self.map.peek(k, &guard).is_some_and(|e| e.state.is_evictable())
                 });
             let Some(victims) = victims else {
                 self.stats.store_no_space.fetch_add(1, Ordering::Relaxed);
                 let evictable =
-                    guard.iter().filter(|(k, e)| !seen.contains(*k) && e.state.is_evictable()).count();
+                    self.map.iter(&guard).filter(|(k, e)| !seen.contains(*k) && e.state.is_evictable()).count();
                 return Err(KvError::NoSpace { needed: new_keys.len(), available: free + evictable });
             };
             for v in victims {
-                let entry = guard.get(&v).expect("victims are resident");
+                let entry = self.map.peek(&v, &guard).expect("victims are resident");
                 // Cannot fail: evictable was checked under the lock and pins are only taken
                 // under it; a concurrent unpin only lowers the count.
                 let claimed = entry.state.try_claim();
                 debug_assert!(claimed, "victim {v:?} could not be claimed");
                 let slot = entry.slot;
-                guard.remove(&v);
+                self.map.remove_sync(&v);
                 self.slots.release(slot);
                 out.evicted.push((v, slot));
             }
@@ -298,7 +307,7 @@ impl TierIndex {
             placed.push((*k, slot));
         }
         for (k, slot) in placed.iter().rev() {
-            guard.insert(
+            self.insert_entry(
                 *k,
                 BlockEntry {
                     state: EntryState::writing(),
@@ -327,11 +336,11 @@ impl TierIndex {
         }
         let now = self.clock.now_ns();
         let mut inner = self.inner.lock();
-        let guard = self.map.pin();
-        if guard.get(&key).is_some() {
+        let guard = Guard::new();
+        if self.map.peek(&key, &guard).is_some() {
             return Err(KvError::invalid("key", format!("{key:?} recovered twice")));
         }
-        guard.insert(
+        self.insert_entry(
             key,
             BlockEntry {
                 state: EntryState::ready(),
@@ -351,17 +360,17 @@ impl TierIndex {
     /// Keys not being written are ignored. Returns how many keys were completed or dropped.
     pub fn complete_store(&self, keys: &[BlockKey], success: bool) -> usize {
         let mut inner = self.inner.lock();
-        let guard = self.map.pin();
+        let guard = Guard::new();
         let mut done = 0;
         for k in keys {
-            let Some(entry) = guard.get(k) else { continue };
+            let Some(entry) = self.map.peek(k, &guard) else { continue };
             if success {
                 if entry.state.mark_ready() {
                     done += 1;
                 }
             } else if entry.state.abandon_write() {
                 let slot = entry.slot;
-                guard.remove(k);
+                self.map.remove_sync(k);
                 inner.policy.remove(k);
                 self.slots.release(slot);
                 done += 1;
@@ -376,15 +385,15 @@ impl TierIndex {
     /// ready, nothing is pinned and `NotReady` names it.
     pub fn pin_for_load(&self, keys: &[BlockKey]) -> KvResult<Vec<u32>> {
         let _inner = self.inner.lock();
-        let guard = self.map.pin();
+        let guard = Guard::new();
         let mut slots = Vec::with_capacity(keys.len());
         for (i, k) in keys.iter().enumerate() {
-            let pinned = guard.get(k).and_then(|e| e.state.try_pin().map(|_| e.slot));
+            let pinned = self.map.peek(k, &guard).and_then(|e| e.state.try_pin().map(|_| e.slot));
             match pinned {
                 Some(slot) => slots.push(slot),
                 None => {
                     for undo in &keys[..i] {
-                        guard.get(undo).expect("pinned above").state.unpin();
+                        self.map.peek(undo, &guard).expect("pinned above").state.unpin();
                     }
                     self.stats.pin_failures.fetch_add(1, Ordering::Relaxed);
                     return Err(KvError::NotReady(format!("{k:?}")));
@@ -398,7 +407,7 @@ impl TierIndex {
     /// Drop one pin from each key. Lock-free. Errors (and drops no pin at all) if any key holds
     /// no pin, since that would mean a caller unpinned twice.
     pub fn unpin(&self, keys: &[BlockKey]) -> KvResult<()> {
-        let guard = self.map.pin();
+        let guard = Guard::new();
         // A key may appear several times (one pin each), so check pins against occurrences.
         let mut wanted: std::collections::HashMap<&BlockKey, u32, foldhash::fast::RandomState> =
             std::collections::HashMap::with_capacity_and_hasher(keys.len(), Default::default());
@@ -406,13 +415,13 @@ impl TierIndex {
             *wanted.entry(k).or_insert(0) += 1;
         }
         for (k, n) in &wanted {
-            let ok = guard.get(*k).is_some_and(|e| e.state.load().1 >= *n);
+            let ok = self.map.peek(*k, &guard).is_some_and(|e| e.state.load().1 >= *n);
             if !ok {
                 return Err(KvError::NotPinned(format!("{k:?}")));
             }
         }
         for k in keys {
-            if let Some(e) = guard.get(k) {
+            if let Some(e) = self.map.peek(k, &guard) {
                 e.state.unpin();
             }
         }
@@ -424,9 +433,9 @@ impl TierIndex {
     pub fn touch(&self, keys: &[BlockKey]) {
         let now = self.clock.now_ns();
         let mut inner = self.inner.lock();
-        let guard = self.map.pin();
+        let guard = Guard::new();
         for k in keys.iter().rev() {
-            if let Some(e) = guard.get(k) {
+            if let Some(e) = self.map.peek(k, &guard) {
                 e.uses.fetch_add(1, Ordering::Relaxed);
                 inner.policy.touch(k, now);
             }
@@ -446,13 +455,13 @@ impl TierIndex {
     /// removed keys with their freed slots.
     pub fn remove(&self, keys: &[BlockKey]) -> Vec<(BlockKey, u32)> {
         let mut inner = self.inner.lock();
-        let guard = self.map.pin();
+        let guard = Guard::new();
         let mut removed = Vec::new();
         for k in keys {
-            let Some(entry) = guard.get(k) else { continue };
+            let Some(entry) = self.map.peek(k, &guard) else { continue };
             if entry.state.try_claim() {
                 let slot = entry.slot;
-                guard.remove(k);
+                self.map.remove_sync(k);
                 inner.policy.remove(k);
                 self.slots.release(slot);
                 removed.push((*k, slot));
@@ -465,8 +474,8 @@ impl TierIndex {
     /// Remove every block that is not pinned or being written. Returns how many were removed.
     pub fn clear(&self) -> usize {
         let keys: Vec<BlockKey> = {
-            let guard = self.map.pin();
-            guard.iter().map(|(k, _)| *k).collect()
+            let guard = Guard::new();
+            self.map.iter(&guard).map(|(k, _)| *k).collect()
         };
         let n = self.remove(&keys).len();
         let mut inner = self.inner.lock();
@@ -478,10 +487,10 @@ impl TierIndex {
     }
 
     pub fn stats(&self) -> StatsSnapshot {
-        let guard = self.map.pin();
+        let guard = Guard::new();
         let mut pinned = 0u64;
         let mut writing = 0u64;
-        for (_, e) in guard.iter() {
+        for (_, e) in self.map.iter(&guard) {
             let (s, p) = e.state.load();
             pinned += u64::from(p > 0);
             writing += u64::from(s == BlockState::Writing);

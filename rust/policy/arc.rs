@@ -10,6 +10,7 @@
 //!   A T1 victim becomes a B1 ghost, a T2 victim a B2 ghost.
 //! - ghosts are trimmed after every change: B1 while |T1| + |B1| > c, then B2 while the four
 //!   lists hold more than 2c.
+//!
 //! The REPLACE tie rule on B2 hits is omitted: victims are chosen before the incoming keys are
 //! known to the policy (stores are batched, all-or-nothing).
 

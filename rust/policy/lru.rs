@@ -12,7 +12,7 @@ pub struct Lru<K: PolicyKey> {
 }
 
 impl<K: PolicyKey> Lru<K> {
-    pub fn lru() -> Self {
+    pub fn recency() -> Self {
         Lru { order: Map::default(), refresh_on_touch: true }
     }
     pub fn fifo() -> Self {

@@ -109,7 +109,7 @@ impl PolicyKind {
     pub fn build<K: PolicyKey>(self, capacity: usize) -> Box<dyn EvictionPolicy<K>> {
         match self {
             PolicyKind::Fifo => Box::new(Lru::fifo()),
-            PolicyKind::Lru => Box::new(Lru::lru()),
+            PolicyKind::Lru => Box::new(Lru::recency()),
             PolicyKind::Arc => Box::new(ArcPolicy::new(capacity)),
             PolicyKind::Priority => Box::new(Priority::new()),
             PolicyKind::S3Fifo => Box::new(S3Fifo::new(capacity)),

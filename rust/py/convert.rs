@@ -5,7 +5,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyInt, PyList, PyTuple};
 
 use super::errors::invalid;
-use crate::keys::BlockKey;
+use crate::keys::{BlockKey, KeyValue};
 
 pub fn key_from_py(obj: &Bound<'_, PyAny>) -> PyResult<BlockKey> {
     if let Ok(b) = obj.cast::<PyBytes>() {
@@ -38,9 +38,9 @@ pub fn keys_from_py(obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockKey>> {
 }
 
 pub fn key_to_py<'py>(py: Python<'py>, key: &BlockKey) -> PyResult<Bound<'py, PyAny>> {
-    Ok(match key {
-        BlockKey::Int(v) => v.into_pyobject(py)?.into_any(),
-        BlockKey::Bytes(b) => PyBytes::new(py, b.as_slice()).into_any(),
+    Ok(match key.value() {
+        KeyValue::Int(v) => v.into_pyobject(py)?.into_any(),
+        KeyValue::Bytes(b) => PyBytes::new(py, b.as_slice()).into_any(),
     })
 }
 

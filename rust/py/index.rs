@@ -14,6 +14,9 @@ use crate::index::{IndexConfig, TierIndex};
 use crate::keys::BlockKey;
 use crate::policy::{InsertHint, PolicyKind, DEFAULT_PRIORITY, MAX_PRIORITY};
 
+/// (key, state, pins, slot) as `entries()` returns them.
+type EntryRow<'py> = (Bound<'py, PyAny>, &'static str, u32, u32);
+
 /// Below this many keys a lookup walk is done without releasing the GIL (see lookup_prefix).
 const LONG_WALK_KEYS: usize = 256;
 
@@ -330,7 +333,7 @@ impl BlockIndex {
     }
 
     /// All resident keys as (key, state, pins, slot) tuples.
-    fn entries<'py>(&self, py: Python<'py>) -> PyResult<Vec<(Bound<'py, PyAny>, &'static str, u32, u32)>> {
+    fn entries<'py>(&self, py: Python<'py>) -> PyResult<Vec<EntryRow<'py>>> {
         self.inner
             .snapshot()
             .into_iter()
