@@ -1,6 +1,11 @@
 //! The host pool: one page-aligned region split into fixed-size slots. The memory is exposed to
 //! Python as a writable buffer (zero-copy numpy/torch views) and its address is handed to CUDA
 //! for pinning (cudaHostRegister) by the transfer layer; page alignment also satisfies O_DIRECT.
+//!
+//! A region can also *borrow* memory someone else owns (`HostRegion::borrowed`): an engine's
+//! own host buffer (vLLM's shared CPU region) is then read and written in place by the disk
+//! tier, with no staging copy. The owner must keep that memory alive and mapped for the
+//! region's whole life (the Python layer holds the exporting object's buffer for that).
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::ptr::NonNull;
@@ -15,6 +20,8 @@ pub struct HostRegion {
     layout: Layout,
     slot_bytes: usize,
     num_slots: usize,
+    /// False for borrowed memory: dropping the region must not free it.
+    owned: bool,
 }
 
 // SAFETY: the region is plain memory; concurrent access discipline (one writer per slot, enforced
@@ -50,7 +57,49 @@ impl HostRegion {
         let ptr = NonNull::new(raw).ok_or_else(|| {
             KvError::invalid("total_bytes", format!("could not allocate {} bytes", layout.size()))
         })?;
-        Ok(HostRegion { ptr, layout, slot_bytes: stride, num_slots })
+        Ok(HostRegion { ptr, layout, slot_bytes: stride, num_slots, owned: true })
+    }
+
+    /// A region over `len` bytes at `ptr` that this region does not own, in slots of
+    /// `slot_bytes` (which must be a multiple of 4 KiB, so that each slot stays page-aligned for
+    /// O_DIRECT). `ptr` must be 4 KiB aligned too; trailing bytes short of a slot are not used.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must be valid, writable memory that outlives the region, and nobody may
+    /// free or remap it meanwhile. Concurrent access discipline is the caller's, as for `new`.
+    pub unsafe fn borrowed(ptr: *mut u8, len: usize, slot_bytes: usize) -> KvResult<Self> {
+        if slot_bytes == 0 || slot_bytes % PAGE != 0 {
+            return Err(KvError::invalid(
+                "slot_bytes",
+                format!("{slot_bytes} is not a positive multiple of {PAGE}: slots of wrapped memory must stay page-aligned"),
+            ));
+        }
+        let ptr = NonNull::new(ptr).ok_or_else(|| KvError::invalid("buffer", "null pointer"))?;
+        if ptr.as_ptr() as usize % PAGE != 0 {
+            return Err(KvError::invalid(
+                "buffer",
+                format!(
+                    "address {:#x} is not {PAGE}-byte aligned; O_DIRECT disk I/O needs page-aligned host memory \
+                     (map it with mmap, or copy through a HostPool)",
+                    ptr.as_ptr() as usize
+                ),
+            ));
+        }
+        let num_slots = len / slot_bytes;
+        if num_slots == 0 {
+            return Err(KvError::invalid("buffer", format!("{len} bytes cannot hold one slot of {slot_bytes} bytes")));
+        }
+        if num_slots > u32::MAX as usize {
+            return Err(KvError::invalid("buffer", "more than 2^32 slots"));
+        }
+        let layout = Layout::from_size_align(num_slots * slot_bytes, PAGE)
+            .map_err(|e| KvError::invalid("buffer", e.to_string()))?;
+        Ok(HostRegion { ptr, layout, slot_bytes, num_slots, owned: false })
+    }
+
+    /// True when the region allocated its memory, false when it borrows it.
+    pub fn is_owned(&self) -> bool {
+        self.owned
     }
 
     pub fn as_ptr(&self) -> *mut u8 {
@@ -95,8 +144,10 @@ impl HostRegion {
 
 impl Drop for HostRegion {
     fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this layout.
-        unsafe { dealloc(self.ptr.as_ptr(), self.layout) }
+        if self.owned {
+            // SAFETY: allocated in `new` with this layout.
+            unsafe { dealloc(self.ptr.as_ptr(), self.layout) }
+        }
     }
 }
 
@@ -116,6 +167,38 @@ mod tests {
             assert!(r.slot(1).unwrap().iter().all(|&b| b == 7));
         }
         assert!(r.slot_offset(6).is_err());
+    }
+
+    #[test]
+    fn borrowed_region_uses_the_callers_memory_in_place() {
+        let owner = HostRegion::new(3 * PAGE * 2, PAGE * 2).unwrap();
+        // SAFETY: `owner` outlives `view` and is not touched through another path meanwhile.
+        let view = unsafe { HostRegion::borrowed(owner.as_ptr(), owner.len() - 1, PAGE) }.unwrap();
+        assert!(!view.is_owned() && owner.is_owned());
+        // len - 1 bytes: the last, partial page-slot is not used.
+        assert_eq!((view.num_slots(), view.slot_bytes()), (5, PAGE));
+        assert_eq!(view.as_ptr(), owner.as_ptr());
+        unsafe {
+            view.slot_mut(3).unwrap().fill(9);
+            // Slot 3 of the borrowed view is the second half of the owner's slot 1.
+            let o = owner.slot(1).unwrap();
+            assert!(o[..PAGE].iter().all(|&b| b == 0) && o[PAGE..].iter().all(|&b| b == 9));
+        }
+        drop(view); // must not free the owner's memory
+        unsafe { assert_eq!(owner.slot(1).unwrap()[PAGE], 9) };
+    }
+
+    #[test]
+    fn borrowed_region_checks_alignment_and_sizes() {
+        let owner = HostRegion::new(4 * PAGE, PAGE).unwrap();
+        let p = owner.as_ptr();
+        let e = unsafe { HostRegion::borrowed(p, 4 * PAGE, 5000) }.unwrap_err().to_string();
+        assert!(e.contains("slot_bytes") && e.contains("multiple of 4096"), "{e}");
+        let e = unsafe { HostRegion::borrowed(p.add(64), 2 * PAGE, PAGE) }.unwrap_err().to_string();
+        assert!(e.contains("buffer") && e.contains("aligned"), "{e}");
+        let e = unsafe { HostRegion::borrowed(p, PAGE - 1, PAGE) }.unwrap_err().to_string();
+        assert!(e.contains("cannot hold one slot"), "{e}");
+        assert!(unsafe { HostRegion::borrowed(std::ptr::null_mut(), PAGE, PAGE) }.is_err());
     }
 
     #[test]

@@ -11,9 +11,15 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
+from itertools import islice
 
 DEFAULT_PRIORITY = 35
 Evictable = Callable[[object], bool]
+
+
+def at_least(n: int, items) -> bool:
+    """Whether `items` yields at least n things (stops as soon as it knows)."""
+    return sum(1 for _ in islice(items, n)) == n
 
 
 class FifoModel:
@@ -93,7 +99,7 @@ class ArcModel:
         self.t2.pop(key, None)
 
     def select_victims(self, n, now, evictable: Evictable):
-        if sum(1 for k in list(self.t1) + list(self.t2) if evictable(k)) < n:
+        if not at_least(n, (k for k in (*self.t1, *self.t2) if evictable(k))):
             return None
         out = []
         while len(out) < n:
@@ -202,11 +208,12 @@ class S3FifoModel:
         return key
 
     def select_victims(self, n, now, evictable: Evictable):
-        if sum(1 for k in list(self.small) + list(self.main) if evictable(k)) < n:
+        if not at_least(n, (k for k in (*self.small, *self.main) if evictable(k))):
             return None
         out = []
         while len(out) < n:
-            s = next((k for k in self.small if evictable(k)), None)
+            # In S, a used key is promoted even when it cannot be evicted (promotion frees nothing).
+            s = next((k for k in self.small if self.small[k] >= 1 or evictable(k)), None)
             m = next((k for k in self.main if evictable(k)), None)
             if len(self.small) >= max(1, self.c // 10) and s is not None:
                 v = self._small_step(s)

@@ -1,6 +1,7 @@
 """An independent plain-Python model of the planner's replay semantics, for exact comparison
-with the Rust engine. It shares no code with it: the policies are re-implemented from their
-documented rules with OrderedDicts, and the prefix-tree rules are applied by direct scans.
+with the Rust engine. It shares no code with it: the policies are the plain-Python models of tests/models.py
+(re-implemented from their documented rules with OrderedDicts), and the prefix-tree rules are
+applied here by direct scans.
 
 Semantics (as documented in `kvtier plan --help`):
 - lookup: hits are the longest cached prefix of the request's blocks;
@@ -14,150 +15,33 @@ Semantics (as documented in `kvtier plan --help`):
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from models import DEFAULT_PRIORITY, POLICY_MODELS
 
 NEVER = float("inf")
 
 
-class Fifo:
-    def __init__(self, capacity: int, refresh: bool = False) -> None:
-        self.order: OrderedDict = OrderedDict()
-        self.refresh = refresh
+class _OneVictimAtATime:
+    """The planner asks for one victim per placement; the policy models themselves are the plain
+    Python references shared with the live index's tests (tests/models.py)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
 
     def insert(self, k):
-        if k not in self.order:
-            self.order[k] = None
+        self.model.insert(k, DEFAULT_PRIORITY, None, 0)
 
     def touch(self, k):
-        if self.refresh and k in self.order:
-            self.order.move_to_end(k)
+        self.model.touch(k, 0)
 
     def victim(self, evictable):
-        for k in self.order:
-            if evictable(k):
-                del self.order[k]
-                return k
-        return None
+        victims = self.model.select_victims(1, 0, evictable)
+        return victims[0] if victims else None
 
 
-class Lru(Fifo):
-    def __init__(self, capacity: int) -> None:
-        super().__init__(capacity, refresh=True)
-
-
-class Arc:
-    def __init__(self, capacity: int) -> None:
-        self.c = max(1, capacity)
-        self.p = 0
-        self.t1: OrderedDict = OrderedDict()
-        self.t2: OrderedDict = OrderedDict()
-        self.b1: OrderedDict = OrderedDict()
-        self.b2: OrderedDict = OrderedDict()
-
-    def _trim(self):
-        while len(self.t1) + len(self.b1) > self.c and self.b1:
-            self.b1.popitem(last=False)
-        while len(self.t1) + len(self.t2) + len(self.b1) + len(self.b2) > 2 * self.c and self.b2:
-            self.b2.popitem(last=False)
-
-    def insert(self, k):
-        if k in self.t1 or k in self.t2:
-            return
-        if k in self.b1:
-            self.p = min(self.p + max(1, len(self.b2) // len(self.b1)), self.c)
-            del self.b1[k]
-            self.t2[k] = None
-        elif k in self.b2:
-            self.p = max(self.p - max(1, len(self.b1) // len(self.b2)), 0)
-            del self.b2[k]
-            self.t2[k] = None
-        else:
-            self.t1[k] = None
-        self._trim()
-
-    def touch(self, k):
-        if k in self.t1:
-            del self.t1[k]
-            self.t2[k] = None
-        elif k in self.t2:
-            self.t2.move_to_end(k)
-
-    def victim(self, evictable):
-        first = next((k for k in self.t1 if evictable(k)), None)
-        second = next((k for k in self.t2 if evictable(k)), None)
-        if first is None and second is None:
-            return None
-        use_t1 = first is not None and (len(self.t1) > self.p or second is None)
-        if use_t1:
-            del self.t1[first]
-            self.b1[first] = None
-            k = first
-        else:
-            del self.t2[second]
-            self.b2[second] = None
-            k = second
-        self._trim()
-        return k
-
-
-class S3Fifo:
-    def __init__(self, capacity: int) -> None:
-        self.c = max(1, capacity)
-        self.small: OrderedDict = OrderedDict()
-        self.main: OrderedDict = OrderedDict()
-        self.ghost: OrderedDict = OrderedDict()
-
-    def insert(self, k):
-        if k in self.small or k in self.main:
-            return
-        if k in self.ghost:
-            del self.ghost[k]
-            self.main[k] = 0
-        else:
-            self.small[k] = 0
-
-    def touch(self, k):
-        for q in (self.small, self.main):
-            if k in q:
-                q[k] = min(q[k] + 1, 3)
-                return
-
-    def victim(self, evictable):
-        if not any(evictable(k) for k in (*self.small, *self.main)):
-            return None
-        while True:
-            cand = None
-            if len(self.small) >= max(1, self.c // 10):
-                cand = next((k for k in self.small if evictable(k)), None)
-            if cand is not None:
-                v = self._small(cand)
-            else:
-                m = next((k for k in self.main if evictable(k)), None)
-                if m is not None:
-                    f = self.main.pop(m)
-                    if f >= 1:
-                        self.main[m] = f - 1
-                        v = None
-                    else:
-                        v = m
-                else:
-                    v = self._small(next(k for k in self.small if evictable(k)))
-            if v is not None:
-                return v
-
-    def _small(self, k):
-        f = self.small.pop(k)
-        if f >= 1:
-            self.main[k] = 0
-            return None
-        self.ghost.pop(k, None)
-        self.ghost[k] = None
-        while len(self.ghost) > self.c:
-            self.ghost.popitem(last=False)
-        return k
-
-
-POLICIES = {"fifo": Fifo, "lru": Lru, "arc": Arc, "s3fifo": S3Fifo}
+POLICIES = {
+    name: (lambda cls: lambda capacity: _OneVictimAtATime(cls(capacity)))(POLICY_MODELS[name])
+    for name in ("fifo", "lru", "arc", "s3fifo")
+}
 
 
 def next_uses(requests):

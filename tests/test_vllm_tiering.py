@@ -7,6 +7,7 @@ Tests run in order and share one disk directory.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from vllm_support import engine as E
 
@@ -67,6 +68,10 @@ def test_secondary_tier_serves_prefix_evicted_from_primary(env, prompts, baselin
         t = tier(llm)
         t.drain_jobs()
         assert t.disk.stats()["blocks_written"] == 9
+        # In place: the disk tier's pool is vLLM's primary region itself (no staging copy).
+        primary = np.frombuffer(t._primary_kv_view, dtype=np.uint8)  # vLLM's base class keeps it here
+        assert t.pool.wrapped and t.pool.ptr == primary.ctypes.data
+        assert t.pool.slot_bytes == t.block_size_bytes and t.pool.num_slots == 4
         E.drop_gpu_cache(llm)
         tokens, cached = E.generate(llm, prompts["A"])
         assert cached == E.SERVED

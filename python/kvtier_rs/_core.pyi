@@ -1,7 +1,7 @@
 """Type stubs for the Rust extension `kvtier_rs._core` (rust/py/)."""
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Buffer, Iterable, Sequence
 from typing import Any, Literal
 
 Key = int | bytes
@@ -23,6 +23,11 @@ class HostPool:
     """Page-aligned host memory in fixed-size slots; supports the buffer protocol (writable)."""
 
     def __init__(self, total_bytes: int, slot_bytes: int) -> None: ...
+    @staticmethod
+    def wrap(buffer: Buffer, slot_bytes: int) -> HostPool:
+        """A pool over `buffer`'s memory (writable, C-contiguous, page-aligned), in place."""
+    @property
+    def wrapped(self) -> bool: ...
     @property
     def ptr(self) -> int: ...
     @property
@@ -95,6 +100,12 @@ class BlockIndex:
 class DiskIoError(KvTierError): ...  # a filesystem operation failed (path + OS reason)
 class DirectoryLockedError(KvTierError): ...  # the directory is open in this or another process
 class ClosedError(KvTierError): ...  # the tier was used after close()
+
+def disk_status(path: str | os.PathLike[str], *, verify: bool = False) -> dict[str, Any]:
+    """Read-only scan of a disk tier directory (no lock taken, nothing written): path,
+    block_bytes, slot_stride, num_files, slots_per_file, capacity_blocks, dir_id, blocks, bytes,
+    free_slots, damaged_slots, stale_copies, min_generation, max_generation, last_generation,
+    verified_payloads. DiskIoError when it is not a disk tier directory or a slab is missing."""
 
 def io_uring_probe() -> str | None:
     """None when io_uring works in this process, else the reason."""

@@ -24,6 +24,7 @@ pub mod io;
 pub mod layout;
 pub mod recovery;
 pub mod slab;
+pub mod status;
 
 #[cfg(test)]
 mod tests;

@@ -7,12 +7,15 @@
 //! - insert: a ghost key enters M; any other key enters S. Both start with freq 0.
 //! - touch: freq = min(freq + 1, 3).
 //! - victims, one at a time, until n are found:
-//!   * when |S| >= max(1, c/10) and S has an evictable key: take the first evictable key of S;
-//!     if freq >= 1 it moves to the back of M with freq 0 (not a victim); else it is the victim
-//!     and becomes a ghost (ghosts capped at c, oldest dropped first);
+//!   * when |S| >= max(1, c/10) and S has an actionable key: take the first key of S that is
+//!     evictable or was used (freq >= 1); if freq >= 1 it moves to the back of M with freq 0
+//!     (a promotion, allowed even for a pinned key or a prefix-tree interior block, since it
+//!     evicts nothing: otherwise such keys would pile up at the head of S, never promoted however
+//!     often they are hit); else it is the victim and becomes a ghost (ghosts capped at c,
+//!     oldest dropped first);
 //!   * otherwise take the first evictable key of M: freq >= 1 is decremented and the key moves
 //!     to the back of M; freq 0 is the victim. If M has no evictable key, S is used as above.
-//! - Non-evictable keys are skipped in place; they keep their position.
+//! - Otherwise non-evictable keys are skipped in place; they keep their position.
 
 use hashlink::LinkedHashMap;
 
@@ -45,6 +48,11 @@ impl<K: PolicyKey> S3Fifo<K> {
 
     fn first_evictable(q: &Queue<K>, evictable: &mut dyn FnMut(&K) -> bool) -> Option<(K, u8)> {
         q.iter().find(|(k, _)| evictable(k)).map(|(k, f)| (k.clone(), *f))
+    }
+
+    /// First key of S that an S step can act on: used (promote) or evictable (victim).
+    fn first_actionable_small(&self, evictable: &mut dyn FnMut(&K) -> bool) -> Option<(K, u8)> {
+        self.small.iter().find(|(k, f)| **f >= 1 || evictable(k)).map(|(k, f)| (k.clone(), *f))
     }
 
     /// One step on the small queue: returns a victim, or None when the key was promoted to M.
@@ -116,7 +124,7 @@ impl<K: PolicyKey> EvictionPolicy<K> for S3Fifo<K> {
         let mut victims = Vec::with_capacity(n);
         while victims.len() < n {
             let small_candidate = if self.small.len() >= self.small_target() {
-                Self::first_evictable(&self.small, evictable)
+                self.first_actionable_small(evictable)
             } else {
                 None
             };
@@ -125,7 +133,7 @@ impl<K: PolicyKey> EvictionPolicy<K> for S3Fifo<K> {
             } else if let Some((k, f)) = Self::first_evictable(&self.main, evictable) {
                 self.step_main(k, f)
             } else {
-                let (k, f) = Self::first_evictable(&self.small, evictable).expect("feasible");
+                let (k, f) = self.first_actionable_small(evictable).expect("feasible");
                 self.step_small(k, f)
             };
             victims.extend(victim);

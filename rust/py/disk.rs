@@ -418,3 +418,21 @@ impl PyDiskTier {
 pub fn io_uring_probe(py: Python<'_>) -> Option<String> {
     py.detach(|| uring::probe().err())
 }
+
+/// Read-only snapshot of a disk-tier directory (see `disk::status`): takes no lock, creates and
+/// changes nothing, so it works while another process has the tier open.
+#[pyfunction]
+#[pyo3(signature = (path, *, verify=false))]
+pub fn disk_status<'py>(py: Python<'py>, path: std::path::PathBuf, verify: bool) -> PyResult<Bound<'py, PyDict>> {
+    if path.as_os_str().is_empty() {
+        return Err(invalid("path", "must not be empty"));
+    }
+    let s = py.detach(|| disk::status::disk_status(&path, verify))?;
+    let d = PyDict::new(py);
+    d.set_item("path", path.display().to_string())?;
+    for (name, v) in s.fields() {
+        d.set_item(name, v)?;
+    }
+    d.set_item("verified_payloads", s.verified_payloads)?;
+    Ok(d)
+}

@@ -1,11 +1,14 @@
 //! `HostPool`: the page-aligned host region exported through the buffer protocol, so that
 //! `memoryview(pool)`, `numpy.frombuffer(pool, ...)` and `torch.frombuffer(pool, ...)` are
 //! zero-copy views. `ptr` and `nbytes` let the transfer layer pin it with cudaHostRegister.
+//! `HostPool.wrap(buffer, slot_bytes)` makes a pool over memory another object exports (an
+//! engine's own host region), so the disk tier and the transfer engines use it in place.
 
 use std::ffi::c_int;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
 use pyo3::prelude::*;
@@ -20,6 +23,10 @@ pub struct HostPool {
     region: HostRegion,
     slots: Arc<SlotAllocator>,
     claimed: AtomicBool,
+    /// For a wrapped pool: the exporter's buffer, held (so the exporting object stays alive and
+    /// its memory cannot be resized or freed) for as long as the pool lives. Declared after
+    /// `region`, so the region is dropped first.
+    borrowed: Option<PyUntypedBuffer>,
 }
 
 impl HostPool {
@@ -44,7 +51,36 @@ impl HostPool {
         let slot = positive("slot_bytes", slot_bytes)?;
         let region = HostRegion::new(total, slot)?;
         let slots = Arc::new(SlotAllocator::new(region.num_slots()));
-        Ok(HostPool { region, slots, claimed: AtomicBool::new(false) })
+        Ok(HostPool { region, slots, claimed: AtomicBool::new(false), borrowed: None })
+    }
+
+    /// A pool over the memory of `buffer` (any object exporting a writable, C-contiguous buffer:
+    /// an `mmap`, a `memoryview`, a numpy array), in slots of `slot_bytes` (a multiple of 4096;
+    /// the buffer must start page-aligned, as mmap'ed memory does). Nothing is copied: reads and
+    /// writes through the pool are reads and writes of the buffer. The pool holds the buffer,
+    /// which keeps the exporting object alive (an mmap cannot be closed or resized meanwhile).
+    #[staticmethod]
+    fn wrap(buffer: &Bound<'_, PyAny>, slot_bytes: i64) -> PyResult<Self> {
+        let slot = positive("slot_bytes", slot_bytes)?;
+        let buf = PyUntypedBuffer::get(buffer)
+            .map_err(|e| invalid("buffer", format!("does not export a buffer: {e}")))?;
+        if buf.readonly() {
+            return Err(invalid("buffer", "is read-only; the pool's slots must be writable"));
+        }
+        if !buf.is_c_contiguous() {
+            return Err(invalid("buffer", "is not C-contiguous; wrap the whole underlying buffer"));
+        }
+        // SAFETY: the memory stays exported (alive, not resized) while `buf` is held, and `buf`
+        // lives in the pool next to the region for the region's whole life.
+        let region = unsafe { HostRegion::borrowed(buf.buf_ptr().cast(), buf.len_bytes(), slot)? };
+        let slots = Arc::new(SlotAllocator::new(region.num_slots()));
+        Ok(HostPool { region, slots, claimed: AtomicBool::new(false), borrowed: Some(buf) })
+    }
+
+    /// True when the pool wraps memory exported by another object (`HostPool.wrap`).
+    #[getter]
+    fn wrapped(&self) -> bool {
+        self.borrowed.is_some()
     }
 
     /// Address of the region (for cudaHostRegister and O_DIRECT I/O).

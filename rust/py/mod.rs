@@ -19,6 +19,8 @@ mod core_module {
     #[pymodule_export]
     use super::disk::{io_uring_probe, DiskJobResult, DiskWriteTicket, PyDiskTier};
     #[pymodule_export]
+    use super::disk::disk_status;
+    #[pymodule_export]
     use super::errors::{ClosedError, DirectoryLockedError, DiskIoError};
     #[pymodule_export]
     use super::index::{BlockIndex, StoreOutcome};

@@ -15,13 +15,15 @@ from kvtier_rs.integrations.vllm.worker import KvtierWorker
 class WrongBytesWorker(KvtierWorker):
     def submit_load(self, job_id, src_spec, dst_spec, expedited=False):
         ok = super().submit_load(job_id, src_spec, dst_spec, expedited)
-        # Overwrite what was just loaded with plausible-looking but wrong KV (small fp32 noise).
+        # Let the real copy land first (the transfer engine copies asynchronously), then
+        # overwrite what was loaded with plausible-looking but wrong KV (small fp32 noise).
+        self.wait({job_id})
         gen = torch.Generator().manual_seed(job_id)
         for g, blocks, _slots, _subs in self._positions(dst_spec, src_spec.block_ids):
             bt = torch.from_numpy(blocks)
-            for r in self.layouts[g]:
-                noise = torch.randn((len(blocks), r.page_bytes // 4), generator=gen).view(torch.int8)
-                r.tensor[bt, : r.page_bytes] = noise
+            for r in self.layouts[g].regions:
+                noise = torch.randn((len(blocks), r.bytes_per_block // 4), generator=gen).view(torch.int8)
+                r.tensor[bt, : r.bytes_per_block] = noise
         return ok
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier_rs._core import NoSpaceError, NotReadyError
+from kvtier_rs.events import EventStream
 from kvtier_rs.host_tier import HostTier, Key
 from kvtier_rs.orchestrator.latency import LatencyRecorder
 
@@ -48,13 +49,16 @@ class StagerCounters:
 
 
 class DiskStager:
-    def __init__(self, host: HostTier, disk: Any, *, max_write_backlog: int = 1024) -> None:
+    def __init__(
+        self, host: HostTier, disk: Any, *, max_write_backlog: int = 1024, events: EventStream | None = None
+    ) -> None:
         if disk.block_bytes < host.block_bytes:
             raise ValueError(f"disk blocks ({disk.block_bytes} B) are smaller than host blocks ({host.block_bytes} B)")
         self.host = host
         self.disk = disk
         self.max_write_backlog = max_write_backlog
         self.counters = StagerCounters()
+        self.events = events
         self._writes: dict[int, list[Key]] = {}
         self._reads: dict[int, list[Key]] = {}
         self._write_backlog = 0
@@ -91,6 +95,8 @@ class DiskStager:
         if not_written:
             self.host.index.unpin(not_written)
         self.counters.writes_refused += len(ticket.refused)
+        if self.events is not None:
+            self.events.publish("removed", "disk", ticket.evicted, reason="evicted")
         if written:
             self._writes[ticket.job_id] = written
             self._write_backlog += len(written)
@@ -106,6 +112,8 @@ class DiskStager:
         except NoSpaceError:
             self.counters.promotions_no_cpu_space += 1
             return None
+        if self.events is not None:
+            self.events.publish("removed", "cpu", out.evicted, reason="evicted")
         if list(out.keys) != keys:
             # Some keys are already in the CPU tier or refused by its admission: this chain is
             # not a clean disk-only run. Give the reserved slots back and let the caller re-plan.
@@ -131,6 +139,8 @@ class DiskStager:
                 self.counters.writes_completed += len(r.ok_keys)
                 self.counters.writes_failed += len(r.failed_keys)
                 self.counters.write_latency.observe(r.seconds)
+                if self.events is not None:
+                    self.events.publish("stored", "disk", r.ok_keys)
             else:
                 keys = self._reads.pop(r.job_id, None)
                 if keys is None:
@@ -148,6 +158,15 @@ class DiskStager:
                 self.counters.promotion_blocks_ok += prefix
                 self.counters.promotion_blocks_failed += len(r.failed_keys)
                 self.counters.read_latency.observe(r.seconds)
+                if self.events is not None:
+                    self.events.publish("stored", "cpu", keys[:prefix])
+                    if r.failed_keys:
+                        # A read that did not verify (checksum, short read, I/O error) makes the
+                        # disk drop the block. Keys are pinned on disk from submission, so one
+                        # the disk no longer holds was dropped by this read, not evicted.
+                        held = self.disk.contains(list(r.failed_keys))
+                        gone = [k for k, h in zip(r.failed_keys, held, strict=True) if not h]
+                        self.events.publish("removed", "disk", gone, reason="failed_read")
                 done.append(PromotionDone(r.job_id, keys, prefix, r.seconds, r.bytes))
         return done
 

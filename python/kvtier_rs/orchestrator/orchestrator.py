@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier_rs._core import InvalidArgumentError, NoSpaceError, NotReadyError
+from kvtier_rs.events import EventStream
 from kvtier_rs.host_tier import HostTier, Key
 from kvtier_rs.orchestrator.cost import CostModel
 from kvtier_rs.orchestrator.disk_stager import DiskStager
@@ -109,6 +110,7 @@ class TierOrchestrator:
         guards: dict[str, GuardRule] | None = None,
         max_promotions_in_flight: dict[str, int] | None = None,
         max_disk_write_backlog: int = 1024,
+        events: EventStream | None = None,
     ) -> None:
         if engine.pool is not host.pool:
             raise InvalidArgumentError("invalid argument `engine`: it must copy into this host tier's pool")
@@ -119,7 +121,13 @@ class TierOrchestrator:
             )
         self.host = host
         self.engine = engine
-        self.stager = DiskStager(host, disk, max_write_backlog=max_disk_write_backlog) if disk is not None else None
+        #: Block stored/removed/promoted events for external indexes; None publishes nothing.
+        self.events = events
+        self.stager = (
+            DiskStager(host, disk, max_write_backlog=max_disk_write_backlog, events=events)
+            if disk is not None
+            else None
+        )
         self.cost = cost
         self.guards = {t: SloGuard(t, r) for t, r in (guards or {}).items()}
         self.max_in_flight = {"cpu": 64, "disk": 16, **(max_promotions_in_flight or {})}
@@ -163,6 +171,8 @@ class TierOrchestrator:
             return OffloadTicket(None, [], [], [], [], no_space=True)
         ticket = OffloadTicket(None, list(out.keys), list(out.skipped), list(out.refused), list(out.evicted))
         self.counts["cpu_store_refused"] += len(out.refused)
+        if self.events is not None:
+            self.events.publish("removed", "cpu", out.evicted, reason="evicted")
         if not out.keys:
             return ticket
         ids = [int(where[k]) for k in out.keys]
@@ -264,6 +274,12 @@ class TierOrchestrator:
     def _count_plan(self, plan: LoadPlan) -> None:
         c = self.counts
         c["lookups"] += 1
+        # Blocks asked of each tier: the GPU sees the whole chain, the CPU tier what the GPU
+        # missed, the disk tier what the CPU tier missed (when there is a disk tier).
+        c["gpu_lookup_blocks"] += plan.total
+        c["cpu_lookup_blocks"] += plan.total - plan.gpu_hits
+        if self.stager is not None:
+            c["disk_lookup_blocks"] += plan.total - plan.gpu_hits - plan.cpu_hits
         c["gpu_hit_blocks"] += plan.gpu_hits
         c["cpu_hit_blocks"] += plan.cpu_hits
         c["disk_hit_blocks"] += plan.disk_hits
@@ -293,6 +309,8 @@ class TierOrchestrator:
                 self.counts["cpu_store_failed_blocks"] += len(keys)
                 return
             self.counts["cpu_stored_blocks"] += len(keys)
+            if self.events is not None:
+                self.events.publish("stored", "cpu", keys)
             self.counts["d2h_bytes"] += r.bytes
             self.latency["cpu_store"].observe(r.seconds)
             if self.stager is not None:
@@ -367,6 +385,9 @@ class TierOrchestrator:
         c["cpu_promoted_blocks"] += res.loaded_cpu
         c["disk_promoted_blocks"] += res.loaded_disk
         c["load_failed_blocks"] += res.failed
+        if self.events is not None:
+            self.events.publish("promoted", "cpu", ld.cpu_keys[: res.loaded_cpu])
+            self.events.publish("promoted", "disk", ld.disk_keys[: res.loaded_disk])
         del self._loads[res.request_id]
         self._done.append(res)
 
@@ -390,10 +411,14 @@ class TierOrchestrator:
             time.sleep(0.001)
 
     # ---- stats ---------------------------------------------------------------------------
-    def stats(self) -> dict[str, Any]:
+    def stats(self, *, histograms: bool = False) -> dict[str, Any]:
+        """Counters of the whole data path, reading each tier's core stats once. Keys are only
+        ever added, never renamed (dashboards and adapters read them). With `histograms`, each
+        latency also comes as cumulative Prometheus buckets (for the metrics collector)."""
         c = self.counts
+        cpu_index = self.host.stats()
         tiers: dict[str, Any] = {
-            "gpu": {"hits": c["gpu_hit_blocks"]},
+            "gpu": {"hits": c["gpu_hit_blocks"], "lookup_blocks": c["gpu_lookup_blocks"]},
             "cpu": {
                 "hits": c["cpu_hit_blocks"],
                 "promotions": c["cpu_promoted_blocks"],
@@ -403,11 +428,23 @@ class TierOrchestrator:
                 "refused": {r: c[f"cpu_refused_{r}_blocks"] for r in REFUSAL_REASONS},
                 "load_latency": self.latency["cpu_load"].percentiles(),
                 "store_latency": self.latency["cpu_store"].percentiles(),
-                "index": self.host.stats(),
+                "index": cpu_index,
+                "lookup_blocks": c["cpu_lookup_blocks"],
+                "evictions": cpu_index["evictions"],
+                "store_refused": {
+                    "admission": cpu_index["store_refused"],
+                    "no_space": c["cpu_store_no_space_blocks"],
+                },
+                "promotions_in_flight": self._promotions_in_flight("cpu"),
+                **occupancy(cpu_index, self.host.block_bytes),
             },
         }
+        if histograms:
+            tiers["cpu"]["load_histogram"] = self.latency["cpu_load"].histogram()
+            tiers["cpu"]["store_histogram"] = self.latency["cpu_store"].histogram()
         if self.stager is not None:
             sc = self.stager.counters
+            disk_index = dict(self.stager.disk.stats())
             tiers["disk"] = {
                 "hits": c["disk_hit_blocks"],
                 "promotions": c["disk_promoted_blocks"],
@@ -424,8 +461,23 @@ class TierOrchestrator:
                     "dropped_evicted": sc.writes_dropped_evicted,
                 },
                 "promotion_blocks_failed": sc.promotion_blocks_failed,
-                "index": dict(self.stager.disk.stats()),
+                "index": disk_index,
+                "lookup_blocks": c["disk_lookup_blocks"],
+                "evictions": disk_index["evictions"],
+                # The stager's `writes.refused` lumps admission and a full device; split here.
+                "store_refused": {
+                    "admission": disk_index["store_refused"],
+                    "no_space": disk_index["refused_disk_full"],
+                    "backpressure": sc.writes_dropped_backlog,
+                },
+                "promotions_in_flight": self._promotions_in_flight("disk"),
+                "write_backlog": self.stager.write_backlog,
+                **occupancy(disk_index, self.stager.disk.block_bytes),
             }
+            if histograms:
+                tiers["disk"]["load_histogram"] = self.latency["disk_load"].histogram()
+                tiers["disk"]["store_histogram"] = sc.write_latency.histogram()
+                tiers["disk"]["read_histogram"] = sc.read_latency.histogram()
         return {
             "lookups": c["lookups"],
             "misses": c["miss_blocks"],
@@ -434,4 +486,17 @@ class TierOrchestrator:
             "tiers": tiers,
             "guards": {t: g.state() for t, g in self.guards.items()},
             "cost_model": None if self.cost is None else {"bandwidth": dict(self.cost.bandwidth)},
+            "events": None if self.events is None else self.events.stats(),
         }
+
+
+def occupancy(index_stats: Any, block_bytes: int) -> dict[str, int]:
+    """Capacity and occupancy of a tier in payload bytes. `usage_bytes` counts every block that
+    holds a slot (ready, being written, being evicted), pinned or not: what the tier occupies.
+    `pinned_bytes` is the part of it that cannot be evicted right now."""
+    return {
+        "block_bytes": int(block_bytes),
+        "capacity_bytes": int(index_stats["capacity_blocks"]) * int(block_bytes),
+        "usage_bytes": int(index_stats["resident_blocks"]) * int(block_bytes),
+        "pinned_bytes": int(index_stats["pinned_blocks"]) * int(block_bytes),
+    }

@@ -7,6 +7,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvtier_rs._core import InvalidArgumentError
+from kvtier_rs.config import parse_bytes
 from kvtier_rs.planner.errors import PlanError
 
 DTYPE_BYTES = {
@@ -130,17 +132,6 @@ def bytes_per_token_from_config(path: str | Path, kv_dtype: str | None = None) -
     return ModelBytes(bpt, src, notes)
 
 
-_UNITS = {
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -173,11 +164,10 @@ def parse_size(text: str, arg: str) -> Size:
         return Size(int(num), True)
     if unit == "":
         raise PlanError(f"{arg}: {text!r} has no unit; write bytes with a unit (40GiB, 512MB) or blocks (5000blocks)")
-    if unit not in _UNITS:
-        raise PlanError(f"{arg}: unknown unit {m.group(2)!r}; use B, KB, MB, GB, TB, KiB, MiB, GiB, TiB or blocks")
-    value = int(float(num) * _UNITS[unit])
-    if value <= 0:
-        raise PlanError(f"{arg}: size must be positive, got {text!r}")
+    try:
+        value = parse_bytes(text, name=arg)  # the one byte-size parser (kvtier_rs.config)
+    except InvalidArgumentError as e:
+        raise PlanError(f"{arg}: {e}") from None
     return Size(value, False)
 
 

@@ -22,10 +22,11 @@ __all__ = [
 ]
 
 
-def auto(layout: BlockLayout, pool: HostPool) -> TransferEngine:
-    """The best engine for where `layout` lives."""
+def auto(layout: BlockLayout, pool: HostPool, *, cpu_inline: bool = False) -> TransferEngine:
+    """The best engine for where `layout` lives. `cpu_inline`: for CPU tensors, copy on the
+    submitting thread (see CpuTransferEngine: right when the model's compute uses every core)."""
     if layout.device.type == "cuda":
         from kvtier_rs.transfer.cuda import CudaTransferEngine
 
         return CudaTransferEngine(layout, pool)
-    return CpuTransferEngine(layout, pool)
+    return CpuTransferEngine(layout, pool, inline=cpu_inline)

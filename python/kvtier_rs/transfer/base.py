@@ -30,6 +30,9 @@ class _Job:
     direction: str
     num_blocks: int
     submitted: float = field(default_factory=time.perf_counter)
+    #: Per block, which sub-block of its host slot it uses (layouts with blocks_per_slot > 1);
+    #: None means sub-block 0 for every block.
+    sub_blocks: list[int] | None = None
 
 
 class TransferEngine(ABC):
@@ -37,16 +40,18 @@ class TransferEngine(ABC):
 
     `store` copies device blocks into host slots, `load` host slots into device blocks. Both
     return a job id at once; `poll` returns each finished job exactly once; `wait` blocks until
-    the given jobs are finished. A failed job is reported with success=False and an error, never
+    the given jobs are finished. With a layout of several blocks per host slot, `sub_blocks`
+    names each block's place in its slot. A failed job is reported with success=False and an error, never
     raised from `poll`.
     """
 
     name = "abstract"
 
     def __init__(self, layout: BlockLayout, pool: HostPool) -> None:
-        if layout.bytes_per_block > pool.slot_bytes:
+        if layout.slot_extent > pool.slot_bytes:
             raise InvalidArgumentError(
-                f"invalid argument `pool`: a block is {layout.bytes_per_block} bytes, pool slots are {pool.slot_bytes}"
+                f"invalid argument `pool`: a host slot of this layout needs {layout.slot_extent} bytes, "
+                f"pool slots are {pool.slot_bytes}"
             )
         self.layout = layout
         self.pool = pool
@@ -66,19 +71,50 @@ class TransferEngine(ABC):
             raise InvalidArgumentError(f"invalid argument `slots`: {bad[:5]} outside 0..{self.pool.num_slots}")
         return block_ids, slots
 
-    def store(self, block_ids: Sequence[int], slots: Sequence[int], *, after_stream: object = None) -> int:
+    def store(
+        self,
+        block_ids: Sequence[int],
+        slots: Sequence[int],
+        *,
+        after_stream: object = None,
+        sub_blocks: Sequence[int] | None = None,
+    ) -> int:
         """Device -> host. `after_stream` (CUDA) orders the copy after work queued on that stream."""
-        return self._start("d2h", block_ids, slots, after_stream)
+        return self._start("d2h", block_ids, slots, after_stream, sub_blocks)
 
-    def load(self, slots: Sequence[int], block_ids: Sequence[int], *, after_stream: object = None) -> int:
+    def load(
+        self,
+        slots: Sequence[int],
+        block_ids: Sequence[int],
+        *,
+        after_stream: object = None,
+        sub_blocks: Sequence[int] | None = None,
+    ) -> int:
         """Host -> device. `after_stream` (CUDA) orders the copy after work queued on that stream."""
-        return self._start("h2d", block_ids, slots, after_stream)
+        return self._start("h2d", block_ids, slots, after_stream, sub_blocks)
 
-    def _start(self, direction: str, block_ids: Sequence[int], slots: Sequence[int], after_stream: object) -> int:
+    def _start(
+        self,
+        direction: str,
+        block_ids: Sequence[int],
+        slots: Sequence[int],
+        after_stream: object,
+        sub_blocks: Sequence[int] | None = None,
+    ) -> int:
         ids, sl = self._validate(block_ids, slots)
         if direction == "h2d" and len(set(ids)) != len(ids):
             raise InvalidArgumentError("invalid argument `block_ids`: a load names the same device block twice")
-        job = _Job(next(self._ids), direction, len(ids))
+        subs = None
+        if sub_blocks is not None:
+            subs = [int(j) for j in sub_blocks]
+            if len(subs) != len(ids):
+                raise InvalidArgumentError(
+                    f"invalid argument `sub_blocks`: {len(subs)} sub-blocks for {len(ids)} blocks"
+                )
+            self.layout.check_sub_blocks(subs)
+            if not any(subs):
+                subs = None  # all sub-block 0: the plain path
+        job = _Job(next(self._ids), direction, len(ids), sub_blocks=subs)
         with self._lock:
             self._in_flight[job.job_id] = job
         try:
@@ -154,6 +190,26 @@ class TransferEngine(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def host_runs(
+    layout: BlockLayout, block_ids: Sequence[int], slots: Sequence[int], sub_blocks: Sequence[int] | None
+) -> list[tuple[int, int, int, int]]:
+    """Runs of blocks whose device rows and host positions both advance by one, each within one
+    host slot when a slot holds several blocks: (first_block, slot, first_sub_block, length)."""
+    bps = layout.blocks_per_slot
+    if sub_blocks is None:
+        return [(b, s, 0, n) for b, s, n in coalesce_runs(block_ids, slots)]
+    # Position h = slot * bps + sub is linear in host order inside a slot; a run is cut where it
+    # would cross into the next slot (the host pitch changes there).
+    lin = [s * bps + j for s, j in zip(slots, sub_blocks, strict=True)]
+    out = []
+    for b0, h0, n in coalesce_runs(block_ids, lin):
+        while n:
+            take = min(n, bps - h0 % bps)
+            out.append((b0, h0 // bps, h0 % bps, take))
+            b0, h0, n = b0 + take, h0 + take, n - take
+    return out
 
 
 def coalesce_runs(block_ids: Sequence[int], slots: Sequence[int]) -> list[tuple[int, int, int]]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvtier_rs._core import HostPool, InvalidArgumentError, KvTierError
-from kvtier_rs.transfer.base import TransferEngine, _Job, coalesce_runs
+from kvtier_rs.transfer.base import TransferEngine, _Job, host_runs
 from kvtier_rs.transfer.layout import BlockLayout
 
 
@@ -64,6 +64,54 @@ def device_available() -> bool:
         return False
 
 
+Piece = tuple[int, int, int, int, int, int]  # (dst, dst_pitch, src, src_pitch, width, height)
+
+
+def copy_plan(
+    layout: BlockLayout,
+    host_ptr: int,
+    slot_stride: int,
+    direction: str,
+    block_ids: list[int],
+    slots: list[int],
+    sub_blocks: list[int] | None = None,
+) -> list[Piece]:
+    """The 2-D copies that move `block_ids` <-> `slots`: one per region per run of adjacent
+    blocks and slots (rows of the region's chunk, device row stride vs host slot stride).
+    With `sub_blocks` (layouts of several blocks per slot), a run is adjacent sub-blocks of one
+    slot and its host pitch is the region's sub-block stride.
+    Pure address arithmetic, so it is tested on CPU memory (tests/test_transfer_plan.py)."""
+    out = []
+    for b0, s0, j0, n in host_runs(layout, block_ids, slots, sub_blocks):
+        for r, region in enumerate(layout.regions):
+            dev = region.data_ptr() + b0 * region.block_stride_bytes
+            hst = layout.host_address(r, host_ptr + s0 * slot_stride, j0)
+            hpitch = slot_stride if sub_blocks is None else layout.sub_block_strides[r]
+            width = region.bytes_per_block
+            if direction == "d2h":
+                out.append((hst, hpitch, dev, region.block_stride_bytes, width, n))
+            else:
+                out.append((dev, region.block_stride_bytes, hst, hpitch, width, n))
+    return out
+
+
+def flatten_1d(pieces: list[Piece]) -> tuple[list[int], list[int], list[int]]:
+    """The same copies as 1-D (dst, src, size) lists for cudaMemcpyBatchAsync: a piece whose
+    rows are contiguous on both sides is one copy, otherwise one copy per row."""
+    dsts, srcs, sizes = [], [], []
+    for dst, dp, src, sp, width, height in pieces:
+        if dp == width and sp == width:
+            dsts.append(dst)
+            srcs.append(src)
+            sizes.append(width * height)
+        else:
+            for row in range(height):
+                dsts.append(dst + row * dp)
+                srcs.append(src + row * sp)
+                sizes.append(width)
+    return dsts, srcs, sizes
+
+
 class CudaTransferEngine(TransferEngine):
     name = "cuda"
 
@@ -92,23 +140,6 @@ class CudaTransferEngine(TransferEngine):
         self.copy_calls = 0
 
     # ---- copies ---------------------------------------------------------------------------
-    def _pieces(
-        self, direction: str, block_ids: list[int], slots: list[int]
-    ) -> list[tuple[int, int, int, int, int, int]]:
-        """(dst, dpitch, src, spitch, width, height) per region per run."""
-        out = []
-        host, stride = self.pool.ptr, self.pool.slot_bytes
-        for b0, s0, n in coalesce_runs(block_ids, slots):
-            for region, off in zip(self.layout.regions, self.layout.host_offsets, strict=True):
-                dev = region.data_ptr() + b0 * region.block_stride_bytes
-                hst = host + s0 * stride + off
-                dpitch_dev, width = region.block_stride_bytes, region.bytes_per_block
-                if direction == "d2h":
-                    out.append((hst, stride, dev, dpitch_dev, width, n))
-                else:
-                    out.append((dev, dpitch_dev, hst, stride, width, n))
-        return out
-
     def _issue_2d(self, pieces, kind, stream) -> None:
         rt = self._rt
         for dst, dp, src, sp, width, height in pieces:
@@ -121,13 +152,7 @@ class CudaTransferEngine(TransferEngine):
     def _issue_batch(self, pieces, stream) -> bool:
         """All pieces as 1-D copies in one cudaMemcpyBatchAsync; False if the runtime refuses."""
         rt = self._rt
-        dsts, srcs, sizes = [], [], []
-        for dst, dp, src, sp, width, height in pieces:
-            if dp == width and sp == width:
-                dsts.append(dst), srcs.append(src), sizes.append(width * height)
-            else:
-                for row in range(height):
-                    dsts.append(dst + row * dp), srcs.append(src + row * sp), sizes.append(width)
+        dsts, srcs, sizes = flatten_1d(pieces)
         attrs = rt.cudaMemcpyAttributes()
         attrs.srcAccessOrder = rt.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
         res = rt.cudaMemcpyBatchAsync(dsts, srcs, sizes, len(sizes), [attrs], [0], 1, stream)
@@ -149,7 +174,9 @@ class CudaTransferEngine(TransferEngine):
             if job.direction == "d2h"
             else rt.cudaMemcpyKind.cudaMemcpyHostToDevice
         )
-        pieces = self._pieces(job.direction, block_ids, slots)
+        pieces = copy_plan(
+            self.layout, self.pool.ptr, self.pool.slot_bytes, job.direction, block_ids, slots, job.sub_blocks
+        )
         if not (self._use_batch and self._issue_batch(pieces, stream)):
             self._issue_2d(pieces, kind, stream)
         done = check(rt, "cudaEventCreateWithFlags", rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming))

@@ -6,6 +6,13 @@ the block id, and one block's chunk in it starts at `offset_bytes` into the row 
 are laid end to end in region order. This covers per-layer tensors (one region per layer, or
 two per layer when K and V are separate), a single pool tensor (one region, or one per layer
 with a layer offset), and packed rows whose stride exceeds the chunk (vLLM's canonical caches).
+
+A host slot may also hold several device blocks (`blocks_per_slot` > 1, e.g. vLLM's
+`blocks_per_chunk`): sub-block j of a slot puts region r's chunk at
+`host_offsets[r] + j * sub_block_strides[r]`. Both default so that each region gets an area of
+`blocks_per_slot` chunks end to end, areas in region order; with one block per slot that is the
+plain end-to-end layout above. Explicit `host_offsets` also describe padded host layouts (an
+engine whose slot reserves more bytes per region than it copies).
 """
 
 from __future__ import annotations
@@ -58,7 +65,14 @@ class Region:
 class BlockLayout:
     """The device-side layout of KV blocks: ordered regions and where each lands in a host slot."""
 
-    def __init__(self, regions: Sequence[Region]) -> None:
+    def __init__(
+        self,
+        regions: Sequence[Region],
+        *,
+        blocks_per_slot: int = 1,
+        host_offsets: Sequence[int] | None = None,
+        sub_block_strides: Sequence[int] | None = None,
+    ) -> None:
         if not regions:
             raise InvalidArgumentError("invalid argument `regions`: at least one region is needed")
         devices = {r.tensor.device for r in regions}
@@ -88,12 +102,73 @@ class BlockLayout:
         self.regions = tuple(regions)
         self.num_blocks = counts.pop()
         self.device = devices.pop()
-        offs, acc = [], 0
-        for r in self.regions:
-            offs.append(acc)
-            acc += r.bytes_per_block
+        if isinstance(blocks_per_slot, bool) or not isinstance(blocks_per_slot, int) or blocks_per_slot < 1:
+            raise InvalidArgumentError(
+                f"invalid argument `blocks_per_slot`: must be a positive int, got {blocks_per_slot!r}"
+            )
+        self.blocks_per_slot = blocks_per_slot
+        #: Bytes moved per device block (all regions' chunks).
+        self.bytes_per_block = sum(r.bytes_per_block for r in self.regions)
+        strides = (
+            [r.bytes_per_block for r in self.regions]
+            if sub_block_strides is None
+            else [int(x) for x in sub_block_strides]
+        )
+        if len(strides) != len(self.regions):
+            raise InvalidArgumentError(
+                f"invalid argument `sub_block_strides`: {len(strides)} values for {len(self.regions)} regions"
+            )
+        if host_offsets is None:
+            offs, acc = [], 0
+            for r, st in zip(self.regions, strides, strict=True):
+                offs.append(acc)
+                acc += st * (blocks_per_slot - 1) + r.bytes_per_block
+        else:
+            offs = [int(x) for x in host_offsets]
+            if len(offs) != len(self.regions):
+                raise InvalidArgumentError(
+                    f"invalid argument `host_offsets`: {len(offs)} values for {len(self.regions)} regions"
+                )
+        for i, (r, off, st) in enumerate(zip(self.regions, offs, strides, strict=True)):
+            if off < 0:
+                raise InvalidArgumentError(f"invalid argument `host_offsets[{i}]`: must not be negative, got {off}")
+            if blocks_per_slot > 1 and st < r.bytes_per_block:
+                raise InvalidArgumentError(
+                    f"invalid argument `sub_block_strides[{i}]`: {st} is less than the region's "
+                    f"{r.bytes_per_block} bytes per block (sub-blocks would overlap)"
+                )
         self.host_offsets = tuple(offs)
-        self.bytes_per_block = acc
+        self.sub_block_strides = tuple(strides)
+        #: Bytes a host slot must have to hold every region's chunks of every sub-block.
+        self.slot_extent = max(
+            off + st * (blocks_per_slot - 1) + r.bytes_per_block
+            for r, off, st in zip(self.regions, offs, strides, strict=True)
+        )
+        self._check_host_overlap()
+
+    def _check_host_overlap(self) -> None:
+        """Two (region, sub-block) chunks may not share host bytes: a store would mix them."""
+        spans = sorted(
+            (off + j * st, off + j * st + r.bytes_per_block, i)
+            for i, (r, off, st) in enumerate(zip(self.regions, self.host_offsets, self.sub_block_strides, strict=True))
+            for j in range(self.blocks_per_slot)
+        )
+        for (_, end, i), (start, _, k) in zip(spans, spans[1:], strict=False):
+            if start < end:
+                raise InvalidArgumentError(
+                    f"invalid argument `host_offsets`: the host chunks of regions {i} and {k} overlap"
+                )
+
+    def host_address(self, region: int, slot_base: int, sub_block: int = 0) -> int:
+        """Where region `region`'s chunk of sub-block `sub_block` starts, given its slot's address."""
+        return slot_base + self.host_offsets[region] + sub_block * self.sub_block_strides[region]
+
+    def check_sub_blocks(self, sub_blocks: Sequence[int]) -> None:
+        bad = [j for j in sub_blocks if not 0 <= j < self.blocks_per_slot]
+        if bad:
+            raise InvalidArgumentError(
+                f"invalid argument `sub_blocks`: {bad[:5]} outside 0..{self.blocks_per_slot} (blocks_per_slot)"
+            )
 
     @classmethod
     def per_layer(cls, tensors: Sequence[torch.Tensor]) -> BlockLayout:
@@ -120,5 +195,5 @@ class BlockLayout:
     def __repr__(self) -> str:
         return (
             f"BlockLayout(regions={len(self.regions)}, num_blocks={self.num_blocks}, "
-            f"bytes_per_block={self.bytes_per_block}, device={self.device})"
+            f"bytes_per_block={self.bytes_per_block}, blocks_per_slot={self.blocks_per_slot}, device={self.device})"
         )

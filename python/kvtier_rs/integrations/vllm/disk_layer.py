@@ -1,10 +1,18 @@
 """The disk tier behind kvtier's CPU tier, driven from vLLM's scheduler thread.
 
+The data path is the orchestrator's engine-agnostic ``DiskStager`` (shared with the other
+adapters); this module only maps it onto vLLM's contract:
+
 * Write-through: a chunk that becomes ready in the CPU tier is queued for a disk write from its
-  host slot, which stays pinned (so neither evicted nor rewritten) until the write is done.
+  host slot, which stays pinned (so neither evicted nor rewritten) until the write is done; a
+  slow disk's backlog is bounded (``DiskStager.max_write_backlog``: excess writes are dropped
+  and counted, never queued without bound).
 * Promotion: a CPU miss that the disk tier holds gets a CPU slot in the "writing" state and a
   disk read into it; vLLM sees HIT_PENDING and asks again on a later step, when the read has
   been verified (HIT) or has failed (the slot is dropped, the chunk is a MISS and is recomputed).
+* vLLM specifics: the LookupResult answers, per-request reservations of promoted chunks, the
+  cost rule (``cost_model``), OffloadingEvents for the disk (STORAGE) and for promotions into
+  the CPU tier.
 
 Nothing here blocks: the disk tier's I/O runs on its own threads (io_uring or a thread pool),
 with the GIL released, and completions are collected by ``poll`` once per scheduler step.
@@ -15,14 +23,17 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from vllm.v1.kv_offload.base import LookupResult, Medium, OffloadingEvent
 
-from kvtier_rs._core import BlockIndex, DiskTier, HostPool, NoSpaceError
+from kvtier_rs._core import BlockIndex, DiskTier, HostPool
+from kvtier_rs.events import EventStream
 from kvtier_rs.integrations.vllm import metrics as m
 from kvtier_rs.integrations.vllm.options import KvtierOptions
+from kvtier_rs.orchestrator.disk_stager import DiskStager
 
 _PENDING = LookupResult.HIT_PENDING
 _MISS = LookupResult.MISS
@@ -62,6 +73,19 @@ def tier_dir(root: str, config: Any, chunk_bytes: int) -> Path:
     return Path(root) / f"{name}_{digest}"
 
 
+@dataclass(frozen=True)
+class _HostSide:
+    """The CPU tier as ``DiskStager`` sees it (what a ``HostTier`` offers): vLLM's manager owns
+    a bare index and pool, not a HostTier."""
+
+    index: BlockIndex
+    pool: HostPool
+    block_bytes: int
+
+
+_MEDIUM = {"cpu": Medium.CPU, "disk": Medium.STORAGE}
+
+
 class DiskLayer:
     def __init__(
         self,
@@ -70,6 +94,8 @@ class DiskLayer:
         cpu_index: BlockIndex,
         options: KvtierOptions,
         tokens_per_chunk: int,
+        *,
+        max_write_backlog: int = 1024,
     ) -> None:
         self.disk = disk
         self.host = host
@@ -77,16 +103,22 @@ class DiskLayer:
         self.options = options
         self.tokens_per_chunk = tokens_per_chunk
         self._contains = disk.contains
-        # job id -> keys whose CPU slots the job reads (writes) or fills (reads)
-        self._writes: dict[int, list[bytes]] = {}
-        self._reads: dict[int, tuple[list[bytes], _Reserved]] = {}
+        # The stager publishes every tier change here; poll() turns them into vLLM events and
+        # into the bookkeeping of promoted chunks. Drained every poll, so it never fills.
+        self._stream = EventStream()
+        self.stager = DiskStager(
+            _HostSide(cpu_index, host, host.slot_bytes), disk, max_write_backlog=max_write_backlog, events=self._stream
+        )
+        self.cost = options.cost_model.build(tokens_per_chunk, host.slot_bytes)
+        # promotion job id -> the reservation of the request whose lookup started it
+        self._reads: dict[int, _Reserved] = {}
         # Chunks promoted from disk and not yet loaded; the manager reads and updates it.
         self.promoted: set[bytes] = set()
         self.counters: m.ManagerCounters = m.ManagerCounters()
         self._events: list[OffloadingEvent] = []
-        self.events_enabled = False
+        self.events_enabled = False  # set by the manager from the engine's kv_events_config
         # Bumped by a cache reset, which drops every pin: older reservations are void.
-        self.generation = 0  # set by the manager from the engine's kv_events_config
+        self.generation = 0
         self._last_stats: dict[str, int] = {}
 
     @classmethod
@@ -115,73 +147,57 @@ class DiskLayer:
     # ---- called by the manager ------------------------------------------------------------------
 
     def write_through(self, keys: list[bytes]) -> None:
-        # Pin the CPU slots for the write's duration: a pinned chunk is never evicted, so its
-        # slot cannot be handed to another chunk while the disk reads from it.
-        slots = self.cpu.pin_for_load(keys)
-        try:
-            ticket = self.disk.submit_write(keys, self.host, slots)
-        except Exception:
-            self.cpu.unpin(keys)
-            raise
-        written = ticket.keys
-        if len(written) != len(keys):
-            ws = set(written)
-            self.cpu.unpin([k for k in keys if k not in ws])
-        if written:
-            self._writes[ticket.job_id] = written
-        if ticket.evicted and self.events_enabled:
-            self._events.append(OffloadingEvent(keys=list(ticket.evicted), medium=Medium.STORAGE, removed=True))
+        self.stager.write_through(keys)
+        self._take_stream()
 
     def lookup_and_promote(self, key: bytes, req_context: Any) -> LookupResult:
         if not self._contains([key])[0]:
             return _MISS
-        if not self.options.cost_model.load_beats_recompute(self.tokens_per_chunk, self.host.slot_bytes):
+        if self.cost is not None and not self.cost.worth_loading("disk", 1):
             self.counters.disk_skipped_by_cost += 1
             return _MISS
-        try:
-            out = self.cpu.prepare_store([key])
-        except NoSpaceError:
-            # Every CPU slot is pinned or being written: recompute rather than wait.
+        # None: every CPU slot is pinned or being written, or the CPU tier's admission refused
+        # the chunk. Recompute rather than wait.
+        job = self.stager.promote([key])
+        self._take_stream()
+        if job is None:
             return _MISS
-        if not out.keys:
-            return _MISS  # refused by the CPU tier's admission rule
-        if out.evicted:
-            self.promoted.difference_update(out.evicted)
-        job = self.disk.submit_read(out.keys, self.host, out.slots)
         res = req_context.get_state(_Reserved)
         if res is None or res.generation != self.generation:
             res = _Reserved(self.generation)
             req_context.set_state(res)
-        self._reads[job] = (out.keys, res)
+        self._reads[job] = res
         self.counters.promotions += 1
         return _PENDING
 
     def poll(self) -> None:
-        if not (self._writes or self._reads):
+        if not self.stager.write_backlog and not self.stager.reads_in_flight:
             return
-        for r in self.disk.poll():
-            if r.kind == "write":
-                keys = self._writes.pop(r.job_id, None)
-                if keys is not None:
-                    self.cpu.unpin(keys)
-                    if r.ok_keys and self.events_enabled:
-                        self._events.append(OffloadingEvent(keys=list(r.ok_keys), medium=Medium.STORAGE, removed=False))
-            else:
-                entry = self._reads.pop(r.job_id, None)
-                if entry is None:
-                    continue
-                res = entry[1]
-                if r.ok_keys:
-                    self.cpu.complete_store(r.ok_keys, True)
-                    self.promoted.update(r.ok_keys)
-                    if not res.finished:
-                        self.cpu.pin_for_load(r.ok_keys)
-                        res.keys.update(r.ok_keys)
-                if r.failed_keys:
-                    # Checksum mismatch, short read, I/O error: never serve it. Drop the CPU slot;
-                    # the next lookup is a MISS and the engine recomputes the chunk.
-                    self.cpu.complete_store(r.failed_keys, False)
-                    self.counters.promotion_failures += len(r.failed_keys)
+        for done in self.stager.poll():
+            res = self._reads.pop(done.job_id, None)
+            ok = done.keys[: done.ok_prefix]
+            if ok:
+                self.promoted.update(ok)
+                if self.cost is not None:
+                    self.cost.observe("disk", done.bytes, done.seconds)
+                if res is not None and not res.finished and res.generation == self.generation:
+                    self.cpu.pin_for_load(ok)
+                    res.keys.update(ok)
+            # Checksum mismatch, short read, I/O error: never served. The stager dropped the CPU
+            # slot; the next lookup is a MISS and the engine recomputes the chunk.
+            self.counters.promotion_failures += len(done.keys) - done.ok_prefix
+        self._take_stream()
+
+    def _take_stream(self) -> None:
+        """Apply the stager's tier changes: CPU evictions end a promoted chunk's "from disk"
+        status; with KV events on, every change becomes an OffloadingEvent."""
+        for ev in self._stream.drain():
+            if ev.kind == "removed" and ev.tier == "cpu":
+                self.promoted.difference_update(ev.keys)
+            if self.events_enabled and ev.kind in ("stored", "removed"):
+                self._events.append(
+                    OffloadingEvent(keys=list(ev.keys), medium=_MEDIUM[ev.tier], removed=ev.kind == "removed")
+                )
 
     def release(self, keys: list[bytes] | None, req_context: Any) -> None:
         """Drop the request's reservation pins: on ``keys`` (it loads them now) or on all of them
@@ -200,7 +216,7 @@ class DiskLayer:
             self.cpu.unpin(held)
 
     def has_pending_work(self) -> bool:
-        return bool(self._writes or self._reads)
+        return bool(self.stager.write_backlog or self.stager.reads_in_flight)
 
     def drain(self) -> None:
         self.disk.wait_idle()
@@ -216,7 +232,11 @@ class DiskLayer:
         return ev
 
     def stats(self) -> dict[str, Any]:
-        return dict(self.disk.stats())
+        d = dict(self.disk.stats())
+        c = self.stager.counters
+        d["writes_dropped_backlog"] = c.writes_dropped_backlog
+        d["writes_dropped_evicted"] = c.writes_dropped_evicted
+        return d
 
     def emit_stats(self, stats: Any) -> None:
         now = {k: v for k, v in self.disk.stats().items() if isinstance(v, int)}

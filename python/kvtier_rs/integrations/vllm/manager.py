@@ -36,13 +36,16 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvtier_rs._core import BlockIndex, NoSpaceError
+from kvtier_rs._core import BlockIndex, InvalidArgumentError, NoSpaceError
 from kvtier_rs.integrations.vllm import metrics as m
 
 _HIT = LookupResult.HIT
 _MISS = LookupResult.MISS
 _PENDING = LookupResult.HIT_PENDING
 _RETRY = LookupResult.RETRY
+# A key no index holds (keys are 32-byte hashes + 4-byte group): checks that the index's lookup
+# results are vLLM's members before binding the fast path.
+_PROBE_KEY = b"kvtier-lookup-probe"
 
 
 class _RequestKeys:
@@ -77,9 +80,22 @@ class KvtierOffloadingManager(OffloadingManager):
     ) -> None:
         self._cpu = cpu_index
         # Bound builtins, looked up once: lookup() is the scheduler's hottest call.
-        self._ready = cpu_index.lookup_one
         self._state = cpu_index.state
         self._lower = lower
+        # One Rust call per lookup, returning vLLM's own LookupResult members (HIT for ready,
+        # HIT_PENDING while written, MISS when absent). Without a lower tier to consult on a
+        # miss, that call *is* lookup: binding it on the instance removes the Python frame.
+        try:
+            cpu_index.set_lookup_results(_HIT, _PENDING, _MISS)
+        except InvalidArgumentError:
+            # Set already (an index reused, e.g. after a manager restart): fine if to ours.
+            if cpu_index.lookup_result(_PROBE_KEY) is not _MISS:
+                raise InvalidArgumentError(
+                    "invalid argument `cpu_index`: its lookup results were set to other objects"
+                ) from None
+        self._lookup_result = cpu_index.lookup_result
+        if lower is None:
+            self.lookup = self._lookup_result  # type: ignore[method-assign]
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         self._generation = 0
         # Keys now in the CPU tier because a disk read put them there: their next load is
@@ -120,14 +136,11 @@ class KvtierOffloadingManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        if self._ready(key):
-            return _HIT
-        if self._state(key) is not None:
-            # Being written: a GPU->CPU store or a promotion from disk. Not readable yet.
-            return _PENDING
-        if self._lower is not None:
+        # HIT when ready, HIT_PENDING while a GPU->CPU store or a promotion from disk writes it.
+        res = self._lookup_result(key)
+        if res is _MISS and self._lower is not None:
             return self._lower.lookup_and_promote(key, req_context)
-        return _MISS
+        return res
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         return CacheHitSource.DISK if key in self._from_lower else CacheHitSource.HOST

@@ -8,6 +8,7 @@ allocates anything, and so that it is testable without vLLM. Every error is an
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -94,7 +95,9 @@ def _size(key: str, value: Any) -> int:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Load a disk hit only when reading it is faster than recomputing its tokens.
+    """The ``cost_model`` key: load a disk hit only when reading it is faster than recomputing
+    its tokens. The rule itself is the orchestrator's ``CostModel`` (``build``), so every
+    adapter decides the same way; this class only holds the configured rates.
 
     ``None`` rates mean "always load" (the default: on most hardware a sequential read of a
     KV block beats recomputing it, and the tests want disk hits to be taken).
@@ -103,10 +106,27 @@ class CostModel:
     prefill_tokens_per_s: float | None = None
     disk_read_bytes_per_s: float | None = None
 
-    def load_beats_recompute(self, tokens: int, nbytes: int) -> bool:
+    def build(self, tokens_per_chunk: int, chunk_bytes: int) -> Any:
+        """The orchestrator's model for one chunk size, or None for "always load".
+
+        Only the disk read is weighed against recomputing (the meaning of
+        ``disk_read_bytes_per_s``): the CPU->GPU copy that follows is the same as for any CPU
+        hit, so its hop gets no cost. The disk bandwidth then follows measured reads."""
         if self.prefill_tokens_per_s is None or self.disk_read_bytes_per_s is None:
-            return True
-        return nbytes / self.disk_read_bytes_per_s < tokens / self.prefill_tokens_per_s
+            return None
+        from kvtier_rs.orchestrator.cost import CostModel as Model
+
+        return Model(
+            prefill_tokens_per_s=self.prefill_tokens_per_s,
+            tokens_per_block=tokens_per_chunk,
+            block_bytes=chunk_bytes,
+            bandwidth={"disk": self.disk_read_bytes_per_s, "cpu": math.inf},
+            latency_s={"disk": 0.0, "cpu": 0.0},
+        )
+
+    def load_beats_recompute(self, tokens: int, nbytes: int) -> bool:
+        model = self.build(tokens, nbytes)
+        return model is None or model.worth_loading("disk", 1)
 
 
 def _cost_model(value: Any) -> CostModel:

@@ -12,10 +12,11 @@ Every method runs on vLLM's scheduler thread and returns without waiting for I/O
 tier's reads and writes run on its own threads (io_uring or a thread pool, GIL released), and
 ``get_finished_jobs`` collects completions.
 
-Data path: the disk tier reads and writes slots of a kvtier ``HostPool``. The primary rows live
-in vLLM's shared region, so each job goes through a small staging pool: a store copies the
-primary rows into staging slots (one memcpy per chunk on the scheduler thread), a load copies
-verified blocks from staging into the primary rows when the read completes.
+Data path: in place. The primary rows live in vLLM's shared region (an mmap, page-aligned, rows
+PAGESIZE-padded); ``HostPool.wrap`` makes that memory a kvtier pool whose slots are the rows, so
+the disk tier writes straight from a row vLLM keeps pinned for the job and reads straight into
+the row vLLM allocated for a promotion. Nothing is copied on the scheduler thread. A failed or
+unverified read leaves its row to vLLM, which frees it (the key is not in ``successful_keys``).
 
 ``KvtierTieringOffloadingSpec`` is vLLM's ``TieringOffloadingSpec`` whose worker, on platforms
 vLLM's CPU worker refuses (vLLM's CPU build), is kvtier's: the tiering mode then runs there too.
@@ -80,7 +81,6 @@ class KvtierDiskTier(SecondaryTierManager):
         admission: str = "always",
         io_engine: str = "auto",
         queue_depth: int = 16,
-        staging_chunks: int = 64,
         locality: str | None = None,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
@@ -94,11 +94,17 @@ class KvtierDiskTier(SecondaryTierManager):
             raise _tier_err("capacity_bytes", str(e).split(": ", 1)[-1]) from None
         if io_engine not in ("auto", "io_uring", "pool"):
             raise _tier_err("io_engine", f"{io_engine!r} is not one of auto, io_uring, pool")
-        if isinstance(staging_chunks, bool) or not isinstance(staging_chunks, int) or staging_chunks < 1:
-            raise _tier_err("staging_chunks", f"expected a positive int, got {staging_chunks!r}")
         self.locality = Locality(locality) if locality else Locality.LOCAL
         row = self.block_size_bytes
-        self._rows = np.frombuffer(primary_kv_view, dtype=np.uint8).reshape(-1, row)
+        try:
+            # Slot i of this pool is primary row i: the disk tier's I/O uses the rows in place.
+            self.pool: HostPool | None = HostPool.wrap(primary_kv_view, row)
+        except InvalidArgumentError as e:
+            raise InvalidArgumentError(
+                f"secondary_tiers[type=KvtierDiskTier]: cannot use vLLM's primary CPU rows in place ({e}); "
+                "kvtier's disk tier needs page-aligned rows of a multiple of 4096 bytes, as vLLM's "
+                "shared offload region provides"
+            ) from None
         path = tier_dir(root_dir, offloading_spec.config, row)
         path.mkdir(parents=True, exist_ok=True)
         self.disk = DiskTier(
@@ -110,24 +116,11 @@ class KvtierDiskTier(SecondaryTierManager):
             engine=io_engine,
             queue_depth=queue_depth,
         )
-        self.staging = HostPool(staging_chunks * -(-row // 4096) * 4096, row)
-        self._staging_bytes = np.frombuffer(self.staging, dtype=np.uint8)
-        self._free = list(range(self.staging.num_slots - 1, -1, -1))
-        # disk job id -> (vLLM job id, keys, staging slots, primary rows or None for a write)
-        self._jobs: dict[int, tuple[int, list[bytes], list[int], np.ndarray | None]] = {}
+        # disk job id -> (vLLM job id, keys, True for a read)
+        self._jobs: dict[int, tuple[int, list[bytes], bool]] = {}
         self._done: list[JobResult] = []
         self._last_stats: dict[str, int] = {}
-        self.counters = {"loads": 0, "stores": 0, "staging_full": 0, "failed_reads": 0}
-
-    def _slot(self, s: int) -> np.ndarray:
-        off = self.staging.slot_offset(s)
-        return self._staging_bytes[off : off + self.block_size_bytes]
-
-    def _take(self, n: int) -> list[int] | None:
-        if len(self._free) < n:
-            self.counters["staging_full"] += 1
-            return None
-        return [self._free.pop() for _ in range(n)]
+        self.counters = {"loads": 0, "stores": 0, "failed_reads": 0}
 
     # ---- SecondaryTierManager ---------------------------------------------------------------
 
@@ -135,29 +128,22 @@ class KvtierDiskTier(SecondaryTierManager):
         return _HIT if self.disk.contains([key])[0] else _MISS
 
     def submit_store(self, job_metadata: TransferJob) -> None:
+        # vLLM keeps the rows pinned (ref_cnt + 1) until this job is reported: the disk tier
+        # reads them in place. Keys already on disk are skipped by the disk tier itself.
         keys = list(job_metadata.keys)
-        present = self.disk.contains(keys)
-        todo = [(k, int(c)) for k, c, p in zip(keys, job_metadata.chunk_ids, present, strict=True) if not p]
-        slots = self._take(len(todo)) if todo else []
-        if not todo or slots is None:
-            # Nothing new, or no staging room: the chunk is simply not cascaded (not an error).
-            self._done.append(JobResult(job_metadata.job_id, success=slots is not None))
+        ticket = self.disk.submit_write(keys, self.pool, np.asarray(job_metadata.chunk_ids).tolist())
+        if not ticket.keys:
+            # Nothing new, or refused by admission / a full device: simply not cascaded.
+            self._done.append(JobResult(job_metadata.job_id, success=True))
             return
-        for (_, row), s in zip(todo, slots, strict=True):
-            self._slot(s)[:] = self._rows[row]
-        ticket = self.disk.submit_write([k for k, _ in todo], self.staging, slots)
-        self._jobs[ticket.job_id] = (job_metadata.job_id, [k for k, _ in todo], slots, None)
-        self.counters["stores"] += len(todo)
+        self._jobs[ticket.job_id] = (job_metadata.job_id, list(ticket.keys), False)
+        self.counters["stores"] += len(ticket.keys)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
+        # The rows were allocated for this promotion (ref_cnt -1): read straight into them.
         keys = list(job_metadata.keys)
-        slots = self._take(len(keys))
-        if slots is None:
-            self._done.append(JobResult(job_metadata.job_id, success=False, successful_keys=[]))
-            return
-        job = self.disk.submit_read(keys, self.staging, slots)
-        rows = np.asarray(job_metadata.chunk_ids, dtype=np.int64)
-        self._jobs[job] = (job_metadata.job_id, keys, slots, rows)
+        job = self.disk.submit_read(keys, self.pool, np.asarray(job_metadata.chunk_ids).tolist())
+        self._jobs[job] = (job_metadata.job_id, keys, True)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         out, self._done = self._done, []
@@ -167,16 +153,13 @@ class KvtierDiskTier(SecondaryTierManager):
             entry = self._jobs.pop(r.job_id, None)
             if entry is None:
                 continue
-            job_id, keys, slots, rows = entry
-            if rows is None:
+            job_id, keys, is_read = entry
+            if not is_read:
                 out.append(JobResult(job_id, success=r.success, transfer_time=r.seconds, transfer_bytes=r.bytes))
             else:
-                ok = set(r.ok_keys)
-                for k, s, row in zip(keys, slots, rows, strict=True):
-                    if k in ok:  # verified (key and checksums) by the disk tier
-                        self._rows[row] = self._slot(s)
-                self.counters["loads"] += len(ok)
-                self.counters["failed_reads"] += len(keys) - len(ok)
+                # ok_keys were verified (key and checksum) by the disk tier in their rows.
+                self.counters["loads"] += len(r.ok_keys)
+                self.counters["failed_reads"] += len(keys) - len(r.ok_keys)
                 out.append(
                     JobResult(
                         job_id,
@@ -186,7 +169,6 @@ class KvtierDiskTier(SecondaryTierManager):
                         transfer_bytes=r.bytes,
                     )
                 )
-            self._free.extend(slots)
         return out
 
     def has_pending_work(self) -> bool:
@@ -209,7 +191,10 @@ class KvtierDiskTier(SecondaryTierManager):
 
     def shutdown(self) -> None:
         self.disk.wait_idle()
+        self.disk.poll()  # finished jobs hold the pool; collect them so it can go
         self.disk.close()
+        # Drop the wrapped pool (an export of vLLM's mmap) so vLLM can unmap its region.
+        self.pool = None
 
 
 class KvtierTieringOffloadingSpec(TieringOffloadingSpec):
@@ -231,11 +216,22 @@ class KvtierTieringOffloadingSpec(TieringOffloadingSpec):
                 kv_bytes_per_chunk=self.kv_bytes_per_chunk,
                 cpu_page_size=self.cpu_page_size_per_worker,
             )
-            views = [
-                region.create_next_worker_view(int(t.page_size_bytes) * self.blocks_per_chunk)
-                for t in kv_caches.tensors
-            ]
-            worker = KvtierWorker(kv_caches, views, self.blocks_per_chunk)
+            # The whole shared region as a kvtier pool (in place: HostPool.wrap borrows the
+            # mmap), one slot per chunk row; this worker's part of a row starts at its rank's
+            # area, laid out exactly as vLLM's create_next_worker_view lays it out.
+            need = sum(int(t.page_size_bytes) for t in kv_caches.tensors) * self.blocks_per_chunk
+            if need > self.cpu_page_size_per_worker:
+                raise InvalidArgumentError(
+                    f"kvtier worker: the KV caches need {need} bytes per chunk, vLLM's shared region "
+                    f"gives each worker {self.cpu_page_size_per_worker}"
+                )
+            pool = HostPool.wrap(region.mmap_obj, self.kv_bytes_per_chunk)
+            worker = KvtierWorker(
+                kv_caches, pool, self.blocks_per_chunk, slot_offset=rank * self.cpu_page_size_per_worker
+            )
+            # The worker holds the only reference to the pool (the mmap's buffer export) and
+            # drops it in shutdown before calling this: the mmap cannot close while exported.
+            del pool
             worker.on_shutdown = region.cleanup
             self._worker = worker
         return self._worker

@@ -23,7 +23,7 @@ from kvtier_rs._core import BlockIndex, HostPool, InvalidArgumentError
 from kvtier_rs.integrations.vllm import metrics as m
 from kvtier_rs.integrations.vllm.manager import KvtierOffloadingManager
 from kvtier_rs.integrations.vllm.options import KvtierOptions, parse_options
-from kvtier_rs.integrations.vllm.worker import KvtierWorker, chunk_bytes, pool_views
+from kvtier_rs.integrations.vllm.worker import KvtierWorker, chunk_bytes
 
 _PAGE = 4096
 
@@ -139,8 +139,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
         need = chunk_bytes(kv_caches, self.blocks_per_chunk)
         st = self._state(max(need, self.chunk_bytes))
         if st.worker is None:
-            views = pool_views(st.pool, kv_caches, self.blocks_per_chunk)
-            st.worker = self.worker_cls(kv_caches, views, self.blocks_per_chunk)
+            st.worker = self.worker_cls(kv_caches, st.pool, self.blocks_per_chunk)
             st.worker.on_shutdown = self._worker_closed
         return st.worker
 

@@ -9,18 +9,22 @@ bytes of a chunk do not depend on which worker wrote them:
 Sub-block j of a chunk is engine block j of the chunk; a layer ref copies the un-padded
 ``ref.page_size_bytes`` of row ``block_id`` of ``tensors[ref.tensor_idx]``.
 
-Copies are synchronous on the CPU platform (the engine's "GPU" cache is host memory, so there is
-nothing to overlap with); ``get_finished`` then reports each job once, on the next poll.
+The copies themselves are kvtier's transfer engines (``kvtier_rs.transfer``): each KV group is
+described as a ``BlockLayout`` (one region per distinct tensor of the group, placed at its
+tensor's area, ``blocks_per_slot = blocks_per_chunk``) and ``transfer.auto`` picks the CUDA
+engine for CUDA caches (cudaMemcpy on dedicated streams, host memory pinned once) and the CPU
+engine on vLLM's CPU platform (inline copies: see below). Jobs may complete asynchronously;
+``get_finished`` reports each vLLM job once, when every group's copy of it has finished.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     GPULoadStoreSpec,
@@ -29,15 +33,11 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
+from kvtier_rs._core import HostPool
+from kvtier_rs.transfer import BlockLayout, Region, TransferEngine, auto
+from kvtier_rs.transfer.base import TransferResult as EngineResult
 
-@dataclass(frozen=True)
-class Region:
-    """One layer: its engine tensor (dim 0 = block id), bytes copied per block, and the host
-    view of its tensor's area, shaped (num_slots, blocks_per_chunk, page)."""
-
-    tensor: torch.Tensor
-    page_bytes: int
-    host: torch.Tensor
+log = logging.getLogger(__name__)
 
 
 def chunk_bytes(kv_caches: CanonicalKVCaches, blocks_per_chunk: int) -> int:
@@ -45,42 +45,76 @@ def chunk_bytes(kv_caches: CanonicalKVCaches, blocks_per_chunk: int) -> int:
     return sum(int(t.page_size_bytes) for t in kv_caches.tensors) * blocks_per_chunk
 
 
-def pool_views(pool, kv_caches: CanonicalKVCaches, blocks_per_chunk: int) -> list[torch.Tensor]:
-    """Per-tensor (num_slots, page * bpc) int8 views over a kvtier ``HostPool`` (zero copy)."""
-    flat = torch.frombuffer(pool, dtype=torch.int8)
-    stride = pool.slot_offset(1) - pool.slot_offset(0) if pool.num_slots > 1 else pool.slot_bytes
-    views, off = [], pool.slot_offset(0)
+def group_layouts(kv_caches: CanonicalKVCaches, blocks_per_chunk: int, slot_offset: int = 0) -> list[BlockLayout]:
+    """One ``BlockLayout`` per KV group, placing each tensor's pages at that tensor's area of a
+    host slot (``slot_offset`` is where this worker's part of a slot starts)."""
+    bpc = int(blocks_per_chunk)
+    area, off = [], slot_offset
     for t in kv_caches.tensors:
-        size = int(t.page_size_bytes) * blocks_per_chunk
-        views.append(flat.as_strided((pool.num_slots, size), (stride, 1), off))
-        off += size
-    return views
+        area.append(off)
+        off += int(t.page_size_bytes) * bpc
+    layouts = []
+    for refs in kv_caches.group_data_refs:
+        # Layers that alias the same bytes share one tensor: copy it once, as much as the
+        # largest ref needs (never past the tensor's padded page).
+        pages: dict[int, int] = {}
+        for r in refs:
+            pages[r.tensor_idx] = max(pages.get(r.tensor_idx, 0), int(r.page_size_bytes))
+        # ref.mapping (the canonical-layout certificate) is ignored: kvtier stores the direct
+        # per-worker pages; the specs refuse canonical_layout=True.
+        regions, offsets, strides = [], [], []
+        for idx, page in pages.items():
+            t = kv_caches.tensors[idx]
+            tensor = t.tensor
+            regions.append(
+                Region(
+                    tensor=tensor,
+                    bytes_per_block=page,
+                    block_stride_bytes=tensor.stride(0) * tensor.element_size(),
+                )
+            )
+            offsets.append(area[idx])
+            strides.append(int(t.page_size_bytes))
+        layouts.append(
+            BlockLayout(regions, blocks_per_slot=bpc, host_offsets=offsets, sub_block_strides=strides)
+            if regions
+            else None
+        )
+    return layouts
+
+
+@dataclass
+class _Pending:
+    """A vLLM job: the transfer-engine jobs (one per KV group) it is waiting for."""
+
+    started: float
+    parts: set[tuple[int, int]]  # (group, engine job id)
+    nbytes: int = 0
+    errors: list[str] = field(default_factory=list)
 
 
 class KvtierWorker(OffloadingWorker):
-    """Copies between engine KV blocks and host slots.
+    """Copies between engine KV blocks and the slots of a kvtier ``HostPool``.
 
-    ``host_views``: one int8 view per ``kv_caches.tensors`` entry, shaped
-    (num_slots, page_size_bytes * blocks_per_chunk), addressing that tensor's area of every slot
-    (``pool_views`` for a kvtier ``HostPool``; vLLM's shared region gives the same shape).
+    ``pool``: the host memory, one slot per chunk (a pool kvtier allocated, or
+    ``HostPool.wrap`` over vLLM's shared CPU region). ``slot_offset``: where this worker's
+    part of a slot starts (``rank * cpu_page_size`` in vLLM's shared region; 0 otherwise).
     """
 
-    def __init__(self, kv_caches: CanonicalKVCaches, host_views: list[torch.Tensor], blocks_per_chunk: int) -> None:
+    def __init__(
+        self, kv_caches: CanonicalKVCaches, pool: HostPool, blocks_per_chunk: int, *, slot_offset: int = 0
+    ) -> None:
         self.bpc = int(blocks_per_chunk)
-        # ref.mapping (the canonical-layout certificate) is ignored: kvtier stores the direct
-        # per-worker pages; the specs refuse canonical_layout=True.
-        split = []
-        for t, v in zip(kv_caches.tensors, host_views, strict=True):
-            page = int(t.page_size_bytes)
-            n, size = v.shape
-            assert size == page * self.bpc, (size, page, self.bpc)
-            # A strided (num_slots, bpc, page) view makes a batch copy one gather and one scatter
-            # per layer, whatever the job size.
-            split.append(v.as_strided((n, self.bpc, page), (v.stride(0), page, 1)))
-        self.layouts: list[list[Region]] = [
-            [Region(kv_caches.tensors[r.tensor_idx].tensor, int(r.page_size_bytes), split[r.tensor_idx]) for r in refs]
-            for refs in kv_caches.group_data_refs
+        self.pool = pool
+        self.layouts = group_layouts(kv_caches, self.bpc, slot_offset)
+        # One engine per group (each group has its own block ids); they share the pool. On
+        # vLLM's CPU platform the copies run inline on the worker thread: the model's compute
+        # already uses every core, and a copy thread would contend with it (CpuTransferEngine).
+        self.engines: list[TransferEngine | None] = [
+            None if lay is None else auto(lay, pool, cpu_inline=True) for lay in self.layouts
         ]
+        self._pending: dict[int, _Pending] = {}
+        self._owner: dict[tuple[int, int], int] = {}  # (group, engine job) -> vLLM job
         self._finished: list[TransferResult] = []
         #: Called once by ``shutdown`` (the spec uses it to release the engine's host memory).
         self.on_shutdown: Callable[[], None] | None = None
@@ -105,44 +139,82 @@ class KvtierWorker(OffloadingWorker):
         if b0 != len(block_ids) or c0 != len(chunk_slots):
             raise ValueError(f"spec mismatch: {len(block_ids)} blocks / {len(chunk_slots)} chunks, decoded {b0} / {c0}")
 
-    def _copy(self, gpu: GPULoadStoreSpec, host_spec: LoadStoreSpec, to_host: bool) -> int:
-        nbytes = 0
+    def _submit(self, job_id: int, gpu: GPULoadStoreSpec, host_spec: LoadStoreSpec, to_host: bool) -> None:
+        job = _Pending(time.perf_counter(), set())
+        self._pending[job_id] = job
         for g, blocks, slots, subs in self._positions(gpu, host_spec.block_ids):
-            bt = torch.from_numpy(blocks)
-            st, jt = torch.from_numpy(slots), torch.from_numpy(subs)
-            for r in self.layouts[g]:
-                if to_host:
-                    r.host[st, jt, : r.page_bytes] = r.tensor[bt, : r.page_bytes].to(r.host.device)
-                else:
-                    r.tensor[bt, : r.page_bytes] = r.host[st, jt, : r.page_bytes].to(r.tensor.device)
-                nbytes += len(blocks) * r.page_bytes
-        return nbytes
+            eng = self.engines[g]
+            if eng is None:
+                raise ValueError(f"KV group {g} has no offloaded layers but the spec names {len(blocks)} blocks")
+            b, s = blocks.tolist(), slots.tolist()
+            sub = subs.tolist() if self.bpc > 1 else None
+            tid = eng.store(b, s, sub_blocks=sub) if to_host else eng.load(s, b, sub_blocks=sub)
+            job.parts.add((g, tid))
+            self._owner[(g, tid)] = job_id
+        if not job.parts:
+            self._retire(job_id)
+
+    def _record(self, g: int, r: EngineResult) -> None:
+        job_id = self._owner.pop((g, r.job_id), None)
+        if job_id is None:
+            return
+        job = self._pending[job_id]
+        job.parts.discard((g, r.job_id))
+        job.nbytes += r.bytes
+        if not r.success:
+            job.errors.append(f"group {g}: {r.error}")
+        if not job.parts:
+            self._retire(job_id)
+
+    def _retire(self, job_id: int) -> None:
+        job = self._pending.pop(job_id)
+        if job.errors:
+            # vLLM 0.32 treats a failed transfer as fatal (it asserts); say why first.
+            log.error("kvtier: transfer job %d failed: %s", job_id, "; ".join(job.errors))
+        self._finished.append(TransferResult(job_id, not job.errors, job.nbytes, time.perf_counter() - job.started))
 
     # ---- OffloadingWorker -------------------------------------------------------------------
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
-        t = time.perf_counter()
-        n = self._copy(src_spec, dst_spec, to_host=True)
-        self._finished.append(TransferResult(job_id, True, n, time.perf_counter() - t))
+        self._submit(job_id, src_spec, dst_spec, to_host=True)
         return True
 
     def submit_load(
         self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False
     ) -> bool:
-        # ``expedited`` is vLLM 0.33's sync-load flag; copies here are synchronous anyway.
-        t = time.perf_counter()
-        n = self._copy(dst_spec, src_spec, to_host=False)
-        self._finished.append(TransferResult(job_id, True, n, time.perf_counter() - t))
+        self._submit(job_id, dst_spec, src_spec, to_host=False)
+        if expedited:
+            # vLLM 0.33's sync load: its request runs in this same step, so the data must land now.
+            self.wait({job_id})
         return True
 
     def get_finished(self) -> list[TransferResult]:
+        if self._pending:
+            for g, eng in enumerate(self.engines):
+                if eng is not None:
+                    for r in eng.poll():
+                        self._record(g, r)
         out, self._finished = self._finished, []
         return out
 
     def wait(self, job_ids: set[int]) -> None:
-        return  # every submitted job is already complete
+        # Ids may be already retired (vLLM allows that); results consumed here are reported by
+        # the next get_finished.
+        for job_id in job_ids:
+            job = self._pending.get(job_id)
+            if job is None:
+                continue
+            for g, tid in list(job.parts):
+                eng = self.engines[g]
+                for r in eng.wait([tid]):
+                    self._record(g, r)
 
     def shutdown(self) -> None:
+        for eng in self.engines:
+            if eng is not None:
+                eng.close()
+        self.engines = []
+        self.pool = None
         cb, self.on_shutdown = self.on_shutdown, None
         if cb is not None:
             cb()

@@ -1,0 +1,134 @@
+"""A bounded stream of block events for external indexes and routers (which node holds which
+prefix blocks, in which tier).
+
+The orchestrator publishes, per batch of blocks:
+- ``stored``    blocks became readable in a tier (CPU after an offload copy, disk after a
+                write-through, CPU again after a promotion from disk);
+- ``removed``   blocks left a tier (``reason``: ``evicted`` to make room, ``failed_read`` when
+                the disk dropped a block whose read did not verify);
+- ``promoted``  blocks were loaded to the device from a tier (they stay in that tier).
+
+Apply ``removed`` idempotently: a disk block evicted between a plan and its load is reported
+when evicted and again when its read finds it gone.
+
+Every event carries a sequence number, consecutive from 1 across all kinds, so a consumer can
+tell exactly how much it missed. The ring is bounded: when it is full the oldest undrained
+event is dropped and counted (``dropped``), so a slow or absent consumer costs memory bounded
+by ``capacity`` and never blocks the data path.
+
+Two ways to consume:
+- ``drain(max_events)`` takes events out (one consumer, e.g. a publisher thread);
+- ``since(seq)`` reads without taking (several consumers, each keeping its own cursor). A
+  cursor consumer has lost events exactly when the first event returned has
+  ``seq > cursor + 1``; ``missed_since(cursor)`` says how many.
+
+Thread-safe: the orchestrator publishes from the engine's thread while a consumer reads from
+another. Publishing is a lock, a deque append and a counter increment.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kvtier_rs._core import InvalidArgumentError
+
+Key = int | bytes
+
+EVENT_KINDS = ("stored", "removed", "promoted")
+EVENT_TIERS = ("cpu", "disk")
+
+
+@dataclass(frozen=True, slots=True)
+class BlockEvent:
+    seq: int
+    kind: str  # one of EVENT_KINDS
+    tier: str  # one of EVENT_TIERS
+    keys: tuple[Key, ...]  # in chain order where the batch was a chain
+    reason: str | None = None  # why a block was removed
+    timestamp: float = 0.0  # time.time() at publication
+
+
+class EventStream:
+    def __init__(self, capacity: int = 65536) -> None:
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
+            raise InvalidArgumentError(f"invalid argument `capacity`: must be a positive int, got {capacity!r}")
+        self.capacity = capacity
+        self._ring: deque[BlockEvent] = deque()
+        self._lock = threading.Lock()
+        self._last_seq = 0
+        self._dropped = 0
+        self._published = dict.fromkeys(EVENT_KINDS, 0)
+
+    # ---- publishing (the orchestrator) ---------------------------------------------------
+    def publish(self, kind: str, tier: str, keys: Iterable[Key], reason: str | None = None) -> BlockEvent | None:
+        """Append one event for a batch of blocks; an empty batch publishes nothing."""
+        if kind not in EVENT_KINDS:
+            raise InvalidArgumentError(f"invalid argument `kind`: {kind!r}; expected one of {EVENT_KINDS}")
+        if tier not in EVENT_TIERS:
+            raise InvalidArgumentError(f"invalid argument `tier`: {tier!r}; expected one of {EVENT_TIERS}")
+        keys = tuple(keys)
+        if not keys:
+            return None
+        with self._lock:
+            self._last_seq += 1
+            ev = BlockEvent(self._last_seq, kind, tier, keys, reason, time.time())
+            if len(self._ring) == self.capacity:
+                self._ring.popleft()
+                self._dropped += 1
+            self._ring.append(ev)
+            self._published[kind] += 1
+        return ev
+
+    # ---- consuming -----------------------------------------------------------------------
+    def drain(self, max_events: int | None = None) -> list[BlockEvent]:
+        """Take up to `max_events` oldest events (all when None), in sequence order."""
+        if max_events is not None and (not isinstance(max_events, int) or max_events < 0):
+            raise InvalidArgumentError(f"invalid argument `max_events`: must be an int >= 0, got {max_events!r}")
+        with self._lock:
+            n = len(self._ring) if max_events is None else min(max_events, len(self._ring))
+            return [self._ring.popleft() for _ in range(n)]
+
+    def since(self, seq: int, max_events: int | None = None) -> list[BlockEvent]:
+        """Events with a sequence number above `seq` still in the ring, oldest first, without
+        taking them."""
+        if not isinstance(seq, int) or seq < 0:
+            raise InvalidArgumentError(f"invalid argument `seq`: must be an int >= 0, got {seq!r}")
+        with self._lock:
+            if not self._ring or seq >= self._last_seq:
+                return []
+            # Sequence numbers in the ring are consecutive: index arithmetic, no scan.
+            start = max(0, seq + 1 - self._ring[0].seq)
+            stop = len(self._ring) if max_events is None else min(len(self._ring), start + max_events)
+            return [self._ring[i] for i in range(start, stop)]
+
+    def missed_since(self, seq: int) -> int:
+        """How many events after `seq` are no longer in the ring (dropped or drained)."""
+        with self._lock:
+            first = self._ring[0].seq if self._ring else self._last_seq + 1
+            return max(0, first - seq - 1)
+
+    # ---- accounting ----------------------------------------------------------------------
+    @property
+    def last_seq(self) -> int:
+        return self._last_seq
+
+    @property
+    def dropped(self) -> int:
+        return self._dropped
+
+    def __len__(self) -> int:
+        return len(self._ring)
+
+    def stats(self) -> dict[str, object]:
+        with self._lock:
+            return {
+                "published": dict(self._published),
+                "dropped": self._dropped,
+                "queued": len(self._ring),
+                "capacity": self.capacity,
+                "last_seq": self._last_seq,
+            }

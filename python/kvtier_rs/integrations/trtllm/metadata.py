@@ -1,0 +1,141 @@
+"""What the scheduler (rank 0) sends every worker each iteration, and block identity.
+
+The metadata is MPI-broadcast by TensorRT-LLM, so it is small and picklable: frozen dataclasses
+of tuples of ints and 16-byte keys, no tensors, no references to kvtier objects. A worker needs
+nothing else from the scheduler to act on it: which keys to load into which device blocks, and
+which device blocks to save under which keys, priorities and durations.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier_rs._core import InvalidArgumentError
+
+KEY_BYTES = 16
+DEFAULT_PRIORITY = 35
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Load `keys` (consecutive blocks of one request) into device blocks `block_ids`.
+    The first `pinned` keys were pinned in the CPU tier by the scheduler when it matched them."""
+
+    request_id: int
+    keys: tuple[bytes, ...]
+    block_ids: tuple[int, ...]
+    pinned: int = 0
+
+
+@dataclass(frozen=True)
+class SaveSpec:
+    """Offload device blocks `block_ids` of one request under `keys`, per block with its
+    retention priority (0..100) and duration in seconds (None: never falls back to 35)."""
+
+    request_id: int
+    keys: tuple[bytes, ...]
+    block_ids: tuple[int, ...]
+    priorities: tuple[int, ...]
+    durations_s: tuple[float | None, ...]
+
+
+@dataclass(frozen=True)
+class KvtierConnectorMetadata:
+    step: int
+    loads: tuple[LoadSpec, ...] = ()
+    saves: tuple[SaveSpec, ...] = ()
+
+
+def _bad(where: str, msg: str) -> InvalidArgumentError:
+    return InvalidArgumentError(f"invalid connector metadata: {where}: {msg}")
+
+
+def validate_metadata(meta: Any, num_blocks: int) -> KvtierConnectorMetadata:
+    """Check a bound metadata object before any copy touches device memory."""
+    if not isinstance(meta, KvtierConnectorMetadata):
+        raise _bad("metadata", f"expected KvtierConnectorMetadata from KvtierScheduler, got {type(meta).__name__}")
+    for kind, specs, cls in (("loads", meta.loads, LoadSpec), ("saves", meta.saves, SaveSpec)):
+        for i, s in enumerate(specs):
+            where = f"{kind}[{i}] (request {getattr(s, 'request_id', '?')})"
+            if not isinstance(s, cls):
+                raise _bad(where, f"expected {cls.__name__}, got {type(s).__name__}")
+            if len(s.keys) != len(s.block_ids):
+                raise _bad(where, f"{len(s.keys)} keys for {len(s.block_ids)} block ids")
+            bad_keys = [k for k in s.keys if not (isinstance(k, bytes) and len(k) == KEY_BYTES)]
+            if bad_keys:
+                raise _bad(where, f"keys must be {KEY_BYTES}-byte strings, got {bad_keys[0]!r}")
+            bad_ids = [
+                b for b in s.block_ids if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < num_blocks
+            ]
+            if bad_ids:
+                raise _bad(where, f"block ids {bad_ids[:5]} outside the KV pool (0..{num_blocks - 1})")
+            if len(set(s.block_ids)) != len(s.block_ids):
+                raise _bad(where, "a device block id appears twice")
+            if isinstance(s, LoadSpec) and not 0 <= s.pinned <= len(s.keys):
+                raise _bad(where, f"pinned={s.pinned} not in 0..{len(s.keys)}")
+            if isinstance(s, SaveSpec):
+                if not (len(s.priorities) == len(s.durations_s) == len(s.keys)):
+                    raise _bad(where, "priorities and durations_s must have one entry per key")
+                if any(isinstance(p, bool) or not isinstance(p, int) or not 0 <= p <= 100 for p in s.priorities):
+                    raise _bad(where, f"priorities must be ints in 0..100, got {list(s.priorities)}")
+    return meta
+
+
+# ---- block identity ------------------------------------------------------------------------
+
+
+def chain_root(namespace: str, tokens_per_block: int, salt: Any, lora_task_id: Any) -> bytes:
+    """The parent of a request's first block: everything besides tokens that makes KV differ."""
+    h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"kvtier-trtllm")
+    for part in (namespace, tokens_per_block, salt, lora_task_id):
+        b = repr(part).encode()
+        h.update(len(b).to_bytes(4, "little") + b)
+    return h.digest()
+
+
+def chain_keys(
+    parent: bytes, tokens: Sequence[int], tokens_per_block: int, first_block: int, count: int
+) -> list[bytes]:
+    """Keys of blocks first_block..first_block+count-1; `parent` is block first_block-1's key
+    (or the root). Each key hashes its parent and its tokens, so equal keys mean equal prefixes."""
+    out = []
+    for i in range(first_block, first_block + count):
+        blk = tokens[i * tokens_per_block : (i + 1) * tokens_per_block]
+        h = hashlib.blake2b(parent, digest_size=KEY_BYTES)
+        h.update(b"".join(int(t).to_bytes(8, "little", signed=True) for t in blk))
+        parent = h.digest()
+        out.append(parent)
+    return out
+
+
+# ---- retention ------------------------------------------------------------------------------
+
+
+def _ms_to_s(value: Any) -> float | None:
+    if value is None:
+        return None
+    if hasattr(value, "total_seconds"):  # datetime.timedelta (the nanobind/pybind conversion)
+        return float(value.total_seconds())
+    return float(value) / 1000.0
+
+
+def block_retention(config: Any, prompt_len: int, tokens_per_block: int, block: int) -> tuple[int, float | None]:
+    """(priority, duration_s) of one block under a ``KvCacheRetentionConfig``-shaped object:
+    token ranges (end exclusive, None = to the end, earlier ranges win, a range covers every
+    block it touches) for prompt blocks; the decode priority and duration for blocks that start
+    after the prompt. None or an absent config: the default (35, never expires)."""
+    if config is None:
+        return DEFAULT_PRIORITY, None
+    start, end = block * tokens_per_block, (block + 1) * tokens_per_block
+    if start < prompt_len:
+        for r in getattr(config, "token_range_retention_configs", None) or ():
+            r_end = r.token_end if r.token_end is not None else float("inf")
+            if r.token_start < end and start < r_end:
+                return int(r.priority), _ms_to_s(getattr(r, "duration_ms", None))
+        return DEFAULT_PRIORITY, None
+    return int(getattr(config, "decode_retention_priority", DEFAULT_PRIORITY)), _ms_to_s(
+        getattr(config, "decode_duration_ms", None)
+    )

@@ -1,0 +1,288 @@
+"""Scheduler side (rank 0): match prompts against kvtier's tiers, and say per iteration what each
+worker loads and saves (``KvtierConnectorMetadata``)."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier_rs._core import InvalidArgumentError, KvTierError, NotReadyError
+from kvtier_rs.integrations.trtllm import shared
+from kvtier_rs.integrations.trtllm.config import ConnectorOptions, load_options
+from kvtier_rs.integrations.trtllm.metadata import (
+    DEFAULT_PRIORITY,
+    KvtierConnectorMetadata,
+    LoadSpec,
+    SaveSpec,
+    block_retention,
+    chain_keys,
+    chain_root,
+)
+
+
+def tokens_per_block_of(llm_args: Any) -> int:
+    kv = getattr(llm_args, "kv_cache_config", None)
+    tpb = getattr(kv, "tokens_per_block", None)
+    if isinstance(tpb, bool) or not isinstance(tpb, int) or tpb < 1:
+        raise InvalidArgumentError(
+            f"invalid argument `llm_args.kv_cache_config.tokens_per_block`: expected a positive int, got {tpb!r}"
+        )
+    if getattr(kv, "enable_block_reuse", True) is False:
+        raise InvalidArgumentError(
+            "invalid argument `llm_args.kv_cache_config.enable_block_reuse`: TensorRT-LLM ignores a KV "
+            "cache connector when block reuse is off; set enable_block_reuse=True"
+        )
+    return tpb
+
+
+@dataclass
+class _Req:
+    salt: Any
+    lora: Any
+    prompt_len: int
+    retention: Any
+    tokens: list[int] = field(default_factory=list)
+    keys: list[bytes] = field(default_factory=list)  # of full blocks known so far
+    block_ids: list[int] = field(default_factory=list)
+    priorities: list[int | None] = field(default_factory=list)  # engine-reported, per block id
+    gpu_blocks: int = 0  # blocks TensorRT-LLM matched itself
+    external_tokens: int = 0
+    load_keys: list[bytes] = field(default_factory=list)
+    pinned: list[bytes] = field(default_factory=list)  # CPU hits pinned until the worker loads them
+    load_dst: list[int] | None = None
+    saved: int = 0  # leading blocks already handed to a SaveSpec (or skipped as GPU/loaded)
+    stopped: bool = False  # a block fell below min_offload_priority: nothing later is offloaded
+    ever_saved: bool = False
+    seen: bool = False  # reported in a SchedulerOutput
+
+
+class SchedulerCore:
+    """Everything the scheduler does, independent of TensorRT-LLM's base class."""
+
+    kvtier_config: dict | None = None
+
+    def _kvtier_init(self, llm_args: Any) -> None:
+        self.options: ConnectorOptions = load_options(type(self).kvtier_config)
+        self.tokens_per_block = tokens_per_block_of(llm_args)
+        self.engine = shared.engine_name(llm_args, self.options.namespace)
+        self.namespace = self.engine
+        self._reqs: dict[int, _Req] = {}
+        self._steps = itertools.count()
+        self.counts = {"matched_blocks": 0, "saved_blocks": 0, "below_min_priority_blocks": 0}
+
+    # ---- helpers ----------------------------------------------------------------------------
+    def _tiers(self) -> shared.EngineTiers:
+        t = shared.lookup(self.engine)
+        if t is None:
+            raise KvTierError(
+                f"kvtier: no KV pool registered for engine {self.engine!r} in this process. The "
+                "worker's register_kv_caches must run first, in the scheduler's process "
+                "(kvtier's TensorRT-LLM connector needs tensor parallelism 1)"
+            )
+        if t.tokens_per_block != self.tokens_per_block:
+            raise KvTierError(
+                f"kvtier: worker uses {t.tokens_per_block} tokens per block, scheduler {self.tokens_per_block}"
+            )
+        return t
+
+    def _req(self, request_id: int, where: str) -> _Req:
+        r = self._reqs.get(request_id)
+        if r is None:
+            raise InvalidArgumentError(
+                f"invalid argument `request` in {where}: request {request_id} is unknown to kvtier "
+                "(get_num_new_matched_tokens was never called for it)"
+            )
+        return r
+
+    def _extend_keys(self, r: _Req) -> None:
+        full = len(r.tokens) // self.tokens_per_block
+        if full > len(r.keys):
+            parent = r.keys[-1] if r.keys else chain_root(self.namespace, self.tokens_per_block, r.salt, r.lora)
+            r.keys += chain_keys(parent, r.tokens, self.tokens_per_block, len(r.keys), full - len(r.keys))
+
+    def _release_pins(self, r: _Req) -> None:
+        if r.pinned:
+            t = shared.lookup(self.engine)
+            if t is not None:
+                t.orchestrator.host.index.unpin(r.pinned)
+            r.pinned = []
+
+    # ---- TensorRT-LLM interface --------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        if isinstance(num_computed_tokens, bool) or not isinstance(num_computed_tokens, int) or num_computed_tokens < 0:
+            raise InvalidArgumentError(
+                f"invalid argument `num_computed_tokens`: expected a non-negative int, got {num_computed_tokens!r}"
+            )
+        rid = request.request_id
+        old = self._reqs.pop(rid, None)
+        if old is not None:  # asked again (a reset or replay): start over
+            self._release_pins(old)
+        tokens = list(request.get_tokens(0))
+        salt = getattr(request, "cache_salt", None)
+        if salt is None:
+            salt = getattr(request, "cache_salt_id", None)
+        r = _Req(
+            salt=salt,
+            lora=getattr(request, "lora_task_id", None),
+            prompt_len=len(tokens),
+            retention=getattr(request, "kv_cache_retention_config", None),
+            tokens=tokens,
+        )
+        self._reqs[rid] = r
+        tpb = self.tokens_per_block
+        if num_computed_tokens > len(tokens):
+            raise InvalidArgumentError(
+                f"invalid argument `num_computed_tokens`: {num_computed_tokens} > prompt length {len(tokens)}"
+            )
+        self._extend_keys(r)
+        # The engine recomputes at least the prompt's last token (it needs its logits), so only
+        # blocks ending before it can be served.
+        usable = (len(tokens) - 1) // tpb
+        r.gpu_blocks = min(num_computed_tokens // tpb, usable)
+        if getattr(request, "multimodal_hashes", None) or usable <= r.gpu_blocks:
+            # Multimodal prompts: token ids alone do not identify the KV (kvtier cannot see the
+            # media hashes consistently), so such requests are neither matched nor saved.
+            r.stopped = bool(getattr(request, "multimodal_hashes", None))
+            return 0, False
+        orch = self._tiers().orchestrator
+        plan = orch.plan(r.keys[:usable], r.gpu_blocks)
+        n = plan.loaded
+        if n == 0:
+            return 0, False
+        r.load_keys = r.keys[r.gpu_blocks : r.gpu_blocks + n]
+        if plan.load_cpu:
+            # Pin CPU hits now: nothing may evict them between this answer and the load, because
+            # the engine will treat these tokens as computed.
+            cpu = r.load_keys[: plan.load_cpu]
+            try:
+                orch.host.index.pin_for_load(cpu)
+            except NotReadyError:
+                r.load_keys = []
+                return 0, False
+            r.pinned = cpu
+        r.external_tokens = (r.gpu_blocks + n) * tpb - num_computed_tokens
+        self.counts["matched_blocks"] += n
+        return r.external_tokens, False
+
+    def update_state_after_alloc(self, request: Any, block_ids: list[int]) -> None:
+        r = self._req(request.request_id, "update_state_after_alloc")
+        ids = [int(b) for b in block_ids]
+        if r.load_keys:
+            need = r.gpu_blocks + len(r.load_keys)
+            if len(ids) < need:
+                raise InvalidArgumentError(
+                    f"invalid argument `block_ids`: {len(ids)} blocks allocated for request "
+                    f"{request.request_id}, which needs {need} (GPU-matched + loaded)"
+                )
+            if any(b < 0 for b in ids[r.gpu_blocks : need]):
+                raise InvalidArgumentError("invalid argument `block_ids`: -1 (no page) where kvtier must load a block")
+            r.load_dst = ids[r.gpu_blocks : need]
+
+    def update_state_after_alloc_by_layer_group(self, request: Any, block_ids_by_layer_group: list[list[int]]) -> None:
+        if len(block_ids_by_layer_group) != 1:
+            raise NotImplementedError(
+                f"kvtier's TensorRT-LLM connector supports one layer group, got {len(block_ids_by_layer_group)} "
+                "(variable sliding-window attention is not supported)"
+            )
+        self.update_state_after_alloc(request, block_ids_by_layer_group[0])
+
+    def build_connector_meta(self, scheduler_output: Any) -> KvtierConnectorMetadata:
+        loads: list[LoadSpec] = []
+        saves: list[SaveSpec] = []
+        new = list(getattr(scheduler_output, "new_requests", None) or ())
+        cached = list(getattr(scheduler_output, "cached_requests", None) or ())
+        for data, is_new in [(d, True) for d in new] + [(d, False) for d in cached]:
+            r = self._req(data.request_id, "build_connector_meta")
+            if is_new and r.seen:
+                raise InvalidArgumentError(
+                    f"invalid argument `scheduler_output`: request {data.request_id} is in new_requests twice"
+                )
+            if is_new:
+                # new_tokens of a new request is its whole token list so far: the prompt we saw.
+                r.tokens = list(data.new_tokens)
+            else:
+                r.tokens += list(data.new_tokens)
+            r.seen = True
+            new_ids = [int(b) for b in data.new_block_ids]
+            prios = getattr(data, "priorities", None)
+            if prios is not None and len(prios) != len(new_ids):
+                raise InvalidArgumentError(
+                    f"invalid argument `scheduler_output`: request {data.request_id} has {len(prios)} "
+                    f"priorities for {len(new_ids)} new block ids"
+                )
+            r.block_ids += new_ids
+            r.priorities += list(prios) if prios is not None else [None] * len(new_ids)
+            self._extend_keys(r)
+            if is_new and r.load_keys:
+                if r.load_dst is None:
+                    raise KvTierError(
+                        f"kvtier: request {data.request_id} has a load but update_state_after_alloc never ran"
+                    )
+                loads.append(LoadSpec(data.request_id, tuple(r.load_keys), tuple(r.load_dst), len(r.pinned)))
+                r.pinned = []  # the worker unpins them once loaded
+                r.load_keys = []
+            # Blocks whose KV is complete after this forward pass. computed_position of a new
+            # request excludes what the connector matched; add it back.
+            valid = data.computed_position + data.num_scheduled_tokens + (r.external_tokens if is_new else 0)
+            spec = self._save_spec(data.request_id, r, valid // self.tokens_per_block)
+            if spec is not None:
+                saves.append(spec)
+        return KvtierConnectorMetadata(next(self._steps), tuple(loads), tuple(saves))
+
+    def _save_spec(self, rid: int, r: _Req, complete: int) -> SaveSpec | None:
+        if r.stopped:
+            return None
+        upto = min(complete, len(r.keys), len(r.block_ids))
+        keys, ids, prios, durs = [], [], [], []
+        for i in range(r.saved, upto):
+            prio, dur = block_retention(r.retention, r.prompt_len, self.tokens_per_block, i)
+            if r.priorities[i] is not None:
+                prio = int(r.priorities[i])  # the engine's own view of the block wins
+            if prio < self.options.min_offload_priority:
+                # Below the minimum: never offloaded, and neither is anything after it (a chain
+                # with a hole cannot be matched past the hole, so later blocks would only take space).
+                self.counts["below_min_priority_blocks"] += upto - i
+                r.stopped = True
+                break
+            if r.block_ids[i] < 0:
+                r.stopped = True  # no page (out of window): the chain ends here too
+                break
+            keys.append(r.keys[i])
+            ids.append(r.block_ids[i])
+            prios.append(prio)
+            durs.append(dur)
+        r.saved = max(r.saved, upto)
+        if not keys:
+            return None
+        r.ever_saved = True
+        self.counts["saved_blocks"] += len(keys)
+        return SaveSpec(rid, tuple(keys), tuple(ids), tuple(prios), tuple(durs))
+
+    def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
+        """True when kvtier offloaded some of this request's blocks: the engine then keeps them
+        allocated until every worker's get_finished reports the saves done."""
+        r = self._reqs.pop(request.request_id, None)
+        if r is None:
+            return False  # never matched (e.g. cancelled before scheduling): nothing of ours
+        self._release_pins(r)
+        return r.ever_saved
+
+    def request_finished_by_layer_group(self, request: Any, cache_block_ids_by_layer_group: list[list[int]]) -> bool:
+        if len(cache_block_ids_by_layer_group) != 1:
+            raise NotImplementedError(
+                f"kvtier's TensorRT-LLM connector supports one layer group, got {len(cache_block_ids_by_layer_group)}"
+            )
+        return self.request_finished(request, cache_block_ids_by_layer_group[0])
+
+    def wait_for_initialization(self) -> None:
+        return None
+
+    # ---- introspection -----------------------------------------------------------------------
+    def priority_of(self, request_id: int, block: int) -> int:
+        r = self._req(request_id, "priority_of")
+        p = r.priorities[block] if block < len(r.priorities) else None
+        return int(p) if p is not None else block_retention(r.retention, r.prompt_len, self.tokens_per_block, block)[0]
+
+
+__all__ = ["DEFAULT_PRIORITY", "SchedulerCore", "tokens_per_block_of"]

@@ -1,0 +1,306 @@
+"""Worker side: copies between TensorRT-LLM's KV pool and kvtier's tiers, driven by the
+scheduler's metadata, through kvtier's TierOrchestrator and transfer engine.
+
+Per iteration (TensorRT-LLM's order): ``bind_connector_meta`` -> ``start_load_kv`` (every load
+of the step is submitted) -> per decoder layer ``wait_for_layer_load(i)`` / ``save_kv_layer(i)``
+-> ``wait_for_save`` (the step's offloads are submitted, ordered after the forward pass on
+CUDA) -> ``get_finished`` (requests whose offloads are done).
+
+Loads: TensorRT-LLM's pool row holds every layer of a block (``[blocks, layers, kv, ...]``), and
+kvtier's layout has one region per layer in that order, so a host slot is byte for byte the
+device row. Each request's load is one transfer job over all layers; ``wait_for_layer_load(i)``
+returns once layer i is in place, which for whole-block jobs means once the step's loads are
+done (the first layer waits, later layers return at once). The copies overlap everything the
+engine does between ``start_load_kv`` and the first layer; finer, per-layer overlap needs
+region-subset jobs in the transfer engine (not built yet).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtier_rs._core import DiskTier, InvalidArgumentError, KvTierError
+from kvtier_rs.config import TierConfig
+from kvtier_rs.host_tier import HostTier
+from kvtier_rs.integrations.trtllm import shared
+from kvtier_rs.integrations.trtllm.config import ConnectorOptions, load_options
+from kvtier_rs.integrations.trtllm.metadata import KvtierConnectorMetadata, validate_metadata
+from kvtier_rs.integrations.trtllm.scheduler import tokens_per_block_of
+from kvtier_rs.orchestrator import CostModel, TierOrchestrator
+from kvtier_rs.transfer import BlockLayout, CpuTransferEngine, Region, TransferEngine
+
+_PAGE = 4096
+
+
+def layer_layout(kv_cache_tensor: torch.Tensor) -> BlockLayout:
+    """One region per layer over TensorRT-LLM's pool ``[blocks, layers, kv_factor, ...]``
+    (dim 0 = block id, each row contiguous)."""
+    t = kv_cache_tensor
+    if not isinstance(t, torch.Tensor) or t.dim() < 2:
+        raise InvalidArgumentError(
+            "invalid argument `kv_cache_tensor`: expected the KV pool tensor [blocks, layers, ...], got "
+            + (f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__)
+        )
+    if t.shape[0] and not t[0].is_contiguous():
+        raise InvalidArgumentError("invalid argument `kv_cache_tensor`: each block row (tensor[i]) must be contiguous")
+    layers = t.shape[1]
+    layer_bytes = t[0][0].numel() * t.element_size() if t.shape[0] else 0
+    return BlockLayout(
+        [Region.rows_of(t, offset_bytes=i * layer_bytes, bytes_per_block=layer_bytes) for i in range(layers)]
+    )
+
+
+def _rank_and_world(llm_args: Any) -> tuple[int, int]:
+    pc = getattr(llm_args, "parallel_config", None)
+    try:
+        m = pc.to_mapping() if pc is not None else None
+    except Exception:  # noqa: BLE001 - older llm_args without a mapping: assume one rank
+        m = None
+    rank = getattr(m, "rank", 0) if m is not None else 0
+    world = getattr(m, "world_size", 1) if m is not None else 1
+    return int(rank), int(world)
+
+
+class WorkerCore:
+    """Everything the worker does, independent of TensorRT-LLM's base class."""
+
+    kvtier_config: dict | None = None
+    #: Builds the transfer engine from (layout, host pool); None = by `io_engine`. Tests swap in
+    #: an engine whose copies they can hold back.
+    engine_factory: Callable[[BlockLayout, Any], TransferEngine] | None = None
+
+    def _kvtier_init(self, llm_args: Any) -> None:
+        self.options: ConnectorOptions = load_options(type(self).kvtier_config)
+        self.tokens_per_block = tokens_per_block_of(llm_args)
+        rank, world = _rank_and_world(llm_args)
+        if world != 1:
+            raise KvTierError(
+                f"kvtier's TensorRT-LLM connector runs with one rank (tensor parallelism 1); this engine has "
+                f"{world} ranks (this is rank {rank}). Each rank would need its own mirrored host pool."
+            )
+        self.engine = shared.engine_name(llm_args, self.options.namespace)
+        self.tiers: shared.EngineTiers | None = None
+        self._pending_loads: dict[Any, Any] = {}  # orchestrator request id -> LoadSpec
+        self._loads_done = True
+        self._save_keys: dict[int, set[bytes]] = {}  # request id -> keys offloaded for it
+        self._saving: set[int] = set()  # finished requests whose saves we must report
+        self._known: set[int] = set()  # request ids seen in any SaveSpec
+        self.load_results: list[Any] = []
+        self.counts = {"loaded_blocks": 0, "offloaded_blocks": 0, "offload_no_space": 0, "offload_refused": 0}
+
+    # ---- base-class surface when TensorRT-LLM is absent -------------------------------------
+    # (the real base defines the same three; ours are only used without it)
+
+    # ---- registration ------------------------------------------------------------------------
+    def register_kv_caches(self, kv_cache_tensor: torch.Tensor) -> None:
+        if self.tiers is not None:
+            raise KvTierError("kvtier: register_kv_caches called twice")
+        layout = layer_layout(kv_cache_tensor)
+        o = self.options
+        host = HostTier(TierConfig(o.cpu_bytes, layout.bytes_per_block, policy=o.cpu_policy, admission=o.cpu_admission))
+        factory = type(self).engine_factory
+        if factory is not None:
+            engine = factory(layout, host.pool)
+        elif o.io_engine == "cpu" or (o.io_engine == "auto" and layout.device.type != "cuda"):
+            engine = CpuTransferEngine(layout, host.pool)
+        else:
+            from kvtier_rs.transfer.cuda import CudaTransferEngine
+
+            engine = CudaTransferEngine(layout, host.pool)
+        disk = None
+        if o.disk_root is not None:
+            # One directory per engine name and block geometry: a different model or layout never
+            # reads another's blocks.
+            sub = f"{self.engine.replace('/', '_')}_{layout.bytes_per_block}b_{len(layout.regions)}l"
+            path = Path(o.disk_root) / sub
+            path.mkdir(parents=True, exist_ok=True)
+            disk = DiskTier(
+                str(path),
+                o.disk_bytes,
+                host.pool.slot_bytes,
+                policy=o.disk_policy,
+                admission=o.disk_admission,
+                engine=o.disk_io_engine,
+                queue_depth=o.disk_queue_depth,
+            )
+        cost = None
+        if o.prefill_tokens_per_s is not None:
+            cost = CostModel(o.prefill_tokens_per_s, self.tokens_per_block, layout.bytes_per_block)
+        orch = TierOrchestrator(host, engine, disk=disk, cost=cost)
+        self.tiers = shared.EngineTiers(orch, layout, len(layout.regions), self.tokens_per_block)
+        shared.publish(self.engine, self.tiers)
+
+    def register_kv_cache_layout(self, layout: Any) -> None:
+        tensor = layout.as_single_pool_tensor() if hasattr(layout, "as_single_pool_tensor") else None
+        if tensor is None:
+            raise NotImplementedError(
+                "kvtier's TensorRT-LLM connector needs a KV cache that one pool tensor describes "
+                "(one layer group, one region)"
+            )
+        self.register_kv_caches(tensor)
+
+    def register_forward_pass_callable(self) -> None:
+        return None
+
+    def _orch(self, where: str) -> TierOrchestrator:
+        if self.tiers is None:
+            raise KvTierError(f"kvtier: {where} before register_kv_caches")
+        return self.tiers.orchestrator
+
+    def _meta(self, where: str) -> KvtierConnectorMetadata | None:
+        meta = self.get_connector_meta()
+        if meta is None:
+            return None
+        return validate_metadata(meta, self.tiers.layout.num_blocks if self.tiers else 0)
+
+    # ---- per iteration -----------------------------------------------------------------------
+    def start_load_kv(self, stream: Any) -> None:
+        orch = self._orch("start_load_kv")
+        meta = self._meta("start_load_kv")
+        if self._pending_loads:
+            raise KvTierError("kvtier: start_load_kv called while the previous step's loads are unfinished")
+        self._loads_done = True
+        if meta is None:
+            return
+        for spec in meta.loads:
+            # The keys were matched (CPU hits pinned) by the scheduler; plan again to route each
+            # block to the tier that holds it now.
+            plan = orch.plan(list(spec.keys))
+            if plan.loaded != len(spec.keys):
+                self._unpin(spec)
+                raise KvTierError(
+                    f"kvtier: request {spec.request_id}: only {plan.loaded} of {len(spec.keys)} matched blocks "
+                    "can still be loaded; the engine would read KV that is not there"
+                )
+            rid = ("load", meta.step, spec.request_id)
+            orch.load(list(spec.keys), list(spec.block_ids), request_id=rid, plan=plan)
+            self._pending_loads[rid] = spec
+            self._loads_done = False
+
+    def _unpin(self, spec: Any) -> None:
+        if spec.pinned:
+            self._orch("unpin").host.index.unpin(list(spec.keys[: spec.pinned]))
+
+    def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
+        if self.tiers is None:
+            raise KvTierError("kvtier: wait_for_layer_load before register_kv_caches")
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < self.tiers.num_layers:
+            raise InvalidArgumentError(
+                f"invalid argument `layer_idx`: {layer_idx!r} not in 0..{self.tiers.num_layers - 1} "
+                "(layers of the registered KV pool)"
+            )
+        if self._loads_done:
+            return
+        orch = self.tiers.orchestrator
+        deadline = time.monotonic() + self.options.load_timeout_s
+        while self._pending_loads:
+            self._collect(orch.poll())
+            if self._pending_loads:
+                if time.monotonic() > deadline:
+                    raise KvTierError(
+                        f"kvtier: loads for requests {sorted(s.request_id for s in self._pending_loads.values())} "
+                        f"not done after {self.options.load_timeout_s} s"
+                    )
+                time.sleep(0.0002)
+        self._loads_done = True
+
+    def _collect(self, results: list[Any]) -> None:
+        for res in results:
+            spec = self._pending_loads.pop(res.request_id, None)
+            if spec is None:
+                continue
+            self._unpin(spec)
+            self.load_results.append(res)
+            if res.failed or res.loaded != len(spec.keys):
+                raise KvTierError(
+                    f"kvtier: request {spec.request_id}: {res.failed} of {len(spec.keys)} blocks failed to "
+                    "load (copy error, or a disk block failed its checksum); refusing to run the layer on "
+                    "missing KV"
+                )
+            self.counts["loaded_blocks"] += res.loaded
+
+    def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
+        # Offloads are whole blocks (every layer of a pool row), submitted once per step in
+        # wait_for_save; nothing to do per layer.
+        if self.tiers is None:
+            raise KvTierError("kvtier: save_kv_layer before register_kv_caches")
+
+    def wait_for_save(self, stream: Any) -> None:
+        """Submit this step's offloads. They do not block: a CUDA copy is ordered after the
+        forward pass on `stream`; completion is reported through get_finished."""
+        orch = self._orch("wait_for_save")
+        meta = self._meta("wait_for_save")
+        if meta is None:
+            return
+        after = stream if self.tiers.layout.device.type == "cuda" else None
+        for spec in meta.saves:
+            self._known.add(spec.request_id)
+            # One offload per run of equal (priority, duration): the orchestrator takes one hint per call.
+            i = 0
+            while i < len(spec.keys):
+                j = i + 1
+                hint = (spec.priorities[i], spec.durations_s[i])
+                while j < len(spec.keys) and (spec.priorities[j], spec.durations_s[j]) == hint:
+                    j += 1
+                t = orch.offload(
+                    list(spec.keys[i:j]),
+                    list(spec.block_ids[i:j]),
+                    priority=hint[0],
+                    duration_s=hint[1],
+                    after_stream=after,
+                )
+                if t.no_space:
+                    self.counts["offload_no_space"] += j - i
+                self.counts["offload_refused"] += len(t.refused)
+                self.counts["offloaded_blocks"] += len(t.stored)
+                self._save_keys.setdefault(spec.request_id, set()).update(t.stored)
+                i = j
+        self._clear_connector_meta()
+
+    def get_finished(
+        self, finished_gen_req_ids: list[int], started_loading_req_ids: list[int]
+    ) -> tuple[list[int], list[int]]:
+        orch = self._orch("get_finished")
+        if started_loading_req_ids:
+            raise InvalidArgumentError(
+                f"invalid argument `started_loading_req_ids`: {list(started_loading_req_ids)[:5]}; kvtier never "
+                "answers load_kv_async=True, so no request can be loading asynchronously"
+            )
+        unknown = [r for r in finished_gen_req_ids if r not in self._known]
+        if unknown:
+            raise InvalidArgumentError(
+                f"invalid argument `finished_gen_req_ids`: requests {unknown[:5]} never had a save from kvtier "
+                "(KvtierScheduler.request_finished returned False for them)"
+            )
+        self._saving.update(finished_gen_req_ids)
+        self._collect(orch.poll())  # completes finished stores in the CPU tier
+        index = orch.host.index
+        done = []
+        for rid in sorted(self._saving):
+            keys = self._save_keys.get(rid, set())
+            # A block leaves "writing" only after its device->host copy finished (or failed):
+            # then the engine's block is no longer read and may be freed.
+            if not any((st := index.state(k)) is not None and st[0] == "writing" for k in keys):
+                done.append(rid)
+        for rid in done:
+            self._saving.discard(rid)
+            self._save_keys.pop(rid, None)
+            self._known.discard(rid)
+        return done, []
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Finish every job and release the tiers (tests; the engine process just exits)."""
+        if self.tiers is None:
+            return
+        self.tiers.orchestrator.drain()
+        self.tiers.orchestrator.engine.close()
+        if self.tiers.orchestrator.stager is not None:
+            self.tiers.orchestrator.stager.disk.close()
+        shared.withdraw(self.engine)
+        self.tiers = None

@@ -1,0 +1,180 @@
+"""A Prometheus collector over the tiers' own counters.
+
+Nothing is counted twice: the core and the orchestrator already count everything, so the
+collector holds no metric objects of its own. Each scrape reads the orchestrator's `stats()`
+once (which reads each tier's core stats once), or each bare tier's `stats()` once, and turns
+that snapshot into the series of `names.SERIES`, every label combination present, zero where a
+tier has not moved data or is not configured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from kvtier_rs._core import InvalidArgumentError
+from kvtier_rs.events import EventStream
+from kvtier_rs.metrics.names import SERIES, Series
+from kvtier_rs.orchestrator.latency import BUCKETS
+from kvtier_rs.orchestrator.orchestrator import occupancy
+
+Labels = tuple[str, ...]
+Histogram = tuple[list[tuple[float, int]], int, float]
+
+_EMPTY_HISTOGRAM: Histogram = ([(b, 0) for b in (*BUCKETS, float("inf"))], 0, 0.0)
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(float(bound))
+
+
+class KvTierCollector(Collector):
+    """Collects from a `TierOrchestrator`, or from bare tiers (`host`: a `HostTier`, `disk`: a
+    `DiskTier`) when no orchestrator runs; `events` defaults to the orchestrator's stream.
+    `labels` are constant labels added to every sample (e.g. ``{"engine": "dp0"}``) so that
+    several processes' exporters can be told apart after Prometheus scrapes them all."""
+
+    def __init__(
+        self,
+        orchestrator: Any = None,
+        *,
+        host: Any = None,
+        disk: Any = None,
+        events: EventStream | None = None,
+        labels: Mapping[str, str] | None = None,
+    ) -> None:
+        if orchestrator is None and host is None and disk is None:
+            raise InvalidArgumentError(
+                "invalid argument `orchestrator`: give an orchestrator, or a bare `host` and/or `disk` tier"
+            )
+        if orchestrator is not None and (host is not None or disk is not None):
+            raise InvalidArgumentError(
+                "invalid argument `host`/`disk`: the orchestrator already reports its tiers; pass one or the other"
+            )
+        self.orchestrator = orchestrator
+        self.host = host
+        self.disk = disk
+        self.events = events if events is not None else getattr(orchestrator, "events", None)
+        self.const_labels = dict(labels or {})
+        for name in self.const_labels:
+            if not name.isidentifier() or name.startswith("__"):
+                raise InvalidArgumentError(f"invalid argument `labels`: {name!r} is not a valid label name")
+            if any(name in s.labelnames for s in SERIES):
+                raise InvalidArgumentError(f"invalid argument `labels`: {name!r} is already a label of kvtier series")
+
+    # ---- one snapshot per scrape ---------------------------------------------------------
+    def snapshot(self) -> dict[str, dict[Labels, Any]]:
+        """{series name: {label values: value or histogram}} for whatever the tiers report;
+        missing combinations are filled with zeros by `collect`."""
+        v: dict[str, dict[Labels, Any]] = {s.name: {} for s in SERIES}
+        if self.orchestrator is not None:
+            self._from_orchestrator(v, self.orchestrator.stats(histograms=True))
+        else:
+            if self.host is not None:
+                self._from_index(v, "cpu", self.host.stats(), self.host.block_bytes)
+            if self.disk is not None:
+                d = dict(self.disk.stats())
+                self._from_index(v, "disk", d, self.disk.block_bytes)
+                self._from_disk(v, d)
+        if self.events is not None:
+            st = self.events.stats()
+            for kind, n in st["published"].items():
+                v["kvtier_events"][(kind,)] = n
+            v["kvtier_events_dropped"][()] = st["dropped"]
+        return v
+
+    @staticmethod
+    def _from_index(v: dict[str, dict[Labels, Any]], tier: str, idx: Mapping[str, Any], block_bytes: int) -> None:
+        occ = occupancy(idx, block_bytes)
+        for key in ("capacity_bytes", "usage_bytes", "pinned_bytes"):
+            v[f"kvtier_{key}"][(tier,)] = occ[key]
+        v["kvtier_evictions"][(tier,)] = idx["evictions"]
+        v["kvtier_refusals"][(tier, "store", "admission")] = idx["store_refused"]
+        v["kvtier_stored_blocks"][(tier,)] = idx["stores_completed"]
+
+    @staticmethod
+    def _from_disk(v: dict[str, dict[Labels, Any]], d: Mapping[str, Any]) -> None:
+        v["kvtier_disk_checksum_failures"][()] = d["checksum_failures"]
+        v["kvtier_disk_io_errors"][("read",)] = d["read_errors"]
+        v["kvtier_disk_io_errors"][("short_read",)] = d["short_reads"]
+        v["kvtier_disk_io_errors"][("write",)] = d["write_failures"]
+        v["kvtier_disk_full"][()] = d["disk_full"]
+        v["kvtier_refusals"][("disk", "store", "no_space")] = d["refused_disk_full"]
+        v["kvtier_transferred_bytes"][("disk", "store")] = d["bytes_written"]
+        v["kvtier_transferred_bytes"][("disk", "load")] = d["bytes_read"]
+
+    def _from_orchestrator(self, v: dict[str, dict[Labels, Any]], s: Mapping[str, Any]) -> None:
+        v["kvtier_lookups"][()] = s["lookups"]
+        v["kvtier_misses"][()] = s["misses"]
+        v["kvtier_load_failures"][()] = s["load_failed"]
+        v["kvtier_transferred_bytes"][("cpu", "store")] = s["bytes"]["d2h"]
+        v["kvtier_transferred_bytes"][("cpu", "load")] = s["bytes"]["h2d"]
+        tiers = s["tiers"]
+        gpu = tiers["gpu"]
+        v["kvtier_hits"][("gpu",)] = gpu["hits"]
+        v["kvtier_lookup_blocks"][("gpu",)] = gpu["lookup_blocks"]
+        for tier in ("cpu", "disk"):
+            t = tiers.get(tier)
+            if t is None:
+                continue
+            self._from_index(v, tier, t["index"], t["block_bytes"])
+            if tier == "disk":
+                self._from_disk(v, t["index"])
+                v["kvtier_disk_write_backlog_blocks"][()] = t["write_backlog"]
+            v["kvtier_hits"][(tier,)] = t["hits"]
+            v["kvtier_lookup_blocks"][(tier,)] = t["lookup_blocks"]
+            v["kvtier_promotions"][(tier,)] = t["promotions"]
+            v["kvtier_promotions_in_flight"][(tier,)] = t["promotions_in_flight"]
+            for reason, n in t["refused"].items():
+                v["kvtier_refusals"][(tier, "load", reason)] = n
+            for reason, n in t["store_refused"].items():
+                v["kvtier_refusals"][(tier, "store", reason)] = n
+            v["kvtier_latency_seconds"][(tier, "load")] = t["load_histogram"]
+            v["kvtier_latency_seconds"][(tier, "store")] = t["store_histogram"]
+        for tier, g in s["guards"].items():
+            v["kvtier_guard_enabled"][(tier,)] = 1
+            v["kvtier_guard_bypassed"][(tier,)] = int(g["state"] == "bypassed")
+            v["kvtier_guard_trips"][(tier,)] = g["trips"]
+            v["kvtier_guard_p99_seconds"][(tier,)] = g["p99_ms"] / 1e3
+            v["kvtier_guard_threshold_seconds"][(tier,)] = g["threshold_ms"] / 1e3
+
+    # ---- exposition ------------------------------------------------------------------------
+    def describe(self) -> Iterator[Metric]:
+        # Lets registries detect name clashes at registration without scraping the tiers.
+        for s in SERIES:
+            yield self._family(s)
+
+    def collect(self) -> Iterator[Metric]:
+        values = self.snapshot()
+        for s in SERIES:
+            fam = self._family(s)
+            got = values[s.name]
+            unknown = set(got) - set(s.labelsets)
+            if unknown:
+                # A bug in the mapping above, never user input: fail loudly, in tests too.
+                raise AssertionError(f"{s.name}: undocumented label values {sorted(unknown)}")
+            for labelset in s.labelsets:
+                labels = [*self.const_labels.values(), *labelset]
+                value = got.get(labelset)
+                if s.type == "histogram":
+                    buckets, _count, total = value if value is not None else _EMPTY_HISTOGRAM
+                    fam.add_metric(labels, [(_le(b), n) for b, n in buckets], total)
+                else:
+                    fam.add_metric(labels, float(value or 0))
+            yield fam
+
+    def _family(self, s: Series) -> Metric:
+        labelnames = [*self.const_labels, *s.labelnames]
+        if s.type == "counter":
+            return CounterMetricFamily(s.name, s.help, labels=labelnames)
+        if s.type == "gauge":
+            return GaugeMetricFamily(s.name, s.help, labels=labelnames)
+        return HistogramMetricFamily(s.name, s.help, labels=labelnames)

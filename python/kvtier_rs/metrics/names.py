@@ -1,0 +1,207 @@
+"""The documented metric series: the one list the collector exports, the README table shows
+(`python -m kvtier_rs.metrics.names` prints it) and the tests check against.
+
+Each series lists every label combination it exposes. The collector emits all of them from the
+first scrape, at zero until the tiers move data, so no dashboard or alert meets a missing series.
+
+Tiers: ``gpu`` (the engine's device blocks, seen only through lookups), ``cpu`` (host DRAM, the
+primary tier), ``disk`` (NVMe/file, staged through CPU). Directions: ``load`` moves blocks
+toward the GPU, ``store`` away from it. A series for a tier that is not configured stays at 0.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+TIERS = ("cpu", "disk")
+LOOKUP_TIERS = ("gpu", "cpu", "disk")
+DIRECTIONS = ("load", "store")
+LOAD_REFUSALS = ("cost", "backpressure", "guard")
+STORE_REFUSALS = {"cpu": ("admission", "no_space"), "disk": ("admission", "no_space", "backpressure")}
+EVENT_KINDS = ("stored", "removed", "promoted")
+IO_ERROR_KINDS = ("read", "short_read", "write")
+
+
+@dataclass(frozen=True)
+class Series:
+    name: str  # the metric family name; counters' samples end in _total, histograms' in _bucket/_sum/_count
+    type: str  # "counter" | "gauge" | "histogram"
+    help: str
+    labelnames: tuple[str, ...] = ()
+    labelsets: tuple[tuple[str, ...], ...] = ((),)  # every combination exposed, in labelnames order
+
+    @property
+    def sample_names(self) -> tuple[str, ...]:
+        if self.type == "counter":
+            return (f"{self.name}_total",)
+        if self.type == "histogram":
+            return (f"{self.name}_bucket", f"{self.name}_sum", f"{self.name}_count")
+        return (self.name,)
+
+    @property
+    def exposed_name(self) -> str:
+        return self.sample_names[0] if self.type == "counter" else self.name
+
+
+def _by(*dims: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+    return tuple(itertools.product(*dims))
+
+
+_REFUSAL_SETS = tuple((t, "load", r) for t in TIERS for r in LOAD_REFUSALS) + tuple(
+    (t, "store", r) for t in TIERS for r in STORE_REFUSALS[t]
+)
+
+SERIES: tuple[Series, ...] = (
+    # ---- hit quality -------------------------------------------------------------------------
+    Series("kvtier_lookups", "counter", "Requests planned (one lookup across all tiers per request)."),
+    Series(
+        "kvtier_lookup_blocks",
+        "counter",
+        "Blocks asked of each tier: the whole chain of the GPU, what the GPU missed of the CPU, "
+        "what the CPU missed of the disk.",
+        ("tier",),
+        _by(LOOKUP_TIERS),
+    ),
+    Series(
+        "kvtier_hits",
+        "counter",
+        "Blocks found in each tier by request lookups (leading-prefix hits).",
+        ("tier",),
+        _by(LOOKUP_TIERS),
+    ),
+    Series(
+        "kvtier_promotions",
+        "counter",
+        "Blocks loaded to the device from each tier (disk promotions are staged through CPU).",
+        ("tier",),
+        _by(TIERS),
+    ),
+    Series("kvtier_misses", "counter", "Blocks held by no tier: the engine recomputes them."),
+    Series(
+        "kvtier_load_failures",
+        "counter",
+        "Planned hits that could not be loaded (evicted, corrupt, copy error): recomputed.",
+    ),
+    Series(
+        "kvtier_refusals",
+        "counter",
+        "Blocks turned away. Load: hits not loaded (cost model, back-pressure, SLO guard). "
+        "Store: blocks not admitted (admission rule, no space, write back-pressure).",
+        ("tier", "direction", "reason"),
+        _REFUSAL_SETS,
+    ),
+    # ---- movement -----------------------------------------------------------------------------
+    Series(
+        "kvtier_stored_blocks",
+        "counter",
+        "Blocks that became readable in each tier (CPU: offload copies and blocks staged up from disk; "
+        "disk: write-throughs).",
+        ("tier",),
+        _by(TIERS),
+    ),
+    Series("kvtier_evictions", "counter", "Blocks evicted from each tier to make room.", ("tier",), _by(TIERS)),
+    Series(
+        "kvtier_transferred_bytes",
+        "counter",
+        "Bytes moved over each tier's link: cpu = device<->host copies, disk = host<->disk I/O "
+        "(disk writes include the 4 KiB slot header).",
+        ("tier", "direction"),
+        _by(TIERS, DIRECTIONS),
+    ),
+    Series(
+        "kvtier_latency_seconds",
+        "histogram",
+        "Seconds per operation. Load: a request's promotion from the tier to the device (disk: "
+        "read, verify and copy). Store: one device->CPU copy or one CPU->disk write job.",
+        ("tier", "direction"),
+        _by(TIERS, DIRECTIONS),
+    ),
+    Series(
+        "kvtier_promotions_in_flight",
+        "gauge",
+        "Requests with a promotion from the tier in flight (back-pressure acts on this).",
+        ("tier",),
+        _by(TIERS),
+    ),
+    Series("kvtier_disk_write_backlog_blocks", "gauge", "Blocks with a CPU->disk write-through in flight."),
+    # ---- capacity -----------------------------------------------------------------------------
+    Series("kvtier_capacity_bytes", "gauge", "Payload bytes the tier can hold.", ("tier",), _by(TIERS)),
+    Series(
+        "kvtier_usage_bytes",
+        "gauge",
+        "Payload bytes occupied: every block holding a slot (ready, being written or evicted), pinned or not.",
+        ("tier",),
+        _by(TIERS),
+    ),
+    Series(
+        "kvtier_pinned_bytes",
+        "gauge",
+        "Payload bytes of blocks pinned (being read) that cannot be evicted now; part of usage.",
+        ("tier",),
+        _by(TIERS),
+    ),
+    # ---- disk integrity -------------------------------------------------------------------------
+    Series(
+        "kvtier_disk_checksum_failures",
+        "counter",
+        "Disk reads whose header or payload checksum (or key) did not verify: served as misses.",
+    ),
+    Series(
+        "kvtier_disk_io_errors",
+        "counter",
+        "Disk I/O failures by kind: read errors, short reads, failed writes (incl. ENOSPC).",
+        ("kind",),
+        _by(IO_ERROR_KINDS),
+    ),
+    Series("kvtier_disk_full", "gauge", "1 while the disk tier refuses writes after ENOSPC, else 0."),
+    # ---- SLO guard ------------------------------------------------------------------------------
+    Series("kvtier_guard_enabled", "gauge", "1 when an SLO guard watches the tier.", ("tier",), _by(TIERS)),
+    Series(
+        "kvtier_guard_bypassed",
+        "gauge",
+        "1 while the SLO guard bypasses the tier (its p99 went over the threshold).",
+        ("tier",),
+        _by(TIERS),
+    ),
+    Series("kvtier_guard_trips", "counter", "Times the SLO guard tripped.", ("tier",), _by(TIERS)),
+    Series(
+        "kvtier_guard_p99_seconds",
+        "gauge",
+        "p99 promotion latency over the guard's window.",
+        ("tier",),
+        _by(TIERS),
+    ),
+    Series(
+        "kvtier_guard_threshold_seconds",
+        "gauge",
+        "The guard's p99 threshold (0 without a guard).",
+        ("tier",),
+        _by(TIERS),
+    ),
+    # ---- event stream ---------------------------------------------------------------------------
+    Series("kvtier_events", "counter", "Block events published, by kind.", ("kind",), _by(EVENT_KINDS)),
+    Series(
+        "kvtier_events_dropped",
+        "counter",
+        "Block events dropped undelivered because the bounded event ring was full.",
+    ),
+)
+
+BY_NAME = {s.name: s for s in SERIES}
+
+
+def all_sample_names() -> set[str]:
+    return {n for s in SERIES for n in s.sample_names}
+
+
+def markdown_table() -> str:
+    rows = ["| series | type | labels | meaning |", "|---|---|---|---|"]
+    for s in SERIES:
+        labels = ", ".join(s.labelnames) or "-"
+        rows.append(f"| `{s.exposed_name}` | {s.type} | {labels} | {s.help} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())
