@@ -5,6 +5,7 @@ model and SLO guard deciding on synthetic numbers."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -331,3 +332,43 @@ def test_bad_arguments_are_clear_errors(tmp_path):
 def test_coalescing_merges_adjacent_blocks_and_slots():
     assert coalesce_runs([5, 3, 4, 9], [12, 10, 11, 1]) == [(3, 10, 3), (9, 1, 1)]
     assert coalesce_runs([1, 2], [5, 7]) == [(1, 5, 1), (2, 7, 1)]
+
+
+class GroupGatedEngine(CpuTransferEngine):
+    """Host->device copies of every region group but the first wait for the gate."""
+
+    gate = None
+
+    def copy_now(self, direction, block_ids, slots, sub_blocks=None, regions=None):
+        if direction == "h2d" and regions not in (None, [0]):
+            assert self.gate.wait(10)
+        super().copy_now(direction, block_ids, slots, sub_blocks, regions)
+
+
+def test_region_groups_land_in_order_and_report_readiness(tmp_path):
+    import threading
+
+    ts = [torch.randn(16, 2, 8, 8) for _ in range(3)]
+    layout = BlockLayout.per_layer(ts)
+    host = kv.HostTier(kv.TierConfig(8 * 4096, layout.bytes_per_block))
+    engine = GroupGatedEngine(layout, host.pool)
+    engine.gate = threading.Event()
+    orch = TierOrchestrator(host, engine)
+    orch.offload([b"a", b"b"], [0, 1])
+    orch.drain()
+    want = [[t[b].clone() for t in ts] for b in (0, 1)]
+    for t in ts:
+        t.zero_()
+    orch.load([b"a", b"b"], [5, 6], request_id="r", region_groups=[[0], [1], [2]])
+    deadline = time.monotonic() + 10
+    while orch.groups_ready("r") < 1 and time.monotonic() < deadline:
+        orch.poll()
+        time.sleep(0.001)
+    assert orch.groups_ready("r") == 1, "layer 0 is in place while the other layers wait"
+    assert torch.equal(ts[0][5], want[0][0]) and not ts[1][5].any()
+    engine.gate.set()
+    (res,) = orch.drain()
+    assert res.loaded_cpu == 2 and orch.groups_ready("r") is None
+    assert all(torch.equal(ts[i][5 + j], want[j][i]) for i in range(3) for j in range(2))
+    with pytest.raises(kv.InvalidArgumentError, match="regions"):
+        orch.load([b"a"], [7], request_id="bad", region_groups=[[2, 1]])

@@ -66,3 +66,19 @@ def test_adjacent_blocks_become_one_piece_per_region():
     pieces = copy_plan(layout, pool.ptr, pool.slot_bytes, "d2h", [4, 5, 6, 7], [0, 1, 2, 3])
     assert len(pieces) == len(layout.regions)
     assert all(height == 4 for *_, height in pieces)
+
+
+def test_region_subset_moves_only_those_regions():
+    layout, tensors = next(layouts(random.Random(0)))  # 3 per-layer regions
+    pool = kv.HostPool(16 * 8192, layout.bytes_per_block)
+    host = torch.frombuffer(pool, dtype=torch.uint8).view(pool.num_slots, pool.slot_bytes)
+    run_2d(copy_plan(layout, pool.ptr, pool.slot_bytes, "d2h", [2], [0]))
+    want = block_bytes(layout, 2)
+    for t in tensors:
+        t.zero_()
+    run_2d(copy_plan(layout, pool.ptr, pool.slot_bytes, "h2d", [5], [0], regions=[1]))
+    got = [r.byte_rows()[5].numpy().tobytes() for r in layout.regions]
+    off, n = layout.host_offsets[1], layout.regions[1].bytes_per_block
+    assert got[1] == want[off : off + n]
+    assert not any(got[0]) and not any(got[2])
+    assert host[0, : layout.bytes_per_block].numpy().tobytes() == want

@@ -190,6 +190,49 @@ def test_layer_waits_come_before_each_layer_and_check_the_index(tmp_path, engine
         eng.worker.wait_for_layer_load(eng.layers, None)
 
 
+class LayerGatedEngine(CpuTransferEngine):
+    """The real CPU engine, whose host->device copies of every layer but the first wait until the
+    test opens the gate: the per-layer jobs let layer 0 run before the rest has landed."""
+
+    gate = threading.Event()
+
+    def copy_now(self, direction, block_ids, slots, sub_blocks=None, regions=None):
+        if direction == "h2d" and regions != [0] and not self.gate.wait(10):
+            raise RuntimeError("gate never opened")
+        super().copy_now(direction, block_ids, slots, sub_blocks, regions)
+
+
+def test_layer_zero_runs_while_later_layers_are_still_loading(tmp_path, engines):
+    LayerGatedEngine.gate.set()
+    eng = make(tmp_path, engine_factory=LayerGatedEngine)
+    engines.append(eng)
+    eng.run_request(Request(1, prompt(5, 12) + [1]))  # offloaded, then the GPU copy is freed
+    LayerGatedEngine.gate.clear()
+    errors: list[BaseException] = []
+
+    def second_request():
+        try:
+            eng.step([Request(2, prompt(5, 12) + [2])])
+        except BaseException as e:  # noqa: BLE001 - surfaced below
+            errors.append(e)
+
+    first = len(eng.layer_calls)
+    t = threading.Thread(target=second_request)
+    t.start()
+    deadline = time.monotonic() + 10
+    while ("save", 0) not in eng.layer_calls[first:] and time.monotonic() < deadline:
+        time.sleep(0.002)
+    time.sleep(0.05)  # give layer 1 every chance to (wrongly) run before its copy
+    # Layer 0 ran (its attention checked every loaded token's KV) while layers 1.. still copy.
+    recent = eng.layer_calls[first:]
+    assert recent == [("wait", 0), ("save", 0), ("wait", 1)], recent
+    assert eng.matched[2] == 12
+    LayerGatedEngine.gate.set()
+    t.join(10)
+    assert not t.is_alive() and not errors, errors
+    assert eng.layer_calls[first:][-1] == ("save", eng.layers - 1)
+
+
 def test_metadata_is_small_and_picklable(tmp_path, engines):
     eng = make(tmp_path)
     engines.append(eng)

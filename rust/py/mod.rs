@@ -35,6 +35,13 @@ mod core_module {
         env!("CARGO_PKG_VERSION")
     }
 
+    /// Check an admission rule ("always", "uses:K", "priority:T") with the core's own parser and
+    /// return it in canonical form; raises InvalidArgumentError otherwise.
+    #[pyfunction]
+    fn parse_admission(spec: &str) -> PyResult<String> {
+        Ok(crate::admission::AdmissionRule::parse(spec)?.describe())
+    }
+
     /// Names of the eviction policies the core implements.
     #[pyfunction]
     fn policy_names() -> Vec<&'static str> {

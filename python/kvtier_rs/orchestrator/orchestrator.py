@@ -83,20 +83,43 @@ class LoadResult:
 
 
 @dataclass
+class _Copies:
+    """The host -> device copies of one part of a load (the CPU hits, or the disk hits once
+    promoted): one engine job per region group, so a per-layer wait can return early."""
+
+    keys: list[Key] = field(default_factory=list)
+    jobs: dict[int, int] = field(default_factory=dict)  # engine job id -> group index
+    done_groups: set[int] = field(default_factory=set)
+    failed: bool = False
+
+
+@dataclass
 class _Load:
     result: LoadResult
     keys: list[Key]  # blocks after the GPU hits
     gpu_ids: list[int]
     started: float
-    cpu_job: int | None = None
-    cpu_keys: list[Key] = field(default_factory=list)
+    groups: list[list[int]] | None  # region groups, in the order they are needed
+    cpu: _Copies = field(default_factory=_Copies)
+    disk: _Copies = field(default_factory=_Copies)
     disk_read: int | None = None
-    disk_h2d: int | None = None
-    disk_keys: list[Key] = field(default_factory=list)
-    cpu_failed: bool = False
 
     def open_jobs(self) -> bool:
-        return any(j is not None for j in (self.cpu_job, self.disk_read, self.disk_h2d))
+        return bool(self.cpu.jobs or self.disk.jobs or self.disk_read is not None)
+
+    def groups_ready(self) -> int:
+        """Leading region groups in place on the device for every part of this load."""
+        n = len(self.groups) if self.groups else 1
+        ready = n
+        for part, pending in ((self.cpu, False), (self.disk, self.disk_read is not None)):
+            if pending:
+                return 0
+            if part.keys and (part.jobs or part.failed):
+                g = 0
+                while g < n and g in part.done_groups:
+                    g += 1
+                ready = min(ready, g)
+        return ready
 
 
 class TierOrchestrator:
@@ -220,8 +243,8 @@ class TierOrchestrator:
 
     def _promotions_in_flight(self, tier: str) -> int:
         if tier == "cpu":
-            return sum(1 for ld in self._loads.values() if ld.cpu_job is not None)
-        return sum(1 for ld in self._loads.values() if ld.disk_read is not None or ld.disk_h2d is not None)
+            return sum(1 for ld in self._loads.values() if ld.cpu.jobs)
+        return sum(1 for ld in self._loads.values() if ld.disk_read is not None or ld.disk.jobs)
 
     # ---- load ----------------------------------------------------------------------------
     def load(
@@ -232,10 +255,15 @@ class TierOrchestrator:
         request_id: Any = None,
         gpu_hit_blocks: int = 0,
         plan: LoadPlan | None = None,
+        region_groups: Sequence[Sequence[int]] | None = None,
     ) -> LoadResult:
         """Start loading the planned hits of `keys` after the first `gpu_hit_blocks` into
         `gpu_block_ids` (destinations for keys[gpu_hit_blocks:], in order). Returns the request's
-        accounting; its load counts are final once `poll` reports it."""
+        accounting; its load counts are final once `poll` reports it.
+
+        `region_groups` (e.g. one group of region indices per layer, in layer order) splits the
+        copies into one job per group, submitted in order, so `groups_ready(request_id)` can say
+        that the first layers are in place while later ones are still copying."""
         keys = list(keys)
         plan = plan or self.plan(keys, gpu_hit_blocks)
         rest = keys[plan.gpu_hits :]
@@ -246,30 +274,46 @@ class TierOrchestrator:
         request_id = next(self._ids) if request_id is None else request_id
         if request_id in self._loads:
             raise InvalidArgumentError(f"invalid argument `request_id`: {request_id!r} already has a load in flight")
+        groups = None
+        if region_groups is not None:
+            groups = [self.engine.layout.check_regions(g) for g in region_groups]
+            if not groups:
+                raise InvalidArgumentError("invalid argument `region_groups`: give at least one group, or None")
         self._count_plan(plan)
-        ld = _Load(LoadResult(request_id, plan), rest, [int(b) for b in gpu_block_ids], time.perf_counter())
+        ld = _Load(LoadResult(request_id, plan), rest, [int(b) for b in gpu_block_ids], time.perf_counter(), groups)
         self._loads[request_id] = ld
         if plan.load_cpu:
-            ld.cpu_keys = rest[: plan.load_cpu]
+            ld.cpu.keys = rest[: plan.load_cpu]
             try:
-                slots = self.host.index.pin_for_load(ld.cpu_keys)
+                slots = self.host.index.pin_for_load(ld.cpu.keys)
             except NotReadyError:
                 # Evicted between plan and load: everything is recomputed.
-                ld.cpu_failed = True
-                ld.cpu_keys = []
+                ld.cpu.failed = True
+                ld.cpu.keys = []
             else:
-                ld.cpu_job = self.engine.load(slots, ld.gpu_ids[: plan.load_cpu])
-                self._job_owner[ld.cpu_job] = request_id
-        if plan.load_disk and not ld.cpu_failed:
-            ld.disk_keys = rest[plan.load_cpu : plan.load_cpu + plan.load_disk]
-            job = self.stager.promote(ld.disk_keys)
+                self._submit_copies(ld, ld.cpu, slots, ld.gpu_ids[: plan.load_cpu])
+        if plan.load_disk and not ld.cpu.failed:
+            ld.disk.keys = rest[plan.load_cpu : plan.load_cpu + plan.load_disk]
+            job = self.stager.promote(ld.disk.keys)
             if job is None:
-                ld.disk_keys = []
+                ld.disk.keys = []
             else:
                 ld.disk_read = job
                 self._read_owner[job] = request_id
         self._maybe_finish(ld)
         return ld.result
+
+    def _submit_copies(self, ld: _Load, part: _Copies, slots: list[int], gpu_ids: list[int]) -> None:
+        for gi, group in enumerate(ld.groups or [None]):
+            job = self.engine.load(slots, gpu_ids, regions=group)
+            part.jobs[job] = gi
+            self._job_owner[job] = ld.result.request_id
+
+    def groups_ready(self, request_id: Any) -> int | None:
+        """How many leading region groups of a load in flight are on the device (all parts).
+        None when the request has no load in flight (finished, or never started)."""
+        ld = self._loads.get(request_id)
+        return None if ld is None else ld.groups_ready()
 
     def _count_plan(self, plan: LoadPlan) -> None:
         c = self.counts
@@ -321,32 +365,26 @@ class TierOrchestrator:
         if ld is None:
             return
         self.counts["h2d_bytes"] += r.bytes
-        if r.job_id == ld.cpu_job:
-            ld.cpu_job = None
-            self.host.index.unpin(ld.cpu_keys)
-            if r.success:
-                ld.result.loaded_cpu = len(ld.cpu_keys)
-                self.latency["cpu_load"].observe(r.seconds)
-                self._observe("cpu", r)
-            else:
-                ld.cpu_failed = True
-        elif r.job_id == ld.disk_h2d:
-            ld.disk_h2d = None
-            self.host.index.unpin(ld.disk_keys)
-            if r.success:
-                ld.result.loaded_disk = len(ld.disk_keys)
-                self.latency["disk_load"].observe(time.perf_counter() - ld.started)
-                if self.cost is not None:
-                    self.cost.observe("cpu", r.bytes, r.seconds)
-                if "disk" in self.guards:
-                    self.guards["disk"].record(time.perf_counter() - ld.started)
+        part, tier = (ld.cpu, "cpu") if r.job_id in ld.cpu.jobs else (ld.disk, "disk")
+        group = part.jobs.pop(r.job_id)
+        if r.success:
+            part.done_groups.add(group)
+            if self.cost is not None:
+                self.cost.observe("cpu", r.bytes, r.seconds)
+        else:
+            part.failed = True
+        if not part.jobs:  # every group of this part has landed (or failed)
+            self.host.index.unpin(part.keys)
+            if not part.failed:
+                elapsed = time.perf_counter() - ld.started
+                if tier == "cpu":
+                    ld.result.loaded_cpu = len(part.keys)
+                else:
+                    ld.result.loaded_disk = len(part.keys)
+                self.latency[f"{tier}_load"].observe(elapsed)
+                if tier in self.guards:
+                    self.guards[tier].record(elapsed)
         self._maybe_finish(ld)
-
-    def _observe(self, tier: str, r: TransferResult) -> None:
-        if self.cost is not None:
-            self.cost.observe("cpu", r.bytes, r.seconds)
-        if tier in self.guards:
-            self.guards[tier].record(r.seconds)
 
     def _on_promotion(self, p: Any) -> None:
         request_id = self._read_owner.pop(p.job_id, None)
@@ -356,26 +394,25 @@ class TierOrchestrator:
         ld.disk_read = None
         if self.cost is not None:
             self.cost.observe("disk", p.bytes, p.seconds)
-        ld.disk_keys = ld.disk_keys[: p.ok_prefix]
-        if not ld.disk_keys or ld.cpu_failed:
-            ld.disk_keys = []
+        ld.disk.keys = ld.disk.keys[: p.ok_prefix]
+        if not ld.disk.keys or ld.cpu.failed:
+            ld.disk.keys = []
             self._maybe_finish(ld)
             return
         try:
-            slots = self.host.index.pin_for_load(ld.disk_keys)
+            slots = self.host.index.pin_for_load(ld.disk.keys)
         except NotReadyError:
-            ld.disk_keys = []
+            ld.disk.keys = []
             self._maybe_finish(ld)
             return
         first = ld.result.plan.load_cpu
-        ld.disk_h2d = self.engine.load(slots, ld.gpu_ids[first : first + len(ld.disk_keys)])
-        self._job_owner[ld.disk_h2d] = request_id
+        self._submit_copies(ld, ld.disk, slots, ld.gpu_ids[first : first + len(ld.disk.keys)])
 
     def _maybe_finish(self, ld: _Load) -> None:
         if ld.open_jobs():
             return
         res = ld.result
-        if ld.cpu_failed:
+        if ld.cpu.failed:
             # The chain broke at its first CPU block: nothing after it is usable either.
             res.loaded_cpu = res.loaded_disk = 0
         res.failed = res.plan.loaded - res.loaded
@@ -386,8 +423,8 @@ class TierOrchestrator:
         c["disk_promoted_blocks"] += res.loaded_disk
         c["load_failed_blocks"] += res.failed
         if self.events is not None:
-            self.events.publish("promoted", "cpu", ld.cpu_keys[: res.loaded_cpu])
-            self.events.publish("promoted", "disk", ld.disk_keys[: res.loaded_disk])
+            self.events.publish("promoted", "cpu", ld.cpu.keys[: res.loaded_cpu])
+            self.events.publish("promoted", "disk", ld.disk.keys[: res.loaded_disk])
         del self._loads[res.request_id]
         self._done.append(res)
 

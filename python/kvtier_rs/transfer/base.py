@@ -33,6 +33,8 @@ class _Job:
     #: Per block, which sub-block of its host slot it uses (layouts with blocks_per_slot > 1);
     #: None means sub-block 0 for every block.
     sub_blocks: list[int] | None = None
+    #: Indices of the layout's regions to copy (e.g. one layer, for per-layer waits); None = all.
+    regions: list[int] | None = None
 
 
 class TransferEngine(ABC):
@@ -78,9 +80,11 @@ class TransferEngine(ABC):
         *,
         after_stream: object = None,
         sub_blocks: Sequence[int] | None = None,
+        regions: Sequence[int] | None = None,
     ) -> int:
-        """Device -> host. `after_stream` (CUDA) orders the copy after work queued on that stream."""
-        return self._start("d2h", block_ids, slots, after_stream, sub_blocks)
+        """Device -> host. `after_stream` (CUDA) orders the copy after work queued on that stream;
+        `regions` copies only those regions of the layout (by index)."""
+        return self._start("d2h", block_ids, slots, after_stream, sub_blocks, regions)
 
     def load(
         self,
@@ -89,9 +93,12 @@ class TransferEngine(ABC):
         *,
         after_stream: object = None,
         sub_blocks: Sequence[int] | None = None,
+        regions: Sequence[int] | None = None,
     ) -> int:
-        """Host -> device. `after_stream` (CUDA) orders the copy after work queued on that stream."""
-        return self._start("h2d", block_ids, slots, after_stream, sub_blocks)
+        """Host -> device. `after_stream` (CUDA) orders the copy after work queued on that stream;
+        `regions` copies only those regions of the layout (e.g. one layer, so that a per-layer
+        wait can return before the other layers have landed)."""
+        return self._start("h2d", block_ids, slots, after_stream, sub_blocks, regions)
 
     def _start(
         self,
@@ -100,6 +107,7 @@ class TransferEngine(ABC):
         slots: Sequence[int],
         after_stream: object,
         sub_blocks: Sequence[int] | None = None,
+        regions: Sequence[int] | None = None,
     ) -> int:
         ids, sl = self._validate(block_ids, slots)
         if direction == "h2d" and len(set(ids)) != len(ids):
@@ -114,7 +122,8 @@ class TransferEngine(ABC):
             self.layout.check_sub_blocks(subs)
             if not any(subs):
                 subs = None  # all sub-block 0: the plain path
-        job = _Job(next(self._ids), direction, len(ids), sub_blocks=subs)
+        picked = None if regions is None else self.layout.check_regions(regions)
+        job = _Job(next(self._ids), direction, len(ids), sub_blocks=subs, regions=picked)
         with self._lock:
             self._in_flight[job.job_id] = job
         try:
@@ -129,7 +138,7 @@ class TransferEngine(ABC):
             direction=job.direction,
             success=error is None,
             num_blocks=job.num_blocks,
-            bytes=job.num_blocks * self.layout.bytes_per_block if error is None else 0,
+            bytes=job.num_blocks * self.layout.region_bytes(job.regions) if error is None else 0,
             seconds=time.perf_counter() - job.submitted,
             error=error,
         )

@@ -55,13 +55,20 @@ class CpuTransferEngine(TransferEngine):
             self._queue.put((job, block_ids, slots))
 
     def copy_now(
-        self, direction: str, block_ids: list[int], slots: list[int], sub_blocks: list[int] | None = None
+        self,
+        direction: str,
+        block_ids: list[int],
+        slots: list[int],
+        sub_blocks: list[int] | None = None,
+        regions: list[int] | None = None,
     ) -> None:
         """The copy itself, synchronously on the caller's thread."""
         ids = torch.tensor(block_ids, dtype=torch.long)
         sl = torch.tensor(slots, dtype=torch.long)
         sub = torch.zeros_like(sl) if sub_blocks is None else torch.tensor(sub_blocks, dtype=torch.long)
-        for rows, host in zip(self._rows, self._sub_views, strict=True):
+        picked = range(len(self._rows)) if regions is None else regions
+        for r in picked:
+            rows, host = self._rows[r], self._sub_views[r]
             if direction == "d2h":
                 host[sl, sub] = rows.index_select(0, ids)
             else:
@@ -76,12 +83,12 @@ class CpuTransferEngine(TransferEngine):
 
     def _copy_job(self, job: _Job, block_ids: list[int], slots: list[int]) -> None:
         try:
-            if job.sub_blocks is None:
-                # The pre-sub-block call shape, so subclasses that override copy_now with
-                # the original signature keep working.
+            if job.sub_blocks is None and job.regions is None:
+                # The original call shape, so subclasses that override copy_now with the
+                # original signature keep working.
                 self.copy_now(job.direction, block_ids, slots)
             else:
-                self.copy_now(job.direction, block_ids, slots, job.sub_blocks)
+                self.copy_now(job.direction, block_ids, slots, job.sub_blocks, job.regions)
         except Exception as e:  # noqa: BLE001 - reported through poll()
             self._finish(job, f"{type(e).__name__}: {e}")
         else:

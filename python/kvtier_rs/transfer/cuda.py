@@ -75,15 +75,18 @@ def copy_plan(
     block_ids: list[int],
     slots: list[int],
     sub_blocks: list[int] | None = None,
+    regions: list[int] | None = None,
 ) -> list[Piece]:
     """The 2-D copies that move `block_ids` <-> `slots`: one per region per run of adjacent
     blocks and slots (rows of the region's chunk, device row stride vs host slot stride).
     With `sub_blocks` (layouts of several blocks per slot), a run is adjacent sub-blocks of one
     slot and its host pitch is the region's sub-block stride.
+    `regions` restricts the copies to those regions of the layout.
     Pure address arithmetic, so it is tested on CPU memory (tests/test_transfer_plan.py)."""
     out = []
     for b0, s0, j0, n in host_runs(layout, block_ids, slots, sub_blocks):
-        for r, region in enumerate(layout.regions):
+        for r in range(len(layout.regions)) if regions is None else regions:
+            region = layout.regions[r]
             dev = region.data_ptr() + b0 * region.block_stride_bytes
             hst = layout.host_address(r, host_ptr + s0 * slot_stride, j0)
             hpitch = slot_stride if sub_blocks is None else layout.sub_block_strides[r]
@@ -175,7 +178,14 @@ class CudaTransferEngine(TransferEngine):
             else rt.cudaMemcpyKind.cudaMemcpyHostToDevice
         )
         pieces = copy_plan(
-            self.layout, self.pool.ptr, self.pool.slot_bytes, job.direction, block_ids, slots, job.sub_blocks
+            self.layout,
+            self.pool.ptr,
+            self.pool.slot_bytes,
+            job.direction,
+            block_ids,
+            slots,
+            job.sub_blocks,
+            job.regions,
         )
         if not (self._use_batch and self._issue_batch(pieces, stream)):
             self._issue_2d(pieces, kind, stream)

@@ -187,6 +187,21 @@ class BlockLayout:
             regions += [Region.rows_of(t[0]), Region.rows_of(t[1])]
         return cls(regions)
 
+    def check_regions(self, regions) -> list[int]:
+        """Validate a subset of region indices (sorted, unique, in range); returns it as a list."""
+        picked = [int(r) for r in regions]
+        if not picked or picked != sorted(set(picked)) or not 0 <= picked[0] <= picked[-1] < len(self.regions):
+            raise InvalidArgumentError(
+                f"invalid argument `regions`: {picked[:8]} must be sorted, unique indices in 0..{len(self.regions) - 1}"
+            )
+        return picked
+
+    def region_bytes(self, regions=None) -> int:
+        """Bytes per block of the given regions (all when None)."""
+        if regions is None:
+            return self.bytes_per_block
+        return sum(self.regions[r].bytes_per_block for r in regions)
+
     def check_block_ids(self, block_ids: Sequence[int], arg: str = "block_ids") -> None:
         bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
         if bad:

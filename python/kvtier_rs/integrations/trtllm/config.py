@@ -8,7 +8,7 @@ dict, so kvtier's options reach the connector one of two ways (first found wins)
 2. the environment variable ``KVTIER_TRTLLM_CONFIG``: a JSON object, or the path of a JSON file.
 
 Pure Python (no TensorRT-LLM import), so a bad value is reported with its key before the engine
-allocates anything. Every error is an ``InvalidArgumentError`` (a ``ValueError``) whose message
+allocates anything. Every error is an ``InvalidArgumentError`` (a ``KvTierError``) whose message
 starts with ``kvtier trtllm config[<key>]``.
 """
 
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtier_rs._core import InvalidArgumentError, policy_names
-from kvtier_rs.config import parse_bytes
+from kvtier_rs._core import InvalidArgumentError
+from kvtier_rs.options import OptionReader
 
 ENV_VAR = "KVTIER_TRTLLM_CONFIG"
 
@@ -51,27 +51,13 @@ _IO_ENGINES = ("auto", "cpu", "cuda")
 _DISK_ENGINES = ("auto", "io_uring", "pool")
 
 
-def _err(key: str, msg: str) -> InvalidArgumentError:
-    return InvalidArgumentError(f"kvtier trtllm config[{key!r}]: {msg}")
-
-
-def _policy(key: str, value: Any) -> str:
-    names = policy_names()
-    if not isinstance(value, str) or value.lower() not in names:
-        raise _err(key, f"unknown eviction policy {value!r}; kvtier has " + ", ".join(names))
-    return value.lower()
+_opts = OptionReader("kvtier trtllm config")
+_err = _opts.error
 
 
 def _admission(key: str, value: Any, *, allow_priority: bool) -> str:
-    if not isinstance(value, str):
-        raise _err(key, f'expected a string such as "always" or "uses:2", got {value!r}')
-    v = value.strip().lower()
-    name, _, arg = v.partition(":")
-    if v == "always" or (name in ("uses", "after_uses") and arg.isdigit() and int(arg) >= 1):
-        return v
-    if name in ("priority", "min_priority") and arg.isdigit() and int(arg) <= 100:
-        if allow_priority:
-            return v
+    rule = _opts.admission(key, value)
+    if rule.startswith("priority:") and not allow_priority:
         # Disk promotions enter the CPU tier at the default priority, so a CPU-side priority
         # rule above 35 would refuse every promotion; the connector filters instead.
         raise _err(
@@ -79,24 +65,7 @@ def _admission(key: str, value: Any, *, allow_priority: bool) -> str:
             "use min_offload_priority for the CPU tier (a priority admission rule there "
             "would also refuse blocks promoted back from disk)",
         )
-    raise _err(
-        key,
-        f'{value!r} is not an admission rule; expected "always", "uses:K" (K >= 1)'
-        + (' or "priority:T" (0..100)' if allow_priority else ""),
-    )
-
-
-def _int(key: str, value: Any, lo: int, hi: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise _err(key, f"expected an int in {lo}..{hi}, got {value!r}")
-    return value
-
-
-def _size(key: str, value: Any) -> int:
-    try:
-        return parse_bytes(value, name=key)
-    except InvalidArgumentError as e:
-        raise _err(key, str(e).split(": ", 1)[-1]) from None
+    return rule
 
 
 @dataclass(frozen=True)
@@ -126,10 +95,10 @@ def parse_options(raw: Mapping[str, Any]) -> ConnectorOptions:
         raise _err(unknown[0], "unknown key; known keys: " + ", ".join(sorted(KEYS)))
     if raw.get("cpu_bytes") in (None, "", 0):
         raise _err("cpu_bytes", "required: capacity of the CPU tier, e.g. 8589934592 or '8GiB'")
-    kw: dict[str, Any] = {"cpu_bytes": _size("cpu_bytes", raw["cpu_bytes"])}
-    kw["cpu_policy"] = _policy("cpu_policy", raw.get("cpu_policy", "priority"))
+    kw: dict[str, Any] = {"cpu_bytes": _opts.size("cpu_bytes", raw["cpu_bytes"])}
+    kw["cpu_policy"] = _opts.policy("cpu_policy", raw.get("cpu_policy", "priority"))
     kw["cpu_admission"] = _admission("cpu_admission", raw.get("cpu_admission", "always"), allow_priority=False)
-    kw["min_offload_priority"] = _int("min_offload_priority", raw.get("min_offload_priority", 30), 0, 100)
+    kw["min_offload_priority"] = _opts.int_in("min_offload_priority", raw.get("min_offload_priority", 30), 0, 100)
     disk_keys = [k for k in KEYS if k.startswith("disk_") and k != "disk_root" and k in raw]
     root = raw.get("disk_root")
     if root is None:
@@ -141,14 +110,14 @@ def parse_options(raw: Mapping[str, Any]) -> ConnectorOptions:
         if "disk_bytes" not in raw:
             raise _err("disk_bytes", "required with disk_root: capacity of the disk tier")
         kw["disk_root"] = str(root)
-        kw["disk_bytes"] = _size("disk_bytes", raw["disk_bytes"])
-        kw["disk_policy"] = _policy("disk_policy", raw.get("disk_policy", "priority"))
+        kw["disk_bytes"] = _opts.size("disk_bytes", raw["disk_bytes"])
+        kw["disk_policy"] = _opts.policy("disk_policy", raw.get("disk_policy", "priority"))
         kw["disk_admission"] = _admission("disk_admission", raw.get("disk_admission", "always"), allow_priority=True)
         eng = raw.get("disk_io_engine", "auto")
         if eng not in _DISK_ENGINES:
             raise _err("disk_io_engine", f"{eng!r} is not one of " + ", ".join(_DISK_ENGINES))
         kw["disk_io_engine"] = eng
-        kw["disk_queue_depth"] = _int("disk_queue_depth", raw.get("disk_queue_depth", 16), 1, 1024)
+        kw["disk_queue_depth"] = _opts.int_in("disk_queue_depth", raw.get("disk_queue_depth", 16), 1, 1024)
     io = raw.get("io_engine", "auto")
     if io not in _IO_ENGINES:
         raise _err("io_engine", f"{io!r} is not one of " + ", ".join(_IO_ENGINES))

@@ -8,11 +8,10 @@ CUDA) -> ``get_finished`` (requests whose offloads are done).
 
 Loads: TensorRT-LLM's pool row holds every layer of a block (``[blocks, layers, kv, ...]``), and
 kvtier's layout has one region per layer in that order, so a host slot is byte for byte the
-device row. Each request's load is one transfer job over all layers; ``wait_for_layer_load(i)``
-returns once layer i is in place, which for whole-block jobs means once the step's loads are
-done (the first layer waits, later layers return at once). The copies overlap everything the
-engine does between ``start_load_kv`` and the first layer; finer, per-layer overlap needs
-region-subset jobs in the transfer engine (not built yet).
+device row. Each request's load is split into one transfer job per layer (region groups of the
+orchestrator), submitted in layer order, so ``wait_for_layer_load(i)`` returns as soon as layer i
+of every load of the step is in place, while later layers are still copying: layer i's attention
+overlaps the copies of layers i+1.. (on CUDA the copy streams run beside the forward stream).
 """
 
 from __future__ import annotations
@@ -178,7 +177,13 @@ class WorkerCore:
                     "can still be loaded; the engine would read KV that is not there"
                 )
             rid = ("load", meta.step, spec.request_id)
-            orch.load(list(spec.keys), list(spec.block_ids), request_id=rid, plan=plan)
+            orch.load(
+                list(spec.keys),
+                list(spec.block_ids),
+                request_id=rid,
+                plan=plan,
+                region_groups=[[layer] for layer in range(self.tiers.num_layers)],
+            )
             self._pending_loads[rid] = spec
             self._loads_done = False
 
@@ -198,16 +203,31 @@ class WorkerCore:
             return
         orch = self.tiers.orchestrator
         deadline = time.monotonic() + self.options.load_timeout_s
-        while self._pending_loads:
+
+        def layer_missing() -> bool:
+            # A load still in flight whose layer `layer_idx` has not landed yet.
+            return any((orch.groups_ready(rid) or 0) <= layer_idx for rid in self._pending_loads)
+
+        while True:
             self._collect(orch.poll())
-            if self._pending_loads:
-                if time.monotonic() > deadline:
-                    raise KvTierError(
-                        f"kvtier: loads for requests {sorted(s.request_id for s in self._pending_loads.values())} "
-                        f"not done after {self.options.load_timeout_s} s"
-                    )
+            if not layer_missing():
+                break
+            if time.monotonic() > deadline:
+                raise KvTierError(
+                    f"kvtier: layer {layer_idx} of the loads for requests "
+                    f"{sorted(s.request_id for s in self._pending_loads.values())} "
+                    f"not in place after {self.options.load_timeout_s} s"
+                )
+            time.sleep(0.0002)
+        if not self._pending_loads:
+            self._loads_done = True
+        elif layer_idx == self.tiers.num_layers - 1:
+            # Every layer has landed; the last completions are collected here so that failures
+            # surface in this step, not the next.
+            while self._pending_loads:
+                self._collect(orch.poll())
                 time.sleep(0.0002)
-        self._loads_done = True
+            self._loads_done = True
 
     def _collect(self, results: list[Any]) -> None:
         for res in results:

@@ -2,7 +2,7 @@
 
 Pure Python (no vLLM import), so that a bad value is reported with its key name before vLLM
 allocates anything, and so that it is testable without vLLM. Every error is an
-``InvalidArgumentError`` (a ``ValueError``) whose message starts with
+``InvalidArgumentError`` (a ``KvTierError``) whose message starts with
 ``kv_connector_extra_config[<key>]``.
 """
 
@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier_rs._core import InvalidArgumentError, policy_names
-from kvtier_rs.config import parse_bytes
+from kvtier_rs._core import policy_names
+from kvtier_rs.options import OptionReader
 
 # Keys that vLLM itself reads from the same dict (0.32; 0.33 adds the last two). They are
 # accepted and left to vLLM, which validates them.
@@ -57,40 +57,8 @@ _IO_ENGINES = ("auto", "io_uring", "pool")
 _GUARDS = ("checksum",)
 
 
-def _err(key: str, msg: str) -> InvalidArgumentError:
-    return InvalidArgumentError(f"kv_connector_extra_config[{key!r}]: {msg}")
-
-
-def _admission(key: str, value: Any) -> str:
-    if not isinstance(value, str):
-        raise _err(key, f'expected a string such as "always", "uses:2" or "priority:50", got {value!r}')
-    v = value.strip().lower()
-    if v == "always":
-        return v
-    name, _, arg = v.partition(":")
-    ok = (name in ("uses", "after_uses") and arg.isdigit() and int(arg) >= 1) or (
-        name in ("priority", "min_priority") and arg.isdigit() and int(arg) <= 100
-    )
-    if not ok:
-        raise _err(
-            key,
-            f'{value!r} is not an admission rule; expected "always", "uses:K" (K >= 1) or "priority:T" (0..100)',
-        )
-    return v
-
-
-def _policy(key: str, value: Any) -> str:
-    names = policy_names()
-    if not isinstance(value, str) or value.lower() not in names:
-        raise _err(key, f"unknown eviction policy {value!r}; kvtier has " + ", ".join(names))
-    return value.lower()
-
-
-def _size(key: str, value: Any) -> int:
-    try:
-        return parse_bytes(value, name=key)
-    except InvalidArgumentError as e:
-        raise _err(key, str(e).split(": ", 1)[-1]) from None
+_opts = OptionReader("kv_connector_extra_config")
+_err = _opts.error
 
 
 @dataclass(frozen=True)
@@ -191,11 +159,11 @@ def parse_options(extra: Mapping[str, Any]) -> KvtierOptions:
         )
     if "cpu_bytes_to_use" not in extra or not extra["cpu_bytes_to_use"]:
         raise _err("cpu_bytes_to_use", "required: total bytes of the CPU tier, e.g. 4294967296 or '4GiB'")
-    cpu_bytes = _size("cpu_bytes_to_use", extra["cpu_bytes_to_use"])
-    policy = _policy("eviction_policy", extra.get("eviction_policy", "lru"))
+    cpu_bytes = _opts.size("cpu_bytes_to_use", extra["cpu_bytes_to_use"])
+    policy = _opts.policy("eviction_policy", extra.get("eviction_policy", "lru"))
     if "cpu_admission" in extra and int(extra.get("store_threshold", 0) or 0) >= 2:
         raise _err("cpu_admission", "set either cpu_admission or store_threshold, not both")
-    admission = _admission("cpu_admission", extra.get("cpu_admission", "always"))
+    admission = _opts.admission("cpu_admission", extra.get("cpu_admission", "always"))
     st = extra.get("store_threshold", 0)
     if isinstance(st, bool) or not isinstance(st, int) or st < 0:
         raise _err("store_threshold", f"expected a non-negative int, got {st!r}")
@@ -225,7 +193,7 @@ def parse_options(extra: Mapping[str, Any]) -> KvtierOptions:
             raise _err("disk_root", f"expected a directory path, got {disk_root!r}")
         if "disk_bytes_to_use" not in extra:
             raise _err("disk_bytes_to_use", "required with disk_root: capacity of the disk tier")
-        disk_bytes = _size("disk_bytes_to_use", extra["disk_bytes_to_use"])
+        disk_bytes = _opts.size("disk_bytes_to_use", extra["disk_bytes_to_use"])
     engine = extra.get("disk_io_engine", "auto")
     if engine not in _IO_ENGINES:
         raise _err("disk_io_engine", f"{engine!r} is not one of " + ", ".join(_IO_ENGINES))
@@ -245,8 +213,8 @@ def parse_options(extra: Mapping[str, Any]) -> KvtierOptions:
         cpu_admission=admission,
         disk_root=disk_root,
         disk_bytes=disk_bytes,
-        disk_policy=_policy("disk_policy", extra.get("disk_policy", "lru")),
-        disk_admission=_admission("disk_admission", extra.get("disk_admission", "always")),
+        disk_policy=_opts.policy("disk_policy", extra.get("disk_policy", "lru")),
+        disk_admission=_opts.admission("disk_admission", extra.get("disk_admission", "always")),
         disk_io_engine=engine,
         disk_queue_depth=qd,
         cost_model=_cost_model(extra.get("cost_model", "always_load")),
