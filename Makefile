@@ -41,9 +41,11 @@ loom:
 py-test: build
 	$(VPY) -m pytest -q tests
 
-test: build vllm-env rust-test loom py-test
+test: build vllm-env lint rust-test loom py-test
 
+# Static checks, part of `make test` so CI keeps the tree clean.
 lint: venv
+	cargo fmt --check
 	cargo clippy --all-targets -- -D warnings
 	PYO3_PYTHON=$(PYO3_PYTHON) cargo clippy --features python --lib -- -D warnings
 	$(VENV)/bin/ruff check python tests benches examples

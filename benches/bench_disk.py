@@ -28,7 +28,8 @@ import time
 
 import numpy as np
 
-from kvtier_rs._core import DiskTier, HostPool, io_uring_probe
+from kvtier_rs._core import DiskTier, HostPool, InvalidArgumentError, io_uring_probe
+from kvtier_rs.config import parse_bytes
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -212,14 +213,6 @@ def bench_file_per_block(directory: str, bs: int, total: int) -> dict[str, float
 # ---- driver -------------------------------------------------------------------------------
 
 
-def parse_size(s: str) -> int:
-    s = s.strip().upper()
-    for suffix, mult in (("K", KiB), ("M", MiB), ("G", 1 << 30)):
-        if s.endswith(suffix):
-            return int(float(s[:-1]) * mult)
-    return int(s)
-
-
 def mean(*xs: float) -> float:
     return sum(xs) / len(xs)
 
@@ -230,13 +223,16 @@ def main() -> int:
     ap.add_argument(
         "--dir", default=None, help="directory on the filesystem to test (default: a temp dir under /var/tmp)"
     )
-    ap.add_argument("--sizes", default="256K,1M,2M,8M", help="block sizes, comma separated")
+    ap.add_argument("--sizes", default="256KiB,1MiB,2MiB,4MiB,8MiB", help="block sizes, comma separated")
     ap.add_argument("--total-mib", type=int, default=1024, help="MiB moved per pattern and block size")
     ap.add_argument("--queue-depth", type=int, default=16)
     ap.add_argument("--engines", default="auto", help="'auto' (every engine that works here) or a comma list")
     args = ap.parse_args()
 
-    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    try:
+        sizes = [parse_bytes(s, name="--sizes") for s in args.sizes.split(",")]
+    except InvalidArgumentError as e:
+        ap.error(str(e))
     uring_why = io_uring_probe()
     if args.engines == "auto":
         engines = ["io_uring", "pool"] if uring_why is None else ["pool"]

@@ -151,9 +151,7 @@ impl Admission {
         match self.rule {
             AdmissionRule::Always => true,
             AdmissionRule::MinPriority(t) => priority >= t,
-            AdmissionRule::AfterUses(k) => {
-                self.sketch.as_mut().expect("sketch exists for AfterUses").record(key) >= k
-            }
+            AdmissionRule::AfterUses(k) => self.sketch.as_mut().expect("sketch exists for AfterUses").record(key) >= k,
         }
     }
 

@@ -54,9 +54,8 @@ impl HostRegion {
             .map_err(|e| KvError::invalid("total_bytes", e.to_string()))?;
         // SAFETY: layout has non-zero size.
         let raw = unsafe { alloc_zeroed(layout) };
-        let ptr = NonNull::new(raw).ok_or_else(|| {
-            KvError::invalid("total_bytes", format!("could not allocate {} bytes", layout.size()))
-        })?;
+        let ptr = NonNull::new(raw)
+            .ok_or_else(|| KvError::invalid("total_bytes", format!("could not allocate {} bytes", layout.size())))?;
         Ok(HostRegion { ptr, layout, slot_bytes: stride, num_slots, owned: true })
     }
 
@@ -71,7 +70,9 @@ impl HostRegion {
         if slot_bytes == 0 || slot_bytes % PAGE != 0 {
             return Err(KvError::invalid(
                 "slot_bytes",
-                format!("{slot_bytes} is not a positive multiple of {PAGE}: slots of wrapped memory must stay page-aligned"),
+                format!(
+                    "{slot_bytes} is not a positive multiple of {PAGE}: slots of wrapped memory must stay page-aligned"
+                ),
             ));
         }
         let ptr = NonNull::new(ptr).ok_or_else(|| KvError::invalid("buffer", "null pointer"))?;

@@ -125,14 +125,7 @@ impl SlotHeader {
             return Err(HeaderError::BadKey);
         }
         let key = BlockKey::decode(&page[KEY_OFF..KEY_OFF + key_len]).ok_or(HeaderError::BadKey)?;
-        Ok(SlotHeader {
-            key,
-            generation: u64_at(16),
-            payload_len: u64_at(24),
-            payload_crc: u32_at(32),
-            slot,
-            dir_id,
-        })
+        Ok(SlotHeader { key, generation: u64_at(16), payload_len: u64_at(24), payload_crc: u32_at(32), slot, dir_id })
     }
 
     /// Whether `payload` (exactly the payload bytes) matches the header's checksum and length.

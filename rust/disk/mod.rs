@@ -247,7 +247,12 @@ impl DiskTier {
                 if m.block_bytes != geo.block_bytes {
                     return Err(KvError::invalid(
                         "block_bytes",
-                        format!("{} was created with block_bytes={}, not {}", cfg.dir.display(), m.block_bytes, geo.block_bytes),
+                        format!(
+                            "{} was created with block_bytes={}, not {}",
+                            cfg.dir.display(),
+                            m.block_bytes,
+                            geo.block_bytes
+                        ),
                     ));
                 }
                 if m.num_files != geo.num_files || m.slots_per_file != geo.slots_per_file {
@@ -765,8 +770,13 @@ impl Shared {
             self.counters.slabs_lost.fetch_add(1, Ordering::Relaxed);
             let lo = (i * self.geo.slots_per_file) as u32;
             let hi = lo + self.geo.slots_per_file as u32;
-            let keys: Vec<BlockKey> =
-                self.index.snapshot().into_iter().filter(|(_, _, _, s)| (lo..hi).contains(s)).map(|(k, ..)| k).collect();
+            let keys: Vec<BlockKey> = self
+                .index
+                .snapshot()
+                .into_iter()
+                .filter(|(_, _, _, s)| (lo..hi).contains(s))
+                .map(|(k, ..)| k)
+                .collect();
             let n = self.index.remove(&keys).len();
             self.counters.blocks_lost.fetch_add(n as u64, Ordering::Relaxed);
         }
@@ -909,7 +919,8 @@ impl Shared {
         let (file_i, payload_off) = geo.locate(disk_slot);
         let file = self.slab(file_i);
         // SAFETY: host_slot was range-checked; the slot is data_bytes or larger.
-        let dst = IoBuf { ptr: unsafe { host.base_ptr().add(host_slot as usize * host.slot_bytes()) }, len: geo.data_bytes };
+        let dst =
+            IoBuf { ptr: unsafe { host.base_ptr().add(host_slot as usize * host.slot_bytes()) }, len: geo.data_bytes };
         let header = Arc::new(AlignedBuf::new(HEADER_BYTES));
         let prep = {
             let me = self.clone();
@@ -932,10 +943,11 @@ impl Shared {
                     Err(IoFailure::Short { .. }) => Err(&c.short_reads),
                     Err(_) => Err(&c.read_errors),
                     Ok(()) => match SlotHeader::decode(header.as_slice(), disk_slot, me.dir_id) {
-                        Ok(h) if h.key == key
-                            && h.payload_len == geo.block_bytes as u64
-                            && h.payload_crc == expected_crc
-                            && h.payload_matches(payload) =>
+                        Ok(h)
+                            if h.key == key
+                                && h.payload_len == geo.block_bytes as u64
+                                && h.payload_crc == expected_crc
+                                && h.payload_matches(payload) =>
                         {
                             Ok(())
                         }

@@ -52,7 +52,14 @@ enum SlotScan {
     Valid(SlotHeader),
 }
 
-fn scan_slot(geo: &Geometry, slabs: &[Arc<SlabFile>], dir_id: u64, slot: u32, verify: bool, buf: &mut AlignedBuf) -> SlotScan {
+fn scan_slot(
+    geo: &Geometry,
+    slabs: &[Arc<SlabFile>],
+    dir_id: u64,
+    slot: u32,
+    verify: bool,
+    buf: &mut AlignedBuf,
+) -> SlotScan {
     let (file, payload_off) = geo.locate(slot);
     let fd = slabs[file].file.as_raw_fd();
     let header = if verify {

@@ -89,7 +89,11 @@ pub fn prepare_dir(dir: &Path) -> KvResult<()> {
         }
         Ok(_) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).map_err(|e| KvError::io("create directory", dir, &e))?;
+            fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)
+                .map_err(|e| KvError::io("create directory", dir, &e))?;
         }
         Err(e) => return Err(KvError::io("open", dir, &e)),
     }
@@ -179,7 +183,8 @@ impl Meta {
             Ok(t) => Meta::parse(&t).map(Some).ok_or_else(|| KvError::Io {
                 op: "read",
                 path: path.display().to_string(),
-                detail: "not a kvtier disk-tier metadata file (unknown format); refusing to touch this directory".into(),
+                detail: "not a kvtier disk-tier metadata file (unknown format); refusing to touch this directory"
+                    .into(),
             }),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(KvError::io("read", &path, &e)),
@@ -264,7 +269,8 @@ impl SlabFile {
             Some(format!("fallocate: {err}"))
         };
         let mut direct_refusal = None;
-        let mut slab = SlabFile { file, path: path.to_path_buf(), direct: false, preallocated: prealloc_refusal.is_none() };
+        let mut slab =
+            SlabFile { file, path: path.to_path_buf(), direct: false, preallocated: prealloc_refusal.is_none() };
         if mode != DirectMode::Off {
             match Self::reopen_direct(path) {
                 Ok(f) => {

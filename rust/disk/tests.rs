@@ -202,7 +202,9 @@ fn files_are_private_and_named_without_keys() {
     let dir = TempDir::new();
     let h = host(2);
     let t = DiskTier::open(config(&dir, 4, EngineChoice::Pool)).unwrap();
-    let ticket = t.submit_write(&[BlockKey::from_bytes(b"../../etc/passwd").unwrap()], &[0], h.clone(), InsertHint::default()).unwrap();
+    let ticket = t
+        .submit_write(&[BlockKey::from_bytes(b"../../etc/passwd").unwrap()], &[0], h.clone(), InsertHint::default())
+        .unwrap();
     t.wait(ticket.job_id, None).unwrap();
     let mode = std::fs::metadata(&dir.0).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode, 0o700);
@@ -249,10 +251,15 @@ fn eviction_keeps_capacity_and_newest_copy_wins_after_restart() {
     let t = DiskTier::open(config(&dir, 4, EngineChoice::Pool)).unwrap();
     assert_eq!(t.len(), 4);
     assert_eq!(t.contains(&[k(0)]).unwrap(), vec![true]);
-    let ids: Vec<i128> = t.index().snapshot().into_iter().map(|(k, ..)| match *k.value() {
-        KeyValue::Int(i) => i,
-        _ => unreachable!(),
-    }).collect();
+    let ids: Vec<i128> = t
+        .index()
+        .snapshot()
+        .into_iter()
+        .map(|(k, ..)| match *k.value() {
+            KeyValue::Int(i) => i,
+            _ => unreachable!(),
+        })
+        .collect();
     let r = read_all(&t, &h, &ids);
     assert!(r.success());
     for (s, id) in ids.iter().enumerate() {

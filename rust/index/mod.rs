@@ -251,10 +251,8 @@ impl TierIndex {
         let guard = Guard::new();
         let mut out = StoreOutcome::default();
         let mut new_keys: Vec<BlockKey> = Vec::with_capacity(keys.len());
-        let mut seen = std::collections::HashSet::with_capacity_and_hasher(
-            keys.len(),
-            foldhash::fast::RandomState::default(),
-        );
+        let mut seen =
+            std::collections::HashSet::with_capacity_and_hasher(keys.len(), foldhash::fast::RandomState::default());
         for (pos, k) in keys.iter().enumerate() {
             if !seen.insert(*k) || self.map.peek(k, &guard).is_some() {
                 out.already_present.push(*k);

@@ -181,7 +181,7 @@ fn stress_concurrent_readers_and_writers_keep_invariants() {
 fn a_batch_never_evicts_its_own_keys() {
     let ix = index(3, PolicyKind::Lru);
     store(&ix, &keys(0..3)); // LRU order: 2, 1, 0 (tail first)
-    // 2 is the least recent, but it is part of this batch: the victim must be 1.
+                             // 2 is the least recent, but it is part of this batch: the victim must be 1.
     let out = ix.prepare_store(&[k(2), k(7)], InsertHint::default()).unwrap();
     assert_eq!(out.already_present, vec![k(2)]);
     assert_eq!(out.evicted.iter().map(|(k, _)| *k).collect::<Vec<_>>(), vec![k(1)]);

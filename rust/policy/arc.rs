@@ -53,9 +53,7 @@ impl<K: PolicyKey> Arc<K> {
     fn trim_ghosts(&mut self) {
         let c = self.capacity;
         while self.t1.len() + self.b1.len() > c && self.b1.pop_front().is_some() {}
-        while self.t1.len() + self.t2.len() + self.b1.len() + self.b2.len() > 2 * c
-            && self.b2.pop_front().is_some()
-        {}
+        while self.t1.len() + self.t2.len() + self.b1.len() + self.b2.len() > 2 * c && self.b2.pop_front().is_some() {}
     }
 
     fn first_evictable(list: &Map<K>, evictable: &mut dyn FnMut(&K) -> bool) -> Option<K> {
@@ -101,12 +99,7 @@ impl<K: PolicyKey> EvictionPolicy<K> for Arc<K> {
         self.t2.remove(key);
     }
 
-    fn select_victims(
-        &mut self,
-        n: usize,
-        _now_ns: u64,
-        evictable: &mut dyn FnMut(&K) -> bool,
-    ) -> Option<Vec<K>> {
+    fn select_victims(&mut self, n: usize, _now_ns: u64, evictable: &mut dyn FnMut(&K) -> bool) -> Option<Vec<K>> {
         // Feasibility first, so that a failed call changes nothing.
         let available = self.t1.keys().chain(self.t2.keys()).filter(|k| evictable(k)).take(n).count();
         if available < n {

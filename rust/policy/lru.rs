@@ -45,12 +45,7 @@ impl<K: PolicyKey> EvictionPolicy<K> for Lru<K> {
         self.order.remove(key);
     }
 
-    fn select_victims(
-        &mut self,
-        n: usize,
-        _now_ns: u64,
-        evictable: &mut dyn FnMut(&K) -> bool,
-    ) -> Option<Vec<K>> {
+    fn select_victims(&mut self, n: usize, _now_ns: u64, evictable: &mut dyn FnMut(&K) -> bool) -> Option<Vec<K>> {
         let victims = first_n_evictable(self.order.keys(), n, evictable)?;
         for v in &victims {
             self.order.remove(v);

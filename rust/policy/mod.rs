@@ -54,12 +54,7 @@ pub trait EvictionPolicy<K: PolicyKey>: Send {
     /// `key` left the tier without being evicted (removed, or its store failed). No ghost entry.
     fn remove(&mut self, key: &K);
     /// Choose and detach exactly `n` victims, or change nothing and return None.
-    fn select_victims(
-        &mut self,
-        n: usize,
-        now_ns: u64,
-        evictable: &mut dyn FnMut(&K) -> bool,
-    ) -> Option<Vec<K>>;
+    fn select_victims(&mut self, n: usize, now_ns: u64, evictable: &mut dyn FnMut(&K) -> bool) -> Option<Vec<K>>;
     fn len(&self) -> usize;
     fn is_empty(&self) -> bool {
         self.len() == 0

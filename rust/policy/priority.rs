@@ -104,12 +104,7 @@ impl<K: PolicyKey> EvictionPolicy<K> for Priority<K> {
         self.detach(key);
     }
 
-    fn select_victims(
-        &mut self,
-        n: usize,
-        now_ns: u64,
-        evictable: &mut dyn FnMut(&K) -> bool,
-    ) -> Option<Vec<K>> {
+    fn select_victims(&mut self, n: usize, now_ns: u64, evictable: &mut dyn FnMut(&K) -> bool) -> Option<Vec<K>> {
         self.expire(now_ns);
         let victims = first_n_evictable(self.order.values(), n, evictable)?;
         for v in &victims {

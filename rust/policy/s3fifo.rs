@@ -110,24 +110,15 @@ impl<K: PolicyKey> EvictionPolicy<K> for S3Fifo<K> {
         }
     }
 
-    fn select_victims(
-        &mut self,
-        n: usize,
-        _now_ns: u64,
-        evictable: &mut dyn FnMut(&K) -> bool,
-    ) -> Option<Vec<K>> {
-        let available =
-            self.small.keys().chain(self.main.keys()).filter(|k| evictable(k)).take(n).count();
+    fn select_victims(&mut self, n: usize, _now_ns: u64, evictable: &mut dyn FnMut(&K) -> bool) -> Option<Vec<K>> {
+        let available = self.small.keys().chain(self.main.keys()).filter(|k| evictable(k)).take(n).count();
         if available < n {
             return None;
         }
         let mut victims = Vec::with_capacity(n);
         while victims.len() < n {
-            let small_candidate = if self.small.len() >= self.small_target() {
-                self.first_actionable_small(evictable)
-            } else {
-                None
-            };
+            let small_candidate =
+                if self.small.len() >= self.small_target() { self.first_actionable_small(evictable) } else { None };
             let victim = if let Some((k, f)) = small_candidate {
                 self.step_small(k, f)
             } else if let Some((k, f)) = Self::first_evictable(&self.main, evictable) {

@@ -12,9 +12,10 @@ pub fn key_from_py(obj: &Bound<'_, PyAny>) -> PyResult<BlockKey> {
         return Ok(BlockKey::from_bytes(b.as_bytes())?);
     }
     if obj.is_instance_of::<PyInt>() {
-        return obj.extract::<i128>().map(BlockKey::from_int).map_err(|_| {
-            invalid("key", "integer key does not fit in 128 bits")
-        });
+        return obj
+            .extract::<i128>()
+            .map(BlockKey::from_int)
+            .map_err(|_| invalid("key", "integer key does not fit in 128 bits"));
     }
     Err(invalid(
         "key",

@@ -159,7 +159,11 @@ impl PyDiskTier {
         verify_on_open: bool,
         full_retry_s: f64,
     ) -> PyResult<Self> {
-        let mut cfg = DiskConfig::new(path, positive("capacity_bytes", capacity_bytes)? as u64, positive("block_bytes", block_bytes)?);
+        let mut cfg = DiskConfig::new(
+            path,
+            positive("capacity_bytes", capacity_bytes)? as u64,
+            positive("block_bytes", block_bytes)?,
+        );
         if num_files < 0 {
             return Err(invalid("num_files", format!("must be 0 (automatic) or positive, got {num_files}")));
         }
@@ -255,7 +259,13 @@ impl PyDiskTier {
     fn __enter__(slf: Bound<'_, Self>) -> Bound<'_, Self> {
         slf
     }
-    fn __exit__(&self, py: Python<'_>, _t: &Bound<'_, PyAny>, _v: &Bound<'_, PyAny>, _tb: &Bound<'_, PyAny>) -> PyResult<bool> {
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        _t: &Bound<'_, PyAny>,
+        _v: &Bound<'_, PyAny>,
+        _tb: &Bound<'_, PyAny>,
+    ) -> PyResult<bool> {
         self.close(py)?;
         Ok(false)
     }
@@ -296,7 +306,13 @@ impl PyDiskTier {
     /// Queue reads of `keys` into `pool` slots `slots` (same order). Missing keys fail at
     /// once; the rest are verified before they are reported ok. Returns the job id; the host
     /// slots must not be used until the job is done.
-    fn submit_read(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, pool: &Bound<'_, HostPool>, slots: &Bound<'_, PyAny>) -> PyResult<u64> {
+    fn submit_read(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        pool: &Bound<'_, HostPool>,
+        slots: &Bound<'_, PyAny>,
+    ) -> PyResult<u64> {
         let keys = keys_from_py(keys)?;
         let slots = slots_from_py(slots)?;
         let host: Arc<dyn HostMemory> = Arc::new(PoolRef(pool.clone().unbind()));

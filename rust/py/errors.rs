@@ -7,12 +7,32 @@ use pyo3::PyErr;
 use crate::error::KvError;
 
 create_exception!(kvtier_rs._core, KvTierError, PyException, "Base class of every kvtier error.");
-create_exception!(kvtier_rs._core, InvalidArgumentError, KvTierError, "An argument can never work; the message names it.");
+create_exception!(
+    kvtier_rs._core,
+    InvalidArgumentError,
+    KvTierError,
+    "An argument can never work; the message names it."
+);
 create_exception!(kvtier_rs._core, NoSpaceError, KvTierError, "A store could not be placed; nothing was changed.");
-create_exception!(kvtier_rs._core, NotReadyError, KvTierError, "A load asked for a block that is not ready; nothing was pinned.");
+create_exception!(
+    kvtier_rs._core,
+    NotReadyError,
+    KvTierError,
+    "A load asked for a block that is not ready; nothing was pinned."
+);
 create_exception!(kvtier_rs._core, NotPinnedError, KvTierError, "unpin() on a block without a pin.");
-create_exception!(kvtier_rs._core, DiskIoError, KvTierError, "A filesystem operation failed; the message names the path and the OS reason.");
-create_exception!(kvtier_rs._core, DirectoryLockedError, KvTierError, "The disk tier's directory is already open in this or another process.");
+create_exception!(
+    kvtier_rs._core,
+    DiskIoError,
+    KvTierError,
+    "A filesystem operation failed; the message names the path and the OS reason."
+);
+create_exception!(
+    kvtier_rs._core,
+    DirectoryLockedError,
+    KvTierError,
+    "The disk tier's directory is already open in this or another process."
+);
 create_exception!(kvtier_rs._core, ClosedError, KvTierError, "The tier was used after close().");
 
 impl From<KvError> for PyErr {

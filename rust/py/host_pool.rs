@@ -62,8 +62,8 @@ impl HostPool {
     #[staticmethod]
     fn wrap(buffer: &Bound<'_, PyAny>, slot_bytes: i64) -> PyResult<Self> {
         let slot = positive("slot_bytes", slot_bytes)?;
-        let buf = PyUntypedBuffer::get(buffer)
-            .map_err(|e| invalid("buffer", format!("does not export a buffer: {e}")))?;
+        let buf =
+            PyUntypedBuffer::get(buffer).map_err(|e| invalid("buffer", format!("does not export a buffer: {e}")))?;
         if buf.readonly() {
             return Err(invalid("buffer", "is read-only; the pool's slots must be writable"));
         }

@@ -87,7 +87,6 @@ pub struct BlockIndex {
     lookup_results: std::sync::OnceLock<[Py<PyAny>; 3]>,
 }
 
-
 #[pymethods]
 impl BlockIndex {
     /// A tier index of `capacity` blocks, or over the slots of `pool` (capacity = its slots).
@@ -122,7 +121,10 @@ impl BlockIndex {
                 let slots = pool.claim_slots()?;
                 if let Some(c) = capacity {
                     if c as usize != slots.capacity() {
-                        return Err(invalid("capacity", format!("{c} does not match the pool's {} slots", slots.capacity())));
+                        return Err(invalid(
+                            "capacity",
+                            format!("{c} does not match the pool's {} slots", slots.capacity()),
+                        ));
                     }
                 }
                 let bytes = if block_bytes == 0 { pool.region().slot_bytes() as u64 } else { block_bytes as u64 };
@@ -271,12 +273,15 @@ impl BlockIndex {
     /// One key's state as the object chosen with `set_lookup_results`. `context` is accepted and
     /// ignored so the method can stand in for an engine's `lookup(key, context)` directly.
     #[pyo3(signature = (key, context=None))]
-    fn lookup_result(&self, py: Python<'_>, key: &Bound<'_, PyAny>, context: Option<&Bound<'_, PyAny>>) -> PyResult<Py<PyAny>> {
+    fn lookup_result(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        context: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Py<PyAny>> {
         let _ = context;
-        let results = self
-            .lookup_results
-            .get()
-            .ok_or_else(|| invalid("lookup_results", "call set_lookup_results() first"))?;
+        let results =
+            self.lookup_results.get().ok_or_else(|| invalid("lookup_results", "call set_lookup_results() first"))?;
         let k = key_from_py(key)?;
         let i = match self.inner.lookup_state(&k) {
             Some(crate::index::BlockState::Ready) => 0,
@@ -293,7 +298,12 @@ impl BlockIndex {
 
     /// Reserve a slot for one key: the slot, or None if it was present or refused.
     #[pyo3(signature = (key, *, priority=DEFAULT_PRIORITY as i64, duration_s=None))]
-    fn prepare_store_one(&self, key: &Bound<'_, PyAny>, priority: i64, duration_s: Option<f64>) -> PyResult<Option<u32>> {
+    fn prepare_store_one(
+        &self,
+        key: &Bound<'_, PyAny>,
+        priority: i64,
+        duration_s: Option<f64>,
+    ) -> PyResult<Option<u32>> {
         let k = key_from_py(key)?;
         let out = self.inner.prepare_store(std::slice::from_ref(&k), hint(priority, duration_s)?)?;
         Ok(out.to_write.first().map(|(_, s)| *s))
@@ -334,11 +344,7 @@ impl BlockIndex {
 
     /// All resident keys as (key, state, pins, slot) tuples.
     fn entries<'py>(&self, py: Python<'py>) -> PyResult<Vec<EntryRow<'py>>> {
-        self.inner
-            .snapshot()
-            .into_iter()
-            .map(|(k, s, p, slot)| Ok((key_to_py(py, &k)?, s.name(), p, slot)))
-            .collect()
+        self.inner.snapshot().into_iter().map(|(k, s, p, slot)| Ok((key_to_py(py, &k)?, s.name(), p, slot))).collect()
     }
 
     /// Counters and gauges as a dict of ints (one consistent call for metrics scrapes).

@@ -13,15 +13,15 @@ use pyo3::prelude::*;
 #[pymodule(name = "_core")]
 mod core_module {
     #[pymodule_export]
-    use super::errors::{InvalidArgumentError, KvTierError, NoSpaceError, NotPinnedError, NotReadyError};
-    #[pymodule_export]
-    use super::host_pool::HostPool;
+    use super::disk::disk_status;
     #[pymodule_export]
     use super::disk::{io_uring_probe, DiskJobResult, DiskWriteTicket, PyDiskTier};
     #[pymodule_export]
-    use super::disk::disk_status;
-    #[pymodule_export]
     use super::errors::{ClosedError, DirectoryLockedError, DiskIoError};
+    #[pymodule_export]
+    use super::errors::{InvalidArgumentError, KvTierError, NoSpaceError, NotPinnedError, NotReadyError};
+    #[pymodule_export]
+    use super::host_pool::HostPool;
     #[pymodule_export]
     use super::index::{BlockIndex, StoreOutcome};
     #[pymodule_export]

@@ -17,7 +17,10 @@ fn replayer(name: &str) -> PyResult<Replayer> {
         "opt" | "belady" => Replayer::Opt,
         "ceiling" | "inf" => Replayer::Ceiling,
         other => Replayer::Policy(PolicyKind::parse(other).map_err(|_| {
-            invalid("policy", format!("unknown policy {name:?}; expected fifo, lru, arc, priority, s3fifo, opt or ceiling"))
+            invalid(
+                "policy",
+                format!("unknown policy {name:?}; expected fifo, lru, arc, priority, s3fifo, opt or ceiling"),
+            )
         })?),
     })
 }

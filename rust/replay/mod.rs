@@ -112,7 +112,8 @@ impl Trace {
                 })
             })
             .collect();
-        let timestamps_ns = timestamps_s.iter().map(|&t| if t.is_finite() && t > 0.0 { (t * 1e9) as u64 } else { 0 }).collect();
+        let timestamps_ns =
+            timestamps_s.iter().map(|&t| if t.is_finite() && t > 0.0 { (t * 1e9) as u64 } else { 0 }).collect();
         Ok(Trace {
             block_size,
             offsets: offsets.into_iter().map(|o| o as u32).collect(),

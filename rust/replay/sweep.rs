@@ -37,13 +37,10 @@ pub fn run_sweep(
         // Built once here rather than by whichever opt job comes first.
         trace.next_use();
     }
-    let threads = if threads == 0 {
-        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
-    } else {
-        threads
-    }
-    .min(jobs.len())
-    .max(1);
+    let threads =
+        if threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { threads }
+            .min(jobs.len())
+            .max(1);
     let next = AtomicUsize::new(0);
     let results: Mutex<Vec<Option<KvResult<ReplayStats>>>> = Mutex::new(vec![None; jobs.len()]);
     std::thread::scope(|s| {

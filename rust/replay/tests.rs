@@ -117,12 +117,11 @@ fn trace_validation_names_the_field() {
 #[test]
 fn warmup_excludes_early_requests_and_flags_underfilled() {
     let t = trace_of(&[vec![1], vec![1], vec![2], vec![1]]);
-    let s = replay_one(&t, Replayer::Policy(PolicyKind::Lru), 10, AdmissionRule::Always, Mode::Tree, 0.5, None)
-        .unwrap();
+    let s =
+        replay_one(&t, Replayer::Policy(PolicyKind::Lru), 10, AdmissionRule::Always, Mode::Tree, 0.5, None).unwrap();
     assert_eq!((s.measured_requests, s.hit_blocks, s.total_blocks), (2, 1, 2));
     assert!(s.underfilled);
-    let s = replay_one(&t, Replayer::Policy(PolicyKind::Lru), 1, AdmissionRule::Always, Mode::Tree, 0.5, None)
-        .unwrap();
+    let s = replay_one(&t, Replayer::Policy(PolicyKind::Lru), 1, AdmissionRule::Always, Mode::Tree, 0.5, None).unwrap();
     assert!(!s.underfilled);
     assert!(replay_one(&t, Replayer::Opt, 1, AdmissionRule::Always, Mode::Tree, 1.0, None).is_err());
 }
@@ -175,7 +174,8 @@ fn multitier_serves_each_block_from_the_fastest_holder() {
 fn sweep_matches_individual_replays() {
     let t = chained(&(0..200u32).map(|i| ((i * 7 % 13) as u8, (i * 5 % 11) as u8, (i % 6) as u8)).collect::<Vec<_>>());
     let mut jobs = Vec::new();
-    for kind in [Replayer::Policy(PolicyKind::Lru), Replayer::Policy(PolicyKind::Arc), Replayer::Opt, Replayer::Ceiling] {
+    for kind in [Replayer::Policy(PolicyKind::Lru), Replayer::Policy(PolicyKind::Arc), Replayer::Opt, Replayer::Ceiling]
+    {
         for cap in [3, 10, 40] {
             jobs.push(Job { kind, capacity: cap, admission: AdmissionRule::Always });
         }

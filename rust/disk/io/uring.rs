@@ -30,11 +30,8 @@ const MAX_OPS_PER_CHAIN: usize = 4;
 pub fn probe() -> Result<(), String> {
     let mut ring = IoUring::new(4).map_err(|e| format!("io_uring_setup failed: {e}"))?;
     let mut p = Probe::new();
-    ring.submitter()
-        .register_probe(&mut p)
-        .map_err(|e| format!("io_uring_register(PROBE) failed: {e}"))?;
-    for (name, code) in
-        [("READV", opcode::Readv::CODE), ("WRITEV", opcode::Writev::CODE), ("READ", opcode::Read::CODE)]
+    ring.submitter().register_probe(&mut p).map_err(|e| format!("io_uring_register(PROBE) failed: {e}"))?;
+    for (name, code) in [("READV", opcode::Readv::CODE), ("WRITEV", opcode::Writev::CODE), ("READ", opcode::Read::CODE)]
     {
         if !p.is_supported(code) {
             return Err(format!("the kernel's io_uring lacks the {name} opcode"));
@@ -200,9 +197,7 @@ impl RingThread {
     }
 
     fn arm_wake(&mut self, efd: RawFd) {
-        let e = opcode::Read::new(types::Fd(efd), (&mut *self.wake_buf as *mut u64).cast(), 8)
-            .build()
-            .user_data(WAKE);
+        let e = opcode::Read::new(types::Fd(efd), (&mut *self.wake_buf as *mut u64).cast(), 8).build().user_data(WAKE);
         // SAFETY: wake_buf lives as long as the ring thread, which waits for this read to
         // complete before it returns.
         unsafe { self.ring.submission().push(&e) }.expect("ring sized for the wake read");
@@ -236,14 +231,8 @@ impl RingThread {
             unsafe { self.ring.submission().push(&entry) }.expect("ring sized for queue_depth chains");
         }
         let wanted = ops.iter().map(IoOp::len).collect();
-        self.slots[id] = Some(InFlight {
-            _ops: ops,
-            _iovs: iovs,
-            wanted,
-            remaining: n,
-            failure: None,
-            done: Some(done),
-        });
+        self.slots[id] =
+            Some(InFlight { _ops: ops, _iovs: iovs, wanted, remaining: n, failure: None, done: Some(done) });
         self.in_flight += 1;
     }
 
