@@ -43,18 +43,17 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from kvtier_rs._core import DiskTier, HostPool, InvalidArgumentError
-from kvtier_rs.config import parse_bytes
 from kvtier_rs.integrations.vllm import metrics as m
 from kvtier_rs.integrations.vllm.disk_layer import tier_dir
-from kvtier_rs.integrations.vllm.options import _admission, _policy
 from kvtier_rs.integrations.vllm.worker import KvtierWorker
+from kvtier_rs.options import OptionReader
 
 _HIT = LookupResult.HIT
 _MISS = LookupResult.MISS
 
 
-def _tier_err(key: str, msg: str) -> InvalidArgumentError:
-    return InvalidArgumentError(f"secondary_tiers[type=KvtierDiskTier][{key!r}]: {msg}")
+_opts = OptionReader("secondary_tiers[type=KvtierDiskTier]")
+_tier_err = _opts.error
 
 
 class KvtierDiskTier(SecondaryTierManager):
@@ -88,10 +87,7 @@ class KvtierDiskTier(SecondaryTierManager):
             raise _tier_err("root_dir", f"required: the disk tier's directory, got {root_dir!r}")
         if capacity_bytes is None:
             raise _tier_err("capacity_bytes", "required: the disk tier's size, e.g. '64GiB'")
-        try:
-            cap = parse_bytes(capacity_bytes, name="capacity_bytes")
-        except InvalidArgumentError as e:
-            raise _tier_err("capacity_bytes", str(e).split(": ", 1)[-1]) from None
+        cap = _opts.size("capacity_bytes", capacity_bytes)
         if io_engine not in ("auto", "io_uring", "pool"):
             raise _tier_err("io_engine", f"{io_engine!r} is not one of auto, io_uring, pool")
         self.locality = Locality(locality) if locality else Locality.LOCAL
@@ -111,8 +107,8 @@ class KvtierDiskTier(SecondaryTierManager):
             str(path),
             cap,
             row,
-            policy=_policy("policy", policy),
-            admission=_admission("admission", admission),
+            policy=_opts.policy("policy", policy),
+            admission=_opts.admission("admission", admission),
             engine=io_engine,
             queue_depth=queue_depth,
         )
