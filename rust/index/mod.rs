@@ -200,7 +200,7 @@ impl TierIndex {
     pub fn lookup_state(&self, key: &BlockKey) -> Option<BlockState> {
         let guard = Guard::new();
         let state = self.map.peek(key, &guard).map(|e| e.state.load().0);
-        self.stats.record_lookup(1, usize::from(state == Some(BlockState::Ready)));
+        self.stats.record_single_lookup(state == Some(BlockState::Ready));
         state
     }
 

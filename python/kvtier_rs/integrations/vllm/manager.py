@@ -9,8 +9,8 @@ translates vLLM's contract onto it:
   (a GPU->CPU store, or a disk->CPU promotion started by a disk hit), MISS otherwise.
 * ``prepare_load`` pins; ``complete_load`` unpins. Pinned chunks are never evicted.
 * ``prepare_store`` is all-or-nothing: ``None`` when the new chunks cannot all get a slot, and then
-  nothing was evicted. It never evicts one of its own input keys (the index never evicts pinned or
-  writing chunks; input keys that are already resident are pinned around the call).
+  nothing was evicted. It never evicts one of its own input keys (the index never evicts a key of
+  the batch it is placing, nor pinned or writing chunks).
 * Events for stores and evictions, when the engine has KV events on.
 * ``get_stats`` reports kvtier's per-tier counters through vLLM's offloading metrics.
 """
@@ -172,24 +172,13 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         keys = list(keys)
-        cpu = self._cpu
-        # Input keys already resident must survive this call. The index only evicts ready,
-        # unpinned chunks, so pin the ready inputs for the duration of the call -- but only when
-        # an eviction can happen at all (fewer free slots than keys), to keep the common path to
-        # a single call into the core.
-        protect: list[OffloadKey] = []
-        if cpu.capacity - len(cpu) < len(keys):
-            protect = [k for k, ready in zip(keys, cpu.contains(keys), strict=True) if ready]
-            if protect:
-                cpu.pin_for_load(protect)
+        # One call into the core, which never evicts a key of its own batch (vLLM's "never
+        # evict an input key") and is all-or-nothing.
         try:
-            out = cpu.prepare_store(keys)
+            out = self._cpu.prepare_store(keys)
         except NoSpaceError:
             self.counters.store_no_space += 1
             return None
-        finally:
-            if protect:
-                cpu.unpin(protect)
         to_store = out.keys
         evicted = out.evicted
         if evicted:
