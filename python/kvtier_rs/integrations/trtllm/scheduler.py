@@ -181,7 +181,7 @@ class SchedulerCore:
 
     def update_state_after_alloc_by_layer_group(self, request: Any, block_ids_by_layer_group: list[list[int]]) -> None:
         if len(block_ids_by_layer_group) != 1:
-            raise NotImplementedError(
+            raise KvTierError(
                 f"kvtier's TensorRT-LLM connector supports one layer group, got {len(block_ids_by_layer_group)} "
                 "(variable sliding-window attention is not supported)"
             )
@@ -270,7 +270,7 @@ class SchedulerCore:
 
     def request_finished_by_layer_group(self, request: Any, cache_block_ids_by_layer_group: list[list[int]]) -> bool:
         if len(cache_block_ids_by_layer_group) != 1:
-            raise NotImplementedError(
+            raise KvTierError(
                 f"kvtier's TensorRT-LLM connector supports one layer group, got {len(cache_block_ids_by_layer_group)}"
             )
         return self.request_finished(request, cache_block_ids_by_layer_group[0])

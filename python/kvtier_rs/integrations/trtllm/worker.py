@@ -137,7 +137,7 @@ class WorkerCore:
     def register_kv_cache_layout(self, layout: Any) -> None:
         tensor = layout.as_single_pool_tensor() if hasattr(layout, "as_single_pool_tensor") else None
         if tensor is None:
-            raise NotImplementedError(
+            raise KvTierError(
                 "kvtier's TensorRT-LLM connector needs a KV cache that one pool tensor describes "
                 "(one layer group, one region)"
             )
