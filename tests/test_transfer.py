@@ -194,3 +194,27 @@ def test_inline_cpu_engine_finishes_before_returning():
     (res,) = eng.poll()
     assert (res.job_id, res.success, res.bytes) == (job, True, 2 * layout.bytes_per_block)
     eng.close()
+
+
+@pytest.mark.parametrize("scattered", [False, True])
+def test_cpu_engine_run_copies_and_gathers_move_the_same_bytes(scattered):
+    # Adjacent blocks take the run-by-run path, scattered ones (more than MAX_RUN_COPIES runs)
+    # the gather/scatter path; both must move exactly the blocks named, nothing else.
+    from kvtier_rs.transfer.cpu import MAX_RUN_COPIES
+
+    ts = [torch.randn(64, 2, 8, 6) for _ in range(2)]
+    layout = BlockLayout.per_layer(ts)
+    pool = kv.HostPool(64 * 4096, layout.bytes_per_block)
+    n = 2 * MAX_RUN_COPIES + 2
+    blocks = list(range(0, 2 * n, 2)) if scattered else list(range(10, 10 + n))
+    slots = list(range(n)) if not scattered else list(range(n - 1, -1, -1))
+    eng = CpuTransferEngine(layout, pool, inline=True)
+    want = [[t[b].clone() for b in blocks] for t in ts]
+    eng.wait([eng.store(blocks, slots)])
+    before = [t.clone() for t in ts]
+    dst = list(range(40, 40 + n))
+    eng.wait([eng.load(slots, dst)])
+    for li, t in enumerate(ts):
+        assert all(torch.equal(t[d], w) for d, w in zip(dst, want[li], strict=True))
+        untouched = [b for b in range(64) if b not in dst]
+        assert torch.equal(t[untouched], before[li][untouched])

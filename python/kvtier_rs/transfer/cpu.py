@@ -20,8 +20,11 @@ import threading
 import torch
 
 from kvtier_rs._core import HostPool, InvalidArgumentError
-from kvtier_rs.transfer.base import TransferEngine, _Job
+from kvtier_rs.transfer.base import TransferEngine, _Job, host_runs
 from kvtier_rs.transfer.layout import BlockLayout
+
+# Up to this many runs of adjacent blocks, copy run by run; beyond, one gather/scatter per region.
+MAX_RUN_COPIES = 8
 
 
 class CpuTransferEngine(TransferEngine):
@@ -63,10 +66,24 @@ class CpuTransferEngine(TransferEngine):
         regions: list[int] | None = None,
     ) -> None:
         """The copy itself, synchronously on the caller's thread."""
+        picked = range(len(self._rows)) if regions is None else regions
+        runs = host_runs(self.layout, block_ids, slots, sub_blocks)
+        if len(runs) <= MAX_RUN_COPIES:
+            # Few runs of adjacent blocks and slots (the common case: new blocks get adjacent
+            # slots): one strided copy per run and region touches each byte once, where the
+            # gather below reads it, writes a temporary, and copies that again.
+            for r in picked:
+                rows, host = self._rows[r], self._sub_views[r]
+                for b0, s0, j0, n in runs:
+                    h = host[s0 : s0 + n, 0] if sub_blocks is None else host[s0, j0 : j0 + n]
+                    if direction == "d2h":
+                        h.copy_(rows[b0 : b0 + n])
+                    else:
+                        rows[b0 : b0 + n].copy_(h)
+            return
         ids = torch.tensor(block_ids, dtype=torch.long)
         sl = torch.tensor(slots, dtype=torch.long)
         sub = torch.zeros_like(sl) if sub_blocks is None else torch.tensor(sub_blocks, dtype=torch.long)
-        picked = range(len(self._rows)) if regions is None else regions
         for r in picked:
             rows, host = self._rows[r], self._sub_views[r]
             if direction == "d2h":

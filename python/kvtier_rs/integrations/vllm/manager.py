@@ -46,6 +46,8 @@ _RETRY = LookupResult.RETRY
 # A key no index holds (keys are 32-byte hashes + 4-byte group): checks that the index's lookup
 # results are vLLM's members before binding the fast path.
 _PROBE_KEY = b"kvtier-lookup-probe"
+# Longest a quiet engine goes without a metrics report (see KvtierOffloadingManager.get_stats).
+STATS_INTERVAL_S = 1.0
 
 
 class _RequestKeys:
@@ -109,6 +111,12 @@ class KvtierOffloadingManager(OffloadingManager):
             lower.events_enabled = enable_events
         self._last_index_stats: dict[str, int] = dict(cpu_index.stats())
         self._alloc_sizes: list[int] = []
+        # get_stats runs every engine step. Reading both tiers' stats and emitting them costs
+        # ~150 us, a few percent of a small model's step, so it is skipped while nothing moved
+        # (no load or store since the last report), at most STATS_INTERVAL_S at a time: lookup
+        # counters, which move on the Rust fast path, reach the metrics that late at most.
+        self._dirty = True
+        self._last_report = 0.0
         #: Called once by ``shutdown`` (the spec uses it to release the engine's host memory).
         self.on_shutdown: Callable[[], None] | None = None
 
@@ -146,6 +154,7 @@ class KvtierOffloadingManager(OffloadingManager):
         return CacheHitSource.DISK if key in self._from_lower else CacheHitSource.HOST
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        self._dirty = True
         keys = list(keys)
         # All-or-nothing; vLLM passes only keys that just answered HIT, so a failure here is a
         # broken contract and is raised (NotReadyError), like the in-tree manager's assert.
@@ -165,13 +174,16 @@ class KvtierOffloadingManager(OffloadingManager):
         return CPULoadStoreSpec(slots)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self._dirty = True
         self._cpu.touch(list(keys))
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self._dirty = True
         self._cpu.unpin(list(keys))
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         keys = list(keys)
+        self._dirty |= bool(keys)
         # One call into the core, which never evicts a key of its own batch (vLLM's "never
         # evict an input key") and is all-or-nothing.
         try:
@@ -195,6 +207,7 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         keys = list(keys)
+        self._dirty |= bool(keys)
         lower = self._lower
         if self._events is None and lower is None:
             self._cpu.complete_store(keys, success)
@@ -210,6 +223,7 @@ class KvtierOffloadingManager(OffloadingManager):
             lower.write_through(writing)
 
     def on_request_finished(self, req_context: ReqContext) -> None:
+        self._dirty = True
         if self._lower is not None:
             self._lower.release(None, req_context)
         st = req_context.get_state(_RequestKeys)
@@ -238,6 +252,7 @@ class KvtierOffloadingManager(OffloadingManager):
         return self._lower is not None and self._lower.has_pending_work()
 
     def reset_cache(self) -> None:
+        self._dirty = True
         # vLLM has flushed in-flight GPU jobs and drops their completions, so chunks still
         # pinned or being written will never be completed: release them, then clear all.
         if self._lower is not None:
@@ -253,6 +268,12 @@ class KvtierOffloadingManager(OffloadingManager):
         self._generation += 1
 
     def get_stats(self) -> OffloadingConnectorStats | None:
+        now_t = time.monotonic()
+        pending = self._lower is not None and self._lower.has_pending_work()
+        if not (self._dirty or pending) and now_t - self._last_report < STATS_INTERVAL_S:
+            return None
+        self._dirty = False
+        self._last_report = now_t
         stats = OffloadingConnectorStats()
         now = dict(self._cpu.stats())
         m.emit_index_stats(stats, "cpu", now, self._last_index_stats)
