@@ -226,7 +226,7 @@ def test_tmpfs_runs_in_whatever_mode_it_accepts(engine):
     """/dev/shm is tmpfs: O_DIRECT only on recent kernels; either way the tier works and says
     which mode it is in."""
     if not os.path.isdir("/dev/shm"):
-        pytest.skip("no /dev/shm here")
+        pytest.skip("SKIPPED LOUDLY: no /dev/shm on this machine, the tmpfs case cannot run")
     path = f"/dev/shm/kvtier-test-{uuid.uuid4().hex}"
     host = Host(4)
     try:
