@@ -138,7 +138,7 @@ def test_token_trace_is_chain_hashed(tmp_path):
     assert chain_hash([1] * 16 + [2] * 16, 16)[1] != chain_hash([3] * 16 + [2] * 16, 16)[1]
 
 
-@pytest.mark.skipif(not TRACES.is_dir(), reason="SKIPPED LOUDLY: ../shared/traces is not beside the project (CI has it)")
+@pytest.mark.skipif(not TRACES.is_dir(), reason="SKIPPED LOUDLY: ../shared/traces is missing (CI has it)")
 def test_shared_trace_facts():
     d = read_trace(TRACES / "weka_kvcachetester_trace_0001.json")
     assert (d.format, d.block_size, d.n_requests) == ("kvcache-tester", 64, 41)

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import planner_reference as ref  # noqa: E402
 
 TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
-needs_traces = pytest.mark.skipif(not TRACES.is_dir(), reason="SKIPPED LOUDLY: ../shared/traces is not beside the project (CI has it)")
+needs_traces = pytest.mark.skipif(not TRACES.is_dir(), reason="SKIPPED LOUDLY: ../shared/traces is missing (CI has it)")
 
 
 def requests_of(data):
