@@ -25,7 +25,7 @@ def require_engine(engine: str) -> None:
     if engine == "io_uring":
         why = io_uring_probe()
         if why is not None:
-            pytest.skip(f"io_uring unavailable on this machine: {why}")
+            pytest.skip(f"SKIPPED LOUDLY: io_uring unavailable on this machine: {why}")
 
 
 def make_tier(path, engine: str, blocks: int = 16, block: int = BLOCK, **kw) -> DiskTier:

@@ -19,9 +19,7 @@ CHUNK = E.BLOCK_BYTES  # one chunk = one engine block of the 2-layer model
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("vllm-e2e")
-    E.prepare_env(tmp)
-    return {"tmp": tmp, "model": E.tiny_model(tmp_path_factory.getbasetemp()), "disk": tmp / "disk"}
+    return E.module_env(tmp_path_factory, "vllm-e2e")
 
 
 @pytest.fixture(scope="module")

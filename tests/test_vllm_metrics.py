@@ -17,9 +17,7 @@ PREFIX = "vllm:kv_offload_kvtier_"
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("vllm-metrics")
-    E.prepare_env(tmp)
-    return {"model": E.tiny_model(tmp_path_factory.getbasetemp())}
+    return E.module_env(tmp_path_factory, "vllm-metrics")
 
 
 def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -16,9 +16,7 @@ E.require_vllm()
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("vllm-tiering")
-    E.prepare_env(tmp)
-    return {"tmp": tmp, "model": E.tiny_model(tmp_path_factory.getbasetemp()), "disk": tmp / "disk"}
+    return E.module_env(tmp_path_factory, "vllm-tiering")
 
 
 @pytest.fixture(scope="module")

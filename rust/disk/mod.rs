@@ -745,6 +745,15 @@ impl Shared {
         self.slabs[i].read().clone()
     }
 
+    /// Where one block moves between: its slab file, the payload offset of `disk_slot` in it,
+    /// and the address of `host_slot` in the host memory.
+    fn endpoints(&self, disk_slot: u32, host_slot: u32, host: &Arc<dyn HostMemory>) -> (Arc<SlabFile>, u64, *mut u8) {
+        let (file_i, payload_off) = self.geo.locate(disk_slot);
+        // SAFETY: host_slot was range-checked by the caller; the slot is data_bytes or larger.
+        let ptr = unsafe { host.base_ptr().add(host_slot as usize * host.slot_bytes()) };
+        (self.slab(file_i), payload_off, ptr)
+    }
+
     /// A slab deleted behind our back: its blocks become misses, and a fresh file takes its
     /// place for new writes. In-flight I/O keeps the old file open through its `Arc`, so no fd
     /// number is ever reused under the kernel's feet.
@@ -824,10 +833,7 @@ impl Shared {
         host: &Arc<dyn HostMemory>,
     ) -> Chain {
         let geo = self.geo;
-        let (file_i, payload_off) = geo.locate(disk_slot);
-        let file = self.slab(file_i);
-        // SAFETY: host_slot was range-checked; the slot is data_bytes or larger.
-        let src = unsafe { host.base_ptr().add(host_slot as usize * host.slot_bytes()) };
+        let (file, payload_off, src) = self.endpoints(disk_slot, host_slot, host);
         let ctx = Arc::new(WriteCtx { header: AlignedBuf::new(HEADER_BYTES), crc: AtomicU32::new(0) });
         let generation = self.next_gen.fetch_add(1, Ordering::Relaxed);
         let prep = {
@@ -916,11 +922,8 @@ impl Shared {
         host: &Arc<dyn HostMemory>,
     ) -> Chain {
         let geo = self.geo;
-        let (file_i, payload_off) = geo.locate(disk_slot);
-        let file = self.slab(file_i);
-        // SAFETY: host_slot was range-checked; the slot is data_bytes or larger.
-        let dst =
-            IoBuf { ptr: unsafe { host.base_ptr().add(host_slot as usize * host.slot_bytes()) }, len: geo.data_bytes };
+        let (file, payload_off, dst_ptr) = self.endpoints(disk_slot, host_slot, host);
+        let dst = IoBuf { ptr: dst_ptr, len: geo.data_bytes };
         let header = Arc::new(AlignedBuf::new(HEADER_BYTES));
         let prep = {
             let me = self.clone();

@@ -42,6 +42,14 @@ def prepare_env(tmp: Path) -> None:
     tempfile.tempdir = None  # re-read TMPDIR
 
 
+def module_env(tmp_path_factory: Any, name: str) -> dict[str, Any]:
+    """A test module's engine environment: its own temp dir (TMPDIR, VLLM_CACHE_ROOT), the tiny
+    model (built once per session) and a disk-tier directory."""
+    tmp = tmp_path_factory.mktemp(name)
+    prepare_env(tmp)
+    return {"tmp": tmp, "model": tiny_model(tmp_path_factory.getbasetemp()), "disk": tmp / "disk"}
+
+
 def tiny_model(cache_dir: Path) -> str:
     return str(build_tiny_llama(cache_dir / "tiny-llama"))
 
