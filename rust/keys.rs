@@ -47,10 +47,24 @@ impl Hash for KeyBytes {
     }
 }
 
+/// An integer key, stored as two words so that keys need no 16-byte alignment (an `i128`
+/// field pads every key from 80 to 96 bytes, and the index holds every key twice).
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct KeyInt([u64; 2]);
+
+impl KeyInt {
+    fn new(v: i128) -> Self {
+        KeyInt([v as u64, (v >> 64) as u64])
+    }
+    pub fn get(self) -> i128 {
+        (u128::from(self.0[0]) | (u128::from(self.0[1]) << 64)) as i128
+    }
+}
+
 /// The exact value of a key.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub enum KeyValue {
-    Int(i128),
+    Int(KeyInt),
     Bytes(KeyBytes),
 }
 
@@ -93,8 +107,13 @@ impl BlockKey {
         &self.value
     }
 
+    /// The 64-bit hash computed at construction (places the key in maps; never identity).
+    pub fn hash64(&self) -> u64 {
+        self.hash
+    }
+
     pub fn from_int(v: i128) -> Self {
-        BlockKey::new(KeyValue::Int(v))
+        BlockKey::new(KeyValue::Int(KeyInt::new(v)))
     }
 
     pub fn from_bytes(b: &[u8]) -> KvResult<Self> {
@@ -118,7 +137,7 @@ impl BlockKey {
         match &self.value {
             KeyValue::Int(v) => {
                 let mut out = vec![0u8, 16];
-                out.extend_from_slice(&v.to_le_bytes());
+                out.extend_from_slice(&v.get().to_le_bytes());
                 out
             }
             KeyValue::Bytes(b) => {
@@ -145,7 +164,7 @@ impl BlockKey {
 impl fmt::Debug for BlockKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match &self.value {
-            KeyValue::Int(v) => write!(f, "Int({v})"),
+            KeyValue::Int(v) => write!(f, "Int({})", v.get()),
             KeyValue::Bytes(b) => {
                 write!(f, "Bytes(")?;
                 for byte in b.as_slice() {
@@ -191,6 +210,20 @@ mod tests {
         let c = BlockKey::from_bytes(&long).unwrap();
         long[63] = 8;
         assert_ne!(c, BlockKey::from_bytes(&long).unwrap());
+    }
+
+    #[test]
+    fn keys_stay_compact() {
+        // Every resident key is held twice (map and slot record); alignment padding matters.
+        assert_eq!(std::mem::size_of::<BlockKey>(), 80);
+    }
+
+    #[test]
+    fn integer_keys_round_trip_their_full_range() {
+        for v in [0i128, -1, i128::MIN, i128::MAX, u64::MAX as i128, -(u64::MAX as i128)] {
+            let KeyValue::Int(k) = *BlockKey::from_int(v).value() else { unreachable!() };
+            assert_eq!(k.get(), v);
+        }
     }
 
     #[test]

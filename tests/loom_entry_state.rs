@@ -12,8 +12,8 @@ fn a_pin_and_an_eviction_claim_never_both_win() {
     loom::model(|| {
         let s = Arc::new(EntryState::ready());
         let s2 = s.clone();
-        let pinner = thread::spawn(move || s2.try_pin().is_some());
-        let claimed = s.try_claim();
+        let pinner = thread::spawn(move || s2.try_pin(0).is_some());
+        let claimed = s.try_claim(0);
         let pinned = pinner.join().unwrap();
         assert!(claimed ^ pinned, "exactly one of pin and claim must win");
         let expected = if claimed { (BlockState::Evicting, 0) } else { (BlockState::Ready, 1) };
@@ -26,8 +26,8 @@ fn two_claimants_one_winner() {
     loom::model(|| {
         let s = Arc::new(EntryState::ready());
         let s2 = s.clone();
-        let other = thread::spawn(move || s2.try_claim());
-        let mine = s.try_claim();
+        let other = thread::spawn(move || s2.try_claim(0));
+        let mine = s.try_claim(0);
         let theirs = other.join().unwrap();
         assert!(mine ^ theirs);
     });
@@ -37,20 +37,20 @@ fn two_claimants_one_winner() {
 fn claim_racing_unpin_only_succeeds_after_the_last_pin_is_gone() {
     loom::model(|| {
         let s = Arc::new(EntryState::ready());
-        assert_eq!(s.try_pin(), Some(0));
-        assert_eq!(s.try_pin(), Some(1));
+        assert_eq!(s.try_pin(0), Some(0));
+        assert_eq!(s.try_pin(0), Some(1));
         let s2 = s.clone();
         let unpinner = thread::spawn(move || {
-            s2.unpin().unwrap();
-            s2.unpin().unwrap();
+            s2.unpin(0).unwrap();
+            s2.unpin(0).unwrap();
         });
-        let claimed = s.try_claim();
+        let claimed = s.try_claim(0);
         unpinner.join().unwrap();
         // Claim can only win once both pins are gone; the pins never underflow.
         let (state, pins) = s.load();
         assert_eq!(pins, 0);
         assert_eq!(state, if claimed { BlockState::Evicting } else { BlockState::Ready });
-        assert!(s.unpin().is_none());
+        assert!(s.unpin(0).is_none());
     });
 }
 
@@ -59,13 +59,13 @@ fn a_block_being_written_cannot_be_pinned_before_it_is_ready() {
     loom::model(|| {
         let s = Arc::new(EntryState::writing());
         let s2 = s.clone();
-        let writer = thread::spawn(move || assert!(s2.mark_ready()));
-        let pinned = s.try_pin();
+        let writer = thread::spawn(move || assert!(s2.mark_ready(0)));
+        let pinned = s.try_pin(0);
         writer.join().unwrap();
         let (state, pins) = s.load();
         assert_eq!(state, BlockState::Ready);
         assert_eq!(pins, u32::from(pinned.is_some()));
-        assert!(!s.try_claim() || pinned.is_none());
+        assert!(!s.try_claim(0) || pinned.is_none());
     });
 }
 
@@ -76,12 +76,44 @@ fn concurrent_pins_are_all_counted() {
         let handles: Vec<_> = (0..2)
             .map(|_| {
                 let s = s.clone();
-                thread::spawn(move || s.try_pin().is_some())
+                thread::spawn(move || s.try_pin(0).is_some())
             })
             .collect();
         let wins = handles.into_iter().map(|h| h.join().unwrap()).filter(|&w| w).count();
         assert_eq!(wins, 2);
         assert_eq!(s.load(), (BlockState::Ready, 2));
-        assert!(!s.try_claim());
+        assert!(!s.try_claim(0));
+    });
+}
+
+#[test]
+fn a_stale_reader_never_pins_the_slots_next_block() {
+    loom::model(|| {
+        // The reader read (slot, generation 0) from the map; meanwhile the writer evicts the
+        // block and reuses the slot for a new one (generation 1).
+        let s = Arc::new(EntryState::ready());
+        let s2 = s.clone();
+        let stale = thread::spawn(move || s2.try_pin(0).is_some());
+        let reused = if s.try_claim(0) {
+            let generation = s.occupy(BlockState::Writing);
+            assert!(s.mark_ready(generation));
+            Some(generation)
+        } else {
+            None
+        };
+        let pinned = stale.join().unwrap();
+        let (state, pins, generation) = s.load_with_generation();
+        assert_eq!(state, BlockState::Ready);
+        match reused {
+            Some(g) => {
+                assert!(!pinned, "a stale pin landed on the slot's next block");
+                assert_eq!((pins, generation), (0, g));
+            }
+            None => {
+                assert!(pinned, "the eviction lost only to the pin");
+                assert_eq!((pins, generation), (1, 0));
+            }
+        }
+        assert!(!s.is_ready_at(generation.wrapping_add(1)));
     });
 }

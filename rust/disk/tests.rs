@@ -159,6 +159,7 @@ fn truncated_slab_gives_misses_not_errors() {
         assert_eq!(r.failed_keys.len(), 2);
         for (s, key) in r.ok_keys.iter().enumerate() {
             let KeyValue::Int(id) = *key.value() else { unreachable!() };
+            let id = id.get();
             assert_eq!(slot_bytes(&h, s as u32), expected(id as u64));
         }
     }
@@ -256,7 +257,7 @@ fn eviction_keeps_capacity_and_newest_copy_wins_after_restart() {
         .snapshot()
         .into_iter()
         .map(|(k, ..)| match *k.value() {
-            KeyValue::Int(i) => i,
+            KeyValue::Int(i) => i.get(),
             _ => unreachable!(),
         })
         .collect();

@@ -1,19 +1,26 @@
-//! The block index of one tier: a concurrent map from key to entry plus the tier's eviction
-//! policy and admission rule.
+//! The block index of one tier: a concurrent map from key to slot, an arena of entries indexed
+//! by slot, the tier's eviction policy and its admission rule.
 //!
 //! Concurrency design:
-//! - The map is scc's `HashIndex`, whose reads (`peek`) are lock-free. `lookup_prefix` and
-//!   `state_of` only read it and the entries' atomic state words: readers never wait on writers.
-//!   (papaya, tried first, cost 2-3x more per insert+remove under the constant churn of a full
-//!   tier; benches/rust/index.rs measures the store path.)
-//! - Every operation that changes residency or policy order (prepare/complete store, pin, touch,
-//!   remove, clear) takes one short mutex around the policy. Pins are taken under it, so a
-//!   block's evictability can only *grow* while the mutex is held (a lock-free `unpin` may free
-//!   a block, nothing can pin one). That is what makes "an eviction of n blocks frees n or
+//! - The map is scc's `HashIndex`, whose reads (`peek`) are lock-free. It maps a key to its
+//!   slot and the slot's generation; the entry itself (state word, priority, size, uses,
+//!   checksum) lives in a fixed arena indexed by slot. `lookup_prefix` and `state_of` only read
+//!   the map and the entries' atomic state words: readers never wait on writers. (papaya, tried
+//!   first, cost 2-3x more per insert+remove under the constant churn of a full tier;
+//!   benches/rust/index.rs measures the store path.)
+//! - Every operation that changes residency or policy order (prepare store, failed store, pin,
+//!   touch, remove, clear) takes one short mutex around the policy. Pins are taken under it, so
+//!   a block's evictability can only *grow* while the mutex is held (a lock-free `unpin` may
+//!   free a block, nothing can pin one). That is what makes "an eviction of n blocks frees n or
 //!   changes nothing" checkable up front.
 //! - An evicted entry is first claimed (Ready -> Evicting, one CAS that races safely with pins,
-//!   see `entry_state`), then removed from the map, and only then is its slot freed, so a reader
-//!   can never see a key pointing at a slot that now holds another block.
+//!   see `entry_state`), then removed from the map, and only then is its slot freed. A reused
+//!   slot starts a new generation, and every lock-free access checks the generation it read
+//!   from the map, so a reader can never see a key pointing at a slot that now holds another
+//!   block.
+//! - Policies order slot numbers, not keys: choosing a victim reads the arena directly instead
+//!   of probing the map, and the policy's own maps hash a u32. Ghost entries (ARC, S3-FIFO)
+//!   follow the key's hash, so they survive the slot being reused.
 //!
 //! Prefix awareness: batch calls receive a request's chain head-first and apply inserts and
 //! touches tail-first, so every policy ranks the head as more recent and evicts the tail first.
@@ -21,6 +28,8 @@
 mod entry_state;
 mod stats;
 
+use std::collections::HashSet;
+use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 
@@ -34,23 +43,84 @@ use crate::admission::{Admission, AdmissionRule};
 use crate::clock::Clock;
 use crate::error::{KvError, KvResult};
 use crate::keys::BlockKey;
-use crate::policy::{EvictionPolicy, InsertHint, PolicyKind, MAX_PRIORITY};
+use crate::policy::{EvictionPolicy, InsertHint, PolicyKey, PolicyKind, DEFAULT_PRIORITY, MAX_PRIORITY};
 use crate::slots::SlotAllocator;
 
-type Map = scc::HashIndex<BlockKey, BlockEntry, foldhash::fast::RandomState>;
+/// Where a key's block lives: its slot and the slot's generation when the block took it.
+#[derive(Clone, Copy, Debug)]
+struct SlotRef {
+    slot: u32,
+    generation: u32,
+}
 
-/// Everything the index knows about one block.
+type Map = scc::HashIndex<BlockKey, SlotRef, foldhash::fast::RandomState>;
+type FastSet<T> = HashSet<T, foldhash::fast::RandomState>;
+
+/// Everything the index knows about the block in one slot (the slot is the arena index; the
+/// tier is the index's own). Fields other than `state` describe the current generation's block
+/// and are only meaningful while the caller holds a pin or an in-flight store on it.
 #[derive(Debug)]
 pub struct BlockEntry {
     pub state: EntryState,
-    pub slot: u32,
-    pub tier: u8,
     pub priority: AtomicU8,
     /// Payload bytes (the slot may be larger).
     pub size: AtomicU64,
     pub uses: AtomicU32,
     /// CRC-32C of the payload, filled by tiers that verify (disk); 0 = not recorded.
     pub checksum: AtomicU32,
+}
+
+impl BlockEntry {
+    fn vacant() -> Self {
+        BlockEntry {
+            state: EntryState::vacant(),
+            priority: AtomicU8::new(DEFAULT_PRIORITY),
+            size: AtomicU64::new(0),
+            uses: AtomicU32::new(0),
+            checksum: AtomicU32::new(0),
+        }
+    }
+
+    /// Take this vacant slot for a new block; returns the block's generation.
+    fn occupy(&self, state: BlockState, priority: u8, size: u64, checksum: u32) -> u32 {
+        self.priority.store(priority, Ordering::Relaxed);
+        self.size.store(size, Ordering::Relaxed);
+        self.uses.store(0, Ordering::Relaxed);
+        self.checksum.store(checksum, Ordering::Relaxed);
+        // Release: a reader that sees the map entry published after this sees all of the above.
+        self.state.occupy(state)
+    }
+}
+
+/// The policy's name for a resident block: its slot, plus its key's hash for ghost entries.
+/// Equality and hashing use the slot only (one block per slot at a time).
+#[derive(Clone, Copy, Debug)]
+struct Resident {
+    slot: u32,
+    key_hash: u64,
+}
+
+impl Resident {
+    fn of(slot: u32, key: &BlockKey) -> Self {
+        Resident { slot, key_hash: key.hash64() }
+    }
+}
+
+impl PartialEq for Resident {
+    fn eq(&self, other: &Self) -> bool {
+        self.slot == other.slot
+    }
+}
+impl Eq for Resident {}
+impl Hash for Resident {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        state.write_u32(self.slot)
+    }
+}
+impl PolicyKey for Resident {
+    fn ghost_id(&self) -> u64 {
+        self.key_hash
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -95,13 +165,28 @@ pub struct StoreOutcome {
     pub refused_pos: Vec<usize>,
 }
 
+/// State only writers touch, under the index's mutex.
 struct Inner {
-    policy: Box<dyn EvictionPolicy<BlockKey>>,
+    policy: Box<dyn EvictionPolicy<Resident>>,
     admission: Admission,
+    /// The key of the block in each slot (None: vacant). Writers need it to remove a victim
+    /// from the map; readers never look here.
+    keys: Vec<Option<BlockKey>>,
+}
+
+impl Inner {
+    /// Forget the block in `slot` (already claimed, and already out of the policy): its key
+    /// record and its map entry. Returns its key.
+    fn detach(&mut self, map: &Map, slot: u32) -> BlockKey {
+        let key = self.keys[slot as usize].take().expect("a resident slot has a key");
+        map.remove_sync(&key);
+        key
+    }
 }
 
 pub struct TierIndex {
     map: Map,
+    entries: Box<[BlockEntry]>,
     inner: Mutex<Inner>,
     slots: Arc<SlotAllocator>,
     config: IndexConfig,
@@ -133,21 +218,17 @@ impl TierIndex {
         let clock = if config.manual_clock { Clock::manual() } else { Clock::monotonic() };
         Ok(TierIndex {
             map: Map::with_capacity_and_hasher(config.capacity, foldhash::fast::RandomState::default()),
+            entries: (0..config.capacity).map(|_| BlockEntry::vacant()).collect(),
             inner: Mutex::new(Inner {
                 policy: config.policy.build(config.capacity),
                 admission: Admission::new(config.admission, config.capacity * 4),
+                keys: vec![None; config.capacity],
             }),
             slots,
             config,
             clock,
             stats: IndexStats::default(),
         })
-    }
-
-    /// Insert a key known to be absent: every writer holds the policy lock and checked first.
-    fn insert_entry(&self, key: BlockKey, entry: BlockEntry) {
-        let inserted = self.map.insert_sync(key, entry).is_ok();
-        debug_assert!(inserted, "a key was inserted twice");
     }
 
     pub fn config(&self) -> &IndexConfig {
@@ -168,6 +249,22 @@ impl TierIndex {
         self.len() == 0
     }
 
+    fn entry(&self, slot: u32) -> &BlockEntry {
+        &self.entries[slot as usize]
+    }
+
+    /// The key's slot and entry, if its block is still the one the map points at.
+    fn resolve<'g>(&'g self, key: &BlockKey, guard: &'g Guard) -> Option<(SlotRef, &'g BlockEntry)> {
+        let r = *self.map.peek(key, guard)?;
+        let e = self.entry(r.slot);
+        let (_, _, generation) = e.state.load_with_generation();
+        (generation == r.generation).then_some((r, e))
+    }
+
+    fn is_ready(&self, key: &BlockKey, guard: &Guard) -> bool {
+        self.map.peek(key, guard).is_some_and(|r| self.entry(r.slot).state.is_ready_at(r.generation))
+    }
+
     // ---- lock-free reads -------------------------------------------------------------------
 
     /// Length of the longest prefix of `keys` whose blocks are all ready.
@@ -186,7 +283,7 @@ impl TierIndex {
         for k in keys {
             let k = k?;
             examined += 1;
-            if !self.map.peek(&k, &guard).is_some_and(|e| e.state.is_ready()) {
+            if !self.is_ready(&k, &guard) {
                 break;
             }
             n += 1;
@@ -199,7 +296,7 @@ impl TierIndex {
     /// per-key lookup (vLLM's `lookup` -> HIT / HIT_PENDING / MISS) goes through here.
     pub fn lookup_state(&self, key: &BlockKey) -> Option<BlockState> {
         let guard = Guard::new();
-        let state = self.map.peek(key, &guard).map(|e| e.state.load().0);
+        let state = self.resolve(key, &guard).map(|(_, e)| e.state.load().0);
         self.stats.record_single_lookup(state == Some(BlockState::Ready));
         state
     }
@@ -207,32 +304,33 @@ impl TierIndex {
     /// Whether each key is ready (no prefix semantics).
     pub fn contains_ready(&self, keys: &[BlockKey]) -> Vec<bool> {
         let guard = Guard::new();
-        keys.iter().map(|k| self.map.peek(k, &guard).is_some_and(|e| e.state.is_ready())).collect()
+        keys.iter().map(|k| self.is_ready(k, &guard)).collect()
     }
 
     /// State, pins and slot of one key.
     pub fn state_of(&self, key: &BlockKey) -> Option<(BlockState, u32, u32)> {
         let guard = Guard::new();
-        self.map.peek(key, &guard).map(|e| {
+        self.resolve(key, &guard).map(|(r, e)| {
             let (s, p) = e.state.load();
-            (s, p, e.slot)
+            (s, p, r.slot)
         })
     }
 
-    /// Run `f` on the entry of `key` while it is protected from reclamation.
+    /// Run `f` on the entry of `key`. The entry's fields describe `key`'s block only while the
+    /// caller holds a pin or an in-flight store on it (otherwise the slot may be reused).
     pub fn with_entry<R>(&self, key: &BlockKey, f: impl FnOnce(&BlockEntry) -> R) -> Option<R> {
         let guard = Guard::new();
-        self.map.peek(key, &guard).map(f)
+        self.resolve(key, &guard).map(|(_, e)| f(e))
     }
 
-    /// All keys with their state and slot (a snapshot, for status and tests).
+    /// All keys with their state, pins and slot (a snapshot, for status and tests).
     pub fn snapshot(&self) -> Vec<(BlockKey, BlockState, u32, u32)> {
         let guard = Guard::new();
         self.map
             .iter(&guard)
-            .map(|(k, e)| {
-                let (s, p) = e.state.load();
-                (*k, s, p, e.slot)
+            .filter_map(|(k, r)| {
+                let (s, p, generation) = self.entry(r.slot).state.load_with_generation();
+                (generation == r.generation).then_some((*k, s, p, r.slot))
             })
             .collect()
     }
@@ -251,10 +349,16 @@ impl TierIndex {
         let guard = Guard::new();
         let mut out = StoreOutcome::default();
         let mut new_keys: Vec<BlockKey> = Vec::with_capacity(keys.len());
-        let mut seen =
-            std::collections::HashSet::with_capacity_and_hasher(keys.len(), foldhash::fast::RandomState::default());
+        // Slots of this batch's resident keys: never evicted to make room for the others
+        // (vLLM's contract, and the only sane one: the caller was just told they are present).
+        let mut protected: Vec<u32> = Vec::new();
+        let mut seen: FastSet<&BlockKey> = FastSet::with_capacity_and_hasher(keys.len(), Default::default());
         for (pos, k) in keys.iter().enumerate() {
-            if !seen.insert(*k) || self.map.peek(k, &guard).is_some() {
+            let duplicate = keys.len() > 1 && !seen.insert(k);
+            // Under the lock every map entry is current: removal and reuse happen under it.
+            let present = if duplicate { None } else { self.map.peek(k, &guard).copied() };
+            if duplicate || present.is_some() {
+                protected.extend(present.map(|r| r.slot));
                 out.already_present.push(*k);
                 out.already_present_pos.push(pos);
             } else if inner.admission.offer(k, hint.priority) {
@@ -271,29 +375,23 @@ impl TierIndex {
         let free = self.slots.free_count();
         if new_keys.len() > free {
             let need = new_keys.len() - free;
-            let victims = inner
-                .policy
-                // Never evict a key of this very batch (vLLM's contract, and the only sane one:
-                // the caller was just told it is present).
-                .select_victims(need, now, &mut |k| {
-                    !seen.contains(k) && self.map.peek(k, &guard).is_some_and(|e| e.state.is_evictable())
-                });
-            let Some(victims) = victims else {
+            protected.sort_unstable();
+            let evictable =
+                |slot: u32| protected.binary_search(&slot).is_err() && self.entry(slot).state.is_evictable();
+            let Some(victims) = inner.policy.select_victims(need, now, &mut |r| evictable(r.slot)) else {
                 self.stats.store_no_space.fetch_add(1, Ordering::Relaxed);
-                let evictable =
-                    self.map.iter(&guard).filter(|(k, e)| !seen.contains(*k) && e.state.is_evictable()).count();
-                return Err(KvError::NoSpace { needed: new_keys.len(), available: free + evictable });
+                let available = (0..self.capacity() as u32).filter(|&s| evictable(s)).count();
+                return Err(KvError::NoSpace { needed: new_keys.len(), available: free + available });
             };
             for v in victims {
-                let entry = self.map.peek(&v, &guard).expect("victims are resident");
                 // Cannot fail: evictable was checked under the lock and pins are only taken
                 // under it; a concurrent unpin only lowers the count.
-                let claimed = entry.state.try_claim();
-                debug_assert!(claimed, "victim {v:?} could not be claimed");
-                let slot = entry.slot;
-                self.map.remove_sync(&v);
-                self.slots.release(slot);
-                out.evicted.push((v, slot));
+                let (_, _, generation) = self.entry(v.slot).state.load_with_generation();
+                let claimed = self.entry(v.slot).state.try_claim(generation);
+                debug_assert!(claimed, "victim slot {} could not be claimed", v.slot);
+                let key = inner.detach(&self.map, v.slot);
+                self.slots.release(v.slot);
+                out.evicted.push((key, v.slot));
             }
             self.stats.evictions.fetch_add(out.evicted.len() as u64, Ordering::Relaxed);
         }
@@ -305,23 +403,20 @@ impl TierIndex {
             placed.push((*k, slot));
         }
         for (k, slot) in placed.iter().rev() {
-            self.insert_entry(
-                *k,
-                BlockEntry {
-                    state: EntryState::writing(),
-                    slot: *slot,
-                    tier: self.config.tier,
-                    priority: AtomicU8::new(hint.priority),
-                    size: AtomicU64::new(self.config.block_bytes),
-                    uses: AtomicU32::new(0),
-                    checksum: AtomicU32::new(0),
-                },
-            );
-            inner.policy.insert(k, hint, now);
+            let generation = self.entry(*slot).occupy(BlockState::Writing, hint.priority, self.config.block_bytes, 0);
+            self.publish(&mut inner, *k, *slot, generation, hint, now);
         }
         self.stats.stores_prepared.fetch_add(placed.len() as u64, Ordering::Relaxed);
         out.to_write = placed;
         Ok(out)
+    }
+
+    /// Make an occupied slot's block findable: key record, map entry, policy entry.
+    fn publish(&self, inner: &mut Inner, key: BlockKey, slot: u32, generation: u32, hint: InsertHint, now: u64) {
+        inner.keys[slot as usize] = Some(key);
+        let inserted = self.map.insert_sync(key, SlotRef { slot, generation }).is_ok();
+        debug_assert!(inserted, "a key was inserted twice");
+        inner.policy.insert(&Resident::of(slot, &key), hint, now);
     }
 
     /// Put back a block found on disk at open (the disk tier's recovery): a Ready entry in
@@ -338,44 +433,40 @@ impl TierIndex {
         if self.map.peek(&key, &guard).is_some() {
             return Err(KvError::invalid("key", format!("{key:?} recovered twice")));
         }
-        self.insert_entry(
-            key,
-            BlockEntry {
-                state: EntryState::ready(),
-                slot,
-                tier: self.config.tier,
-                priority: AtomicU8::new(crate::policy::DEFAULT_PRIORITY),
-                size: AtomicU64::new(size),
-                uses: AtomicU32::new(0),
-                checksum: AtomicU32::new(checksum),
-            },
-        );
-        inner.policy.insert(&key, InsertHint::default(), now);
+        if inner.keys[slot as usize].is_some() {
+            return Err(KvError::invalid("slot", format!("slot {slot} recovered twice")));
+        }
+        let generation = self.entry(slot).occupy(BlockState::Ready, DEFAULT_PRIORITY, size, checksum);
+        self.publish(&mut inner, key, slot, generation, InsertHint::default(), now);
         Ok(())
     }
 
     /// Finish stores: success makes blocks readable; failure drops them and frees their slots.
     /// Keys not being written are ignored. Returns how many keys were completed or dropped.
+    /// Success is lock-free (one CAS per key); only a failure takes the policy lock.
     pub fn complete_store(&self, keys: &[BlockKey], success: bool) -> usize {
-        let mut inner = self.inner.lock();
         let guard = Guard::new();
         let mut done = 0;
-        for k in keys {
-            let Some(entry) = self.map.peek(k, &guard) else { continue };
-            if success {
-                if entry.state.mark_ready() {
-                    done += 1;
+        if success {
+            for k in keys {
+                if let Some(r) = self.map.peek(k, &guard) {
+                    done += usize::from(self.entry(r.slot).state.mark_ready(r.generation));
                 }
-            } else if entry.state.abandon_write() {
-                let slot = entry.slot;
-                self.map.remove_sync(k);
-                inner.policy.remove(k);
-                self.slots.release(slot);
+            }
+            self.stats.stores_completed.fetch_add(done as u64, Ordering::Relaxed);
+            return done;
+        }
+        let mut inner = self.inner.lock();
+        for k in keys {
+            let Some(r) = self.map.peek(k, &guard).copied() else { continue };
+            if self.entry(r.slot).state.abandon_write(r.generation) {
+                inner.policy.remove(&Resident::of(r.slot, k));
+                inner.detach(&self.map, r.slot);
+                self.slots.release(r.slot);
                 done += 1;
             }
         }
-        let counter = if success { &self.stats.stores_completed } else { &self.stats.stores_failed };
-        counter.fetch_add(done as u64, Ordering::Relaxed);
+        self.stats.stores_failed.fetch_add(done as u64, Ordering::Relaxed);
         done
     }
 
@@ -384,14 +475,13 @@ impl TierIndex {
     pub fn pin_for_load(&self, keys: &[BlockKey]) -> KvResult<Vec<u32>> {
         let _inner = self.inner.lock();
         let guard = Guard::new();
-        let mut slots = Vec::with_capacity(keys.len());
-        for (i, k) in keys.iter().enumerate() {
-            let pinned = self.map.peek(k, &guard).and_then(|e| e.state.try_pin().map(|_| e.slot));
-            match pinned {
-                Some(slot) => slots.push(slot),
+        let mut pinned: Vec<SlotRef> = Vec::with_capacity(keys.len());
+        for k in keys {
+            match self.map.peek(k, &guard).filter(|r| self.entry(r.slot).state.try_pin(r.generation).is_some()) {
+                Some(r) => pinned.push(*r),
                 None => {
-                    for undo in &keys[..i] {
-                        self.map.peek(undo, &guard).expect("pinned above").state.unpin();
+                    for r in &pinned {
+                        self.entry(r.slot).state.unpin(r.generation).expect("pinned above");
                     }
                     self.stats.pin_failures.fetch_add(1, Ordering::Relaxed);
                     return Err(KvError::NotReady(format!("{k:?}")));
@@ -399,7 +489,7 @@ impl TierIndex {
             }
         }
         self.stats.pins.fetch_add(keys.len() as u64, Ordering::Relaxed);
-        Ok(slots)
+        Ok(pinned.into_iter().map(|r| r.slot).collect())
     }
 
     /// Drop one pin from each key. Lock-free. Errors (and drops no pin at all) if any key holds
@@ -413,14 +503,14 @@ impl TierIndex {
             *wanted.entry(k).or_insert(0) += 1;
         }
         for (k, n) in &wanted {
-            let ok = self.map.peek(*k, &guard).is_some_and(|e| e.state.load().1 >= *n);
+            let ok = self.resolve(k, &guard).is_some_and(|(_, e)| e.state.load().1 >= *n);
             if !ok {
                 return Err(KvError::NotPinned(format!("{k:?}")));
             }
         }
         for k in keys {
-            if let Some(e) = self.map.peek(k, &guard) {
-                e.state.unpin();
+            if let Some(r) = self.map.peek(k, &guard) {
+                self.entry(r.slot).state.unpin(r.generation);
             }
         }
         self.stats.unpins.fetch_add(keys.len() as u64, Ordering::Relaxed);
@@ -433,9 +523,9 @@ impl TierIndex {
         let mut inner = self.inner.lock();
         let guard = Guard::new();
         for k in keys.iter().rev() {
-            if let Some(e) = self.map.peek(k, &guard) {
-                e.uses.fetch_add(1, Ordering::Relaxed);
-                inner.policy.touch(k, now);
+            if let Some(r) = self.map.peek(k, &guard) {
+                self.entry(r.slot).uses.fetch_add(1, Ordering::Relaxed);
+                inner.policy.touch(&Resident::of(r.slot, k), now);
             }
         }
         self.stats.touches.fetch_add(keys.len() as u64, Ordering::Relaxed);
@@ -453,16 +543,19 @@ impl TierIndex {
     /// removed keys with their freed slots.
     pub fn remove(&self, keys: &[BlockKey]) -> Vec<(BlockKey, u32)> {
         let mut inner = self.inner.lock();
+        self.remove_locked(&mut inner, keys)
+    }
+
+    fn remove_locked(&self, inner: &mut Inner, keys: &[BlockKey]) -> Vec<(BlockKey, u32)> {
         let guard = Guard::new();
         let mut removed = Vec::new();
         for k in keys {
-            let Some(entry) = self.map.peek(k, &guard) else { continue };
-            if entry.state.try_claim() {
-                let slot = entry.slot;
-                self.map.remove_sync(k);
-                inner.policy.remove(k);
-                self.slots.release(slot);
-                removed.push((*k, slot));
+            let Some(r) = self.map.peek(k, &guard).copied() else { continue };
+            if self.entry(r.slot).state.try_claim(r.generation) {
+                inner.policy.remove(&Resident::of(r.slot, k));
+                inner.detach(&self.map, r.slot);
+                self.slots.release(r.slot);
+                removed.push((*k, r.slot));
             }
         }
         self.stats.removals.fetch_add(removed.len() as u64, Ordering::Relaxed);
@@ -471,12 +564,9 @@ impl TierIndex {
 
     /// Remove every block that is not pinned or being written. Returns how many were removed.
     pub fn clear(&self) -> usize {
-        let keys: Vec<BlockKey> = {
-            let guard = Guard::new();
-            self.map.iter(&guard).map(|(k, _)| *k).collect()
-        };
-        let n = self.remove(&keys).len();
         let mut inner = self.inner.lock();
+        let keys: Vec<BlockKey> = inner.keys.iter().flatten().copied().collect();
+        let n = self.remove_locked(&mut inner, &keys).len();
         if self.is_empty() {
             inner.policy.clear();
         }
@@ -485,10 +575,9 @@ impl TierIndex {
     }
 
     pub fn stats(&self) -> StatsSnapshot {
-        let guard = Guard::new();
         let mut pinned = 0u64;
         let mut writing = 0u64;
-        for (_, e) in self.map.iter(&guard) {
+        for e in self.entries.iter() {
             let (s, p) = e.state.load();
             pinned += u64::from(p > 0);
             writing += u64::from(s == BlockState::Writing);

@@ -19,14 +19,15 @@ use hashlink::LinkedHashMap;
 use super::{EvictionPolicy, InsertHint, PolicyKey, PolicyKind};
 
 type Map<K> = LinkedHashMap<K, (), foldhash::fast::RandomState>;
+type Ghosts = LinkedHashMap<u64, (), foldhash::fast::RandomState>;
 
 pub struct Arc<K: PolicyKey> {
     capacity: usize,
     p: usize,
     t1: Map<K>,
     t2: Map<K>,
-    b1: Map<K>,
-    b2: Map<K>,
+    b1: Ghosts,
+    b2: Ghosts,
 }
 
 impl<K: PolicyKey> Arc<K> {
@@ -36,8 +37,8 @@ impl<K: PolicyKey> Arc<K> {
             p: 0,
             t1: Map::default(),
             t2: Map::default(),
-            b1: Map::default(),
-            b2: Map::default(),
+            b1: Ghosts::default(),
+            b2: Ghosts::default(),
         }
     }
 
@@ -70,15 +71,16 @@ impl<K: PolicyKey> EvictionPolicy<K> for Arc<K> {
         if self.t1.contains_key(key) || self.t2.contains_key(key) {
             return;
         }
-        if self.b1.contains_key(key) {
+        let ghost = key.ghost_id();
+        if self.b1.contains_key(&ghost) {
             let delta = (self.b2.len() / self.b1.len()).max(1);
             self.p = (self.p + delta).min(self.capacity);
-            self.b1.remove(key);
+            self.b1.remove(&ghost);
             self.t2.insert(key.clone(), ());
-        } else if self.b2.contains_key(key) {
+        } else if self.b2.contains_key(&ghost) {
             let delta = (self.b1.len() / self.b2.len()).max(1);
             self.p = self.p.saturating_sub(delta);
-            self.b2.remove(key);
+            self.b2.remove(&ghost);
             self.t2.insert(key.clone(), ());
         } else {
             self.t1.insert(key.clone(), ());
@@ -120,10 +122,10 @@ impl<K: PolicyKey> EvictionPolicy<K> for Arc<K> {
             let (key, was_t1) = pick.expect("feasibility was checked");
             if was_t1 {
                 self.t1.remove(&key);
-                self.b1.insert(key.clone(), ());
+                self.b1.insert(key.ghost_id(), ());
             } else {
                 self.t2.remove(&key);
-                self.b2.insert(key.clone(), ());
+                self.b2.insert(key.ghost_id(), ());
             }
             self.trim_ghosts();
             victims.push(key);

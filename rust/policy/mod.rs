@@ -42,8 +42,25 @@ impl Default for InsertHint {
     }
 }
 
-pub trait PolicyKey: Clone + Eq + Hash + Send + 'static {}
-impl<T: Clone + Eq + Hash + Send + 'static> PolicyKey for T {}
+/// What a policy orders. Resident keys are compared with `Eq`; ghost entries (ARC's B1/B2,
+/// S3-FIFO's ghost queue) remember a key after it left and are matched by `ghost_id`, so that a
+/// key type may name a resident by where it lives (the index uses slot numbers) while ghosts
+/// still follow the block's identity. Two keys sharing a ghost id can only mislead the
+/// policy's adaptation, never make the index confuse blocks.
+pub trait PolicyKey: Clone + Eq + Hash + Send + 'static {
+    fn ghost_id(&self) -> u64;
+}
+
+macro_rules! integer_policy_keys {
+    ($($t:ty),*) => {$(
+        impl PolicyKey for $t {
+            fn ghost_id(&self) -> u64 {
+                u64::from(*self)
+            }
+        }
+    )*};
+}
+integer_policy_keys!(u8, u16, u32, u64);
 
 pub trait EvictionPolicy<K: PolicyKey>: Send {
     fn kind(&self) -> PolicyKind;

@@ -29,7 +29,7 @@ pub struct S3Fifo<K: PolicyKey> {
     capacity: usize,
     small: Queue<K>,
     main: Queue<K>,
-    ghost: LinkedHashMap<K, (), foldhash::fast::RandomState>,
+    ghost: LinkedHashMap<u64, (), foldhash::fast::RandomState>,
 }
 
 impl<K: PolicyKey> S3Fifo<K> {
@@ -62,7 +62,7 @@ impl<K: PolicyKey> S3Fifo<K> {
             self.main.insert(key, 0);
             None
         } else {
-            self.ghost.insert(key.clone(), ());
+            self.ghost.insert(key.ghost_id(), ());
             while self.ghost.len() > self.capacity {
                 self.ghost.pop_front();
             }
@@ -91,7 +91,7 @@ impl<K: PolicyKey> EvictionPolicy<K> for S3Fifo<K> {
         if self.small.contains_key(key) || self.main.contains_key(key) {
             return;
         }
-        if self.ghost.remove(key).is_some() {
+        if self.ghost.remove(&key.ghost_id()).is_some() {
             self.main.insert(key.clone(), 0);
         } else {
             self.small.insert(key.clone(), 0);

@@ -40,7 +40,7 @@ pub fn keys_from_py(obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockKey>> {
 
 pub fn key_to_py<'py>(py: Python<'py>, key: &BlockKey) -> PyResult<Bound<'py, PyAny>> {
     Ok(match key.value() {
-        KeyValue::Int(v) => v.into_pyobject(py)?.into_any(),
+        KeyValue::Int(v) => v.get().into_pyobject(py)?.into_any(),
         KeyValue::Bytes(b) => PyBytes::new(py, b.as_slice()).into_any(),
     })
 }
