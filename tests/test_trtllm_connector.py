@@ -11,10 +11,11 @@ import time
 
 import pytest
 import torch
-from trtllm_support.driver import Engine, Request, Retention, TokenRange, llm_args
+from trtllm_support.driver import Engine, Request, Retention, TokenRange, llm_args, standin_engine_hash
 
 from kvtier_rs._core import InvalidArgumentError, KvTierError
 from kvtier_rs.integrations import trtllm
+from kvtier_rs.integrations.trtllm import identity
 from kvtier_rs.integrations.trtllm.config import parse_options
 from kvtier_rs.integrations.trtllm.metadata import KvtierConnectorMetadata, LoadSpec, SaveSpec
 from kvtier_rs.transfer import CpuTransferEngine
@@ -22,7 +23,7 @@ from kvtier_rs.transfer import CpuTransferEngine
 TPB = 4
 
 
-def make(tmp_path, *, cpu_blocks=16, disk=False, engine_factory=None, **extra):
+def make(tmp_path, *, cpu_blocks=16, disk=False, engine_factory=None, block_hasher=None, **extra):
     # One block = 3 layers * 2 * 4 tokens * 24 values * 2 bytes = 1152 bytes; slots are 4 KiB.
     cfg = {"cpu_bytes": cpu_blocks * 4096, "io_engine": "cpu", "namespace": f"t-{tmp_path.name}", **extra}
     if disk:
@@ -31,7 +32,7 @@ def make(tmp_path, *, cpu_blocks=16, disk=False, engine_factory=None, **extra):
     work_cls = type("W", (trtllm.KvtierWorker,), {"kvtier_config": cfg, "engine_factory": engine_factory})
     args = llm_args(TPB)
     worker = work_cls(args)
-    eng = Engine(sched_cls(args), worker, tokens_per_block=TPB)
+    eng = Engine(sched_cls(args), worker, tokens_per_block=TPB, block_hasher=block_hasher)
     return eng
 
 
@@ -275,6 +276,7 @@ def test_bad_metadata_and_unknown_ids_are_clear_errors(tmp_path, engines):
         ({"cpu_bytes": "1MiB", "io_engine": "gpu"}, "io_engine"),
         ({"cpu_bytes": "1MiB", "cpu_policy": "mru"}, "cpu_policy"),
         ({"cpu_bytes": "1MiB", "bogus": 1}, "bogus"),
+        ({"cpu_bytes": "1MiB", "block_identity": "sha"}, "block_identity"),
     ],
 )
 def test_config_errors_name_the_key(cfg, key):
@@ -296,3 +298,74 @@ def test_scheduler_without_registered_pool_says_so(monkeypatch):
     s = trtllm.KvtierScheduler(llm_args(TPB, model="nobody"))
     with pytest.raises(KvTierError, match="register_kv_caches"):
         s.get_num_new_matched_tokens(Request(1, list(range(20))), 0)
+
+
+# ---- block identity from the engine's own hashes -------------------------------------------------
+# TensorRT-LLM's hasher cannot be installed here, so `standin_engine_hash` plays it: the connector
+# is given it where it would import TensorRT-LLM's, and the driver reports block_hashes with it
+# (or with something else, to show a disagreement is caught).
+
+
+def salt_blind_hasher(tokens, parent, lora, salt_id):
+    """Like the bindings' BlockKeyHasher: no cache salt argument, so salted requests cannot be
+    reproduced."""
+    return None if salt_id is not None else standin_engine_hash(tokens, parent, lora, None)
+
+
+def test_without_tensorrt_llm_the_kvtier_chain_is_used_and_engine_is_refused(tmp_path):
+    assert identity.engine_block_hasher() is None
+    assert identity.block_identity("auto", "ns", TPB).scheme == "kvtier"
+    with pytest.raises(InvalidArgumentError, match="block_identity.*not importable"):
+        identity.block_identity("engine", "ns", TPB)
+
+
+def test_blocks_are_named_by_the_engines_hashes(tmp_path, engines, monkeypatch):
+    monkeypatch.setattr(identity, "engine_block_hasher", lambda: standin_engine_hash)
+    eng = make(tmp_path, block_hasher=standin_engine_hash, block_identity="engine")
+    engines.append(eng)
+    assert eng.sched.identity.scheme == "engine"
+    shared = prompt(1, 12)
+    r1 = Request(1, shared + [7, 8, 9])
+    eng.run_request(r1)
+    # Every stored key is the namespace prefix + the engine's hash of that block.
+    hashes = eng.block_hashes(Request(0, shared))
+    prefix = identity.EngineChain(eng.sched.namespace, TPB, standin_engine_hash)._prefix
+    index = eng.worker.tiers.orchestrator.host.index
+    keys = [prefix + h.to_bytes(8, "little") for h in hashes]
+    assert index.lookup_prefix(keys) == 3
+    assert eng.sched.counts["engine_hash_mismatches"] == 0
+    r2 = Request(2, shared + [5, 6])
+    eng.step([r2])
+    assert eng.matched[2] == 12  # found by engine hash, loaded byte-identical (the driver checks)
+
+
+def test_a_chain_that_disagrees_with_the_engine_is_not_saved(tmp_path, engines, monkeypatch):
+    monkeypatch.setattr(identity, "engine_block_hasher", lambda: standin_engine_hash)
+
+    def other_engine_hash(tokens, parent, lora, salt_id):  # e.g. a release that hashes differently
+        return standin_engine_hash(tokens, parent ^ 1, lora, salt_id)
+
+    eng = make(tmp_path, block_hasher=other_engine_hash, block_identity="engine")
+    engines.append(eng)
+    shared = prompt(2, 12)
+    eng.run_request(Request(1, shared + [7]))
+    assert eng.sched.counts["engine_hash_mismatches"] == 1
+    assert eng.worker.counts["offloaded_blocks"] == 0
+    eng.step([Request(2, shared + [5])])
+    assert eng.matched[2] == 0
+
+
+def test_a_request_whose_hash_cannot_be_reproduced_is_neither_matched_nor_saved(tmp_path, engines, monkeypatch):
+    monkeypatch.setattr(identity, "engine_block_hasher", lambda: salt_blind_hasher)
+    eng = make(tmp_path, block_identity="engine")
+    engines.append(eng)
+    shared = prompt(3, 12)
+    salted = Request(1, shared + [7])
+    salted.cache_salt_id = 99
+    eng.run_request(salted)
+    assert eng.sched.counts["unkeyed_requests"] == 1
+    assert eng.worker.counts["offloaded_blocks"] == 0
+    # Unsalted requests still work under the engine's hash.
+    eng.run_request(Request(2, shared + [8]))
+    eng.step([Request(3, shared + [9])])
+    assert eng.matched[3] == 12

@@ -94,6 +94,13 @@ class Request:
         return list(self.tokens)
 
 
+def standin_engine_hash(tokens, parent, lora, salt_id):
+    """Stands in for TensorRT-LLM's BlockKeyHasher (not installable here): a 64-bit hash chained
+    over the parent hash, LoRA task, salt id (first block) and the block's tokens."""
+    h = hashlib.blake2b(repr((parent, lora, salt_id, [int(t) for t in tokens])).encode(), digest_size=8)
+    return int.from_bytes(h.digest(), "little")
+
+
 def llm_args(tokens_per_block, model="tiny-model"):
     return SimpleNamespace(
         model=model,
@@ -104,9 +111,21 @@ def llm_args(tokens_per_block, model="tiny-model"):
 
 class Engine:
     def __init__(
-        self, scheduler, worker, *, num_blocks=64, layers=3, tokens_per_block=4, width=24, dtype=torch.float16
+        self,
+        scheduler,
+        worker,
+        *,
+        num_blocks=64,
+        layers=3,
+        tokens_per_block=4,
+        width=24,
+        dtype=torch.float16,
+        block_hasher=None,
     ):
+        """`block_hasher`: when set, RequestData carries the engine's block_hashes computed with
+        it (as releases from mid-2026 do with the V1 KV cache manager); else they are empty."""
         self.sched, self.worker = scheduler, worker
+        self.block_hasher = block_hasher
         self.tpb, self.layers = tokens_per_block, layers
         self.pool = torch.zeros(num_blocks, layers, 2, tokens_per_block * width, dtype=dtype)
         self.width = width
@@ -124,6 +143,17 @@ class Engine:
         d = hashlib.blake2b(repr((tuple(prefix), layer)).encode(), digest_size=8).digest()
         g = torch.Generator().manual_seed(int.from_bytes(d, "little") >> 1)
         return torch.randn(2, self.width, generator=g).to(self.pool.dtype)
+
+    def block_hashes(self, req):
+        """The engine's cumulative hash chain over the request's full blocks."""
+        if self.block_hasher is None:
+            return []
+        out, parent = [], 0
+        for i in range(len(req.tokens) // self.tpb):
+            salt = getattr(req, "cache_salt_id", None) if i == 0 else None
+            parent = self.block_hasher(req.tokens[i * self.tpb : (i + 1) * self.tpb], parent, req.lora_task_id, salt)
+            out.append(parent)
+        return out
 
     def _slot(self, block, pos, layer):
         off = (pos % self.tpb) * self.width
@@ -175,6 +205,7 @@ class Engine:
                     list(req.block_ids),
                     start - req.external,
                     req.prompt_len - start,
+                    block_hashes=self.block_hashes(req),
                     priorities=None
                     if req.kv_cache_retention_config is None
                     else [self.priority_of(req, i) for i in range(len(req.block_ids))],
@@ -186,7 +217,15 @@ class Engine:
             else:
                 new_tokens = req.tokens[req.reported_tokens :]
                 req.reported_tokens = len(req.tokens)
-                data = RequestData(req.request_id, new_tokens, [], len(req.tokens) - 1, 1, cache_salt=req.cache_salt)
+                data = RequestData(
+                    req.request_id,
+                    new_tokens,
+                    [],
+                    len(req.tokens) - 1,
+                    1,
+                    block_hashes=self.block_hashes(req),
+                    cache_salt=req.cache_salt,
+                )
                 out.cached_requests.append(data)
                 computing.append((req, len(req.tokens) - 1, len(req.tokens)))
         meta = self.sched.build_connector_meta(out)

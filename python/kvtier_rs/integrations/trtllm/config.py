@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier_rs._core import InvalidArgumentError
+from kvtier_rs.integrations.trtllm.identity import SCHEMES
 from kvtier_rs.options import OptionReader
 
 ENV_VAR = "KVTIER_TRTLLM_CONFIG"
@@ -45,6 +46,8 @@ KEYS: dict[str, str] = {
     "hit only when moving it beats recomputing it",
     "namespace": "string mixed into every block key, e.g. the model name (default: llm_args.model)",
     "load_timeout_s": "seconds wait_for_layer_load waits for a load before failing (default 60)",
+    "block_identity": "\"auto\" (default: the engine's own block hash when TensorRT-LLM's hasher imports, "
+    'else kvtier\'s chain), "engine" or "kvtier"',
 }
 
 _IO_ENGINES = ("auto", "cpu", "cuda")
@@ -84,6 +87,7 @@ class ConnectorOptions:
     prefill_tokens_per_s: float | None = None
     namespace: str | None = None
     load_timeout_s: float = 60.0
+    block_identity: str = "auto"
 
 
 def parse_options(raw: Mapping[str, Any]) -> ConnectorOptions:
@@ -138,6 +142,10 @@ def parse_options(raw: Mapping[str, Any]) -> ConnectorOptions:
     if isinstance(t, bool) or not isinstance(t, int | float) or not t > 0:
         raise _err("load_timeout_s", f"expected a positive number of seconds, got {t!r}")
     kw["load_timeout_s"] = float(t)
+    ident = raw.get("block_identity", "auto")
+    if ident not in SCHEMES:
+        raise _err("block_identity", f"{ident!r} is not one of " + ", ".join(SCHEMES))
+    kw["block_identity"] = ident
     return ConnectorOptions(**kw)
 
 

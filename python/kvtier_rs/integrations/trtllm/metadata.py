@@ -1,4 +1,4 @@
-"""What the scheduler (rank 0) sends every worker each iteration, and block identity.
+"""What the scheduler (rank 0) sends every worker each iteration.
 
 The metadata is MPI-broadcast by TensorRT-LLM, so it is small and picklable: frozen dataclasses
 of tuples of ints and 16-byte keys, no tensors, no references to kvtier objects. A worker needs
@@ -8,14 +8,12 @@ which device blocks to save under which keys, priorities and durations.
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvtier_rs._core import InvalidArgumentError
 
-KEY_BYTES = 16
+KEY_BYTES = 16  # every block key, under either identity scheme (see identity.py)
 DEFAULT_PRIORITY = 35
 
 
@@ -82,33 +80,6 @@ def validate_metadata(meta: Any, num_blocks: int) -> KvtierConnectorMetadata:
                 if any(isinstance(p, bool) or not isinstance(p, int) or not 0 <= p <= 100 for p in s.priorities):
                     raise _bad(where, f"priorities must be ints in 0..100, got {list(s.priorities)}")
     return meta
-
-
-# ---- block identity ------------------------------------------------------------------------
-
-
-def chain_root(namespace: str, tokens_per_block: int, salt: Any, lora_task_id: Any) -> bytes:
-    """The parent of a request's first block: everything besides tokens that makes KV differ."""
-    h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"kvtier-trtllm")
-    for part in (namespace, tokens_per_block, salt, lora_task_id):
-        b = repr(part).encode()
-        h.update(len(b).to_bytes(4, "little") + b)
-    return h.digest()
-
-
-def chain_keys(
-    parent: bytes, tokens: Sequence[int], tokens_per_block: int, first_block: int, count: int
-) -> list[bytes]:
-    """Keys of blocks first_block..first_block+count-1; `parent` is block first_block-1's key
-    (or the root). Each key hashes its parent and its tokens, so equal keys mean equal prefixes."""
-    out = []
-    for i in range(first_block, first_block + count):
-        blk = tokens[i * tokens_per_block : (i + 1) * tokens_per_block]
-        h = hashlib.blake2b(parent, digest_size=KEY_BYTES)
-        h.update(b"".join(int(t).to_bytes(8, "little", signed=True) for t in blk))
-        parent = h.digest()
-        out.append(parent)
-    return out
 
 
 # ---- retention ------------------------------------------------------------------------------

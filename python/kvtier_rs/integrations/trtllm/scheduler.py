@@ -4,21 +4,23 @@ worker loads and saves (``KvtierConnectorMetadata``)."""
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier_rs._core import InvalidArgumentError, KvTierError, NotReadyError
 from kvtier_rs.integrations.trtllm import shared
 from kvtier_rs.integrations.trtllm.config import ConnectorOptions, load_options
+from kvtier_rs.integrations.trtllm.identity import HASH_MASK, block_identity
 from kvtier_rs.integrations.trtllm.metadata import (
     DEFAULT_PRIORITY,
     KvtierConnectorMetadata,
     LoadSpec,
     SaveSpec,
     block_retention,
-    chain_keys,
-    chain_root,
 )
+
+log = logging.getLogger(__name__)
 
 
 def tokens_per_block_of(llm_args: Any) -> int:
@@ -53,6 +55,8 @@ class _Req:
     load_dst: list[int] | None = None
     saved: int = 0  # leading blocks already handed to a SaveSpec (or skipped as GPU/loaded)
     stopped: bool = False  # a block fell below min_offload_priority: nothing later is offloaded
+    unkeyed: bool = False  # its block identity cannot be reproduced: never matched or saved
+    hashes_checked: int = 0  # leading keys checked against the engine's block_hashes
     ever_saved: bool = False
     seen: bool = False  # reported in a SchedulerOutput
 
@@ -67,9 +71,16 @@ class SchedulerCore:
         self.tokens_per_block = tokens_per_block_of(llm_args)
         self.engine = shared.engine_name(llm_args, self.options.namespace)
         self.namespace = self.engine
+        self.identity = block_identity(self.options.block_identity, self.namespace, self.tokens_per_block)
         self._reqs: dict[int, _Req] = {}
         self._steps = itertools.count()
-        self.counts = {"matched_blocks": 0, "saved_blocks": 0, "below_min_priority_blocks": 0}
+        self.counts = {
+            "matched_blocks": 0,
+            "saved_blocks": 0,
+            "below_min_priority_blocks": 0,
+            "unkeyed_requests": 0,
+            "engine_hash_mismatches": 0,
+        }
 
     # ---- helpers ----------------------------------------------------------------------------
     def _tiers(self) -> shared.EngineTiers:
@@ -97,9 +108,36 @@ class SchedulerCore:
 
     def _extend_keys(self, r: _Req) -> None:
         full = len(r.tokens) // self.tokens_per_block
-        if full > len(r.keys):
-            parent = r.keys[-1] if r.keys else chain_root(self.namespace, self.tokens_per_block, r.salt, r.lora)
-            r.keys += chain_keys(parent, r.tokens, self.tokens_per_block, len(r.keys), full - len(r.keys))
+        if full > len(r.keys) and not r.unkeyed:
+            parent = r.keys[-1] if r.keys else None
+            more = self.identity.extend(parent, r.tokens, len(r.keys), full - len(r.keys), r.lora, r.salt)
+            if more is None:
+                r.unkeyed = r.stopped = True
+                self.counts["unkeyed_requests"] += 1
+            else:
+                r.keys += more
+
+    def _check_engine_hashes(self, rid: int, r: _Req, hashes: list[int]) -> None:
+        """Compare kvtier's keys with the engine's own block hashes (cumulative, block i at
+        index i). A difference stops saving the request: kvtier must not file KV under a name
+        the engine would not give it."""
+        n = min(len(hashes), len(r.keys))
+        if self.identity.scheme != "engine" or r.stopped or n <= r.hashes_checked:
+            return
+        mine = [self.identity.engine_hash(k) for k in r.keys[r.hashes_checked : n]]
+        theirs = [int(h) & HASH_MASK for h in hashes[r.hashes_checked : n]]
+        if mine != theirs:
+            first = r.hashes_checked + next(i for i, (a, b) in enumerate(zip(mine, theirs, strict=True)) if a != b)
+            r.stopped = True
+            self.counts["engine_hash_mismatches"] += 1
+            log.warning(
+                "kvtier: request %s block %d: kvtier's hash %#x differs from the engine's %#x; not saving it",
+                rid,
+                first,
+                mine[first - r.hashes_checked],
+                theirs[first - r.hashes_checked],
+            )
+        r.hashes_checked = n
 
     def _release_pins(self, r: _Req) -> None:
         if r.pinned:
@@ -119,9 +157,9 @@ class SchedulerCore:
         if old is not None:  # asked again (a reset or replay): start over
             self._release_pins(old)
         tokens = list(request.get_tokens(0))
-        salt = getattr(request, "cache_salt", None)
+        salt = getattr(request, "cache_salt_id", None)
         if salt is None:
-            salt = getattr(request, "cache_salt_id", None)
+            salt = getattr(request, "cache_salt", None)
         r = _Req(
             salt=salt,
             lora=getattr(request, "lora_task_id", None),
@@ -136,6 +174,8 @@ class SchedulerCore:
                 f"invalid argument `num_computed_tokens`: {num_computed_tokens} > prompt length {len(tokens)}"
             )
         self._extend_keys(r)
+        if r.unkeyed:
+            return 0, False
         # The engine recomputes at least the prompt's last token (it needs its logits), so only
         # blocks ending before it can be served.
         usable = (len(tokens) - 1) // tpb
@@ -214,6 +254,9 @@ class SchedulerCore:
             r.block_ids += new_ids
             r.priorities += list(prios) if prios is not None else [None] * len(new_ids)
             self._extend_keys(r)
+            hashes = getattr(data, "block_hashes", None)
+            if hashes:
+                self._check_engine_hashes(data.request_id, r, list(hashes))
             if is_new and r.load_keys:
                 if r.load_dst is None:
                     raise KvTierError(
