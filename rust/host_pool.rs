@@ -143,6 +143,64 @@ impl HostRegion {
     }
 }
 
+/// One run of bytes of a copy between a region and another buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Span {
+    pub region_offset: usize,
+    pub other_offset: usize,
+    pub len: usize,
+}
+
+impl HostRegion {
+    /// Check that every span lies inside both the region and a buffer of `other_len` bytes,
+    /// naming the first one that does not.
+    pub fn check_spans(&self, spans: &[Span], other_len: usize) -> KvResult<()> {
+        for (i, s) in spans.iter().enumerate() {
+            let fits = |off: usize, len: usize| off.checked_add(s.len).is_some_and(|end| end <= len);
+            if !fits(s.region_offset, self.len()) || !fits(s.other_offset, other_len) {
+                return Err(KvError::invalid(
+                    "spans",
+                    format!(
+                        "span {i} ({} bytes at pool offset {}, buffer offset {}) does not fit a {}-byte pool and a \
+                         {other_len}-byte buffer",
+                        s.len,
+                        s.region_offset,
+                        s.other_offset,
+                        self.len()
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Copy every span between the region and `other` (into the region when `into_region`),
+    /// after checking them all: nothing moves if any span is out of bounds. Overlap-safe
+    /// (memmove), since `other` may itself be memory the region borrows.
+    ///
+    /// # Safety
+    /// `other` must be valid for reads and writes of `other_len` bytes for the whole call, and
+    /// the caller must own the region bytes it writes (slots in the Writing state or pinned).
+    pub unsafe fn copy_spans(
+        &self,
+        other: *mut u8,
+        other_len: usize,
+        spans: &[Span],
+        into_region: bool,
+    ) -> KvResult<()> {
+        self.check_spans(spans, other_len)?;
+        for s in spans {
+            let (r, o) = (self.as_ptr().add(s.region_offset), other.add(s.other_offset));
+            if into_region {
+                std::ptr::copy(o, r, s.len);
+            } else {
+                std::ptr::copy(r, o, s.len);
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Drop for HostRegion {
     fn drop(&mut self) {
         if self.owned {
@@ -200,6 +258,33 @@ mod tests {
         let e = unsafe { HostRegion::borrowed(p, PAGE - 1, PAGE) }.unwrap_err().to_string();
         assert!(e.contains("cannot hold one slot"), "{e}");
         assert!(unsafe { HostRegion::borrowed(std::ptr::null_mut(), PAGE, PAGE) }.is_err());
+    }
+
+    #[test]
+    fn spans_copy_both_ways_and_out_of_bounds_moves_nothing() {
+        let r = HostRegion::new(2 * PAGE, PAGE).unwrap();
+        let mut other = vec![7u8; 100];
+        let spans = [
+            Span { region_offset: 10, other_offset: 0, len: 4 },
+            Span { region_offset: PAGE, other_offset: 50, len: 50 },
+        ];
+        unsafe { r.copy_spans(other.as_mut_ptr(), other.len(), &spans, true).unwrap() };
+        let slot0 = unsafe { r.slot(0).unwrap() };
+        assert_eq!(&slot0[8..16], &[0, 0, 7, 7, 7, 7, 0, 0]);
+        assert!(unsafe { r.slot(1).unwrap() }[..50].iter().all(|&b| b == 7));
+        let mut back = vec![1u8; 100];
+        unsafe { r.copy_spans(back.as_mut_ptr(), back.len(), &spans[..1], false).unwrap() };
+        assert_eq!(&back[..6], &[7, 7, 7, 7, 1, 1]);
+        // One bad span: an error naming it, and not even the good spans before it are copied.
+        let bad = [spans[0], Span { region_offset: 0, other_offset: 90, len: 11 }];
+        let mut fresh = vec![3u8; 100];
+        let err = unsafe { r.copy_spans(fresh.as_mut_ptr(), fresh.len(), &bad, false) }.unwrap_err();
+        assert!(err.to_string().contains("span 1"), "{err}");
+        assert!(fresh.iter().all(|&b| b == 3));
+        let past_region = [Span { region_offset: 2 * PAGE - 1, other_offset: 0, len: 2 }];
+        assert!(r.check_spans(&past_region, 100).is_err());
+        let overflow = [Span { region_offset: usize::MAX, other_offset: 0, len: 2 }];
+        assert!(r.check_spans(&overflow, 100).is_err());
     }
 
     #[test]

@@ -21,66 +21,43 @@ use crate::error::{KvError, KvResult};
 
 pub const MAX_KEY_BYTES: usize = 64;
 
-#[derive(Clone, Copy)]
-pub struct KeyBytes {
-    len: u8,
-    buf: [u8; MAX_KEY_BYTES],
+/// Which kind of engine digest a key holds; part of its identity.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+#[repr(u8)]
+enum Kind {
+    Int = 0,
+    Bytes = 1,
 }
 
-impl KeyBytes {
-    pub fn as_slice(&self) -> &[u8] {
-        &self.buf[..self.len as usize]
-    }
-}
-
-impl PartialEq for KeyBytes {
-    fn eq(&self, other: &Self) -> bool {
-        self.as_slice() == other.as_slice()
-    }
-}
-impl Eq for KeyBytes {}
-
-impl Hash for KeyBytes {
-    fn hash<H: Hasher>(&self, state: &mut H) {
-        // Length is hashed too (via the slice impl), so prefixes of each other land apart.
-        self.as_slice().hash(state)
-    }
-}
-
-/// An integer key, stored as two words so that keys need no 16-byte alignment (an `i128`
-/// field pads every key from 80 to 96 bytes, and the index holds every key twice).
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
-pub struct KeyInt([u64; 2]);
-
-impl KeyInt {
-    fn new(v: i128) -> Self {
-        KeyInt([v as u64, (v >> 64) as u64])
-    }
-    pub fn get(self) -> i128 {
-        (u128::from(self.0[0]) | (u128::from(self.0[1]) << 64)) as i128
-    }
-}
-
-/// The exact value of a key.
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
-pub enum KeyValue {
-    Int(KeyInt),
-    Bytes(KeyBytes),
+/// The exact value of a key, borrowed from it.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum KeyValue<'a> {
+    Int(i128),
+    Bytes(&'a [u8]),
 }
 
 /// A block key: its exact value plus a hash of it computed once at construction. Maps, policy
 /// queues and the admission sketch hash a key many times per operation; they all reuse this
-/// one. Equality compares the hash first (a fast reject) and then the full value, so a hash
-/// collision can never make two keys equal.
+/// one. Equality compares the hash first (a fast reject) and then kind, length and content, so
+/// a hash collision can never make two keys equal.
+///
+/// Flat and aligned on purpose (80 bytes, content at offset 8): keys are built once per key per
+/// call at the Python boundary and copied into the map, so an enum with an i128 arm (96 bytes)
+/// or a 1-byte-aligned buffer (misaligned copies) cost measurably on every lookup. Integers
+/// are stored as their 16 little-endian bytes.
 #[derive(Clone, Copy)]
 pub struct BlockKey {
     hash: u64,
-    value: KeyValue,
+    buf: [u8; MAX_KEY_BYTES],
+    len: u8,
+    kind: Kind,
 }
 
 impl PartialEq for BlockKey {
     fn eq(&self, other: &Self) -> bool {
-        self.hash == other.hash && self.value == other.value
+        // The buffer past `len` is always zero, so comparing whole buffers (a few vector
+        // compares, no call) is comparing contents.
+        self.hash == other.hash && self.kind == other.kind && self.len == other.len && self.buf == other.buf
     }
 }
 impl Eq for BlockKey {}
@@ -91,20 +68,34 @@ impl Hash for BlockKey {
     }
 }
 
-fn key_hash(value: &KeyValue) -> u64 {
+fn key_hash(kind: Kind, content: &[u8]) -> u64 {
     use std::hash::BuildHasher;
     // Fixed seed: the hash only places keys in memory, it is never persisted or compared across
-    // processes, but a fixed seed keeps eviction order reproducible run to run.
-    foldhash::fast::FixedState::with_seed(0x6b76_7469_6572_6b65).hash_one(value)
+    // processes, but a fixed seed keeps eviction order reproducible run to run. The slice's
+    // length is hashed too, so keys that are prefixes of each other land apart.
+    foldhash::fast::FixedState::with_seed(0x6b76_7469_6572_6b65).hash_one((kind, content))
 }
 
 impl BlockKey {
-    fn new(value: KeyValue) -> Self {
-        BlockKey { hash: key_hash(&value), value }
+    fn new(kind: Kind, content: &[u8]) -> Self {
+        Self::with_hash(kind, content, key_hash(kind, content))
     }
 
-    pub fn value(&self) -> &KeyValue {
-        &self.value
+    fn with_hash(kind: Kind, content: &[u8], hash: u64) -> Self {
+        let mut buf = [0u8; MAX_KEY_BYTES];
+        buf[..content.len()].copy_from_slice(content);
+        BlockKey { hash, buf, len: content.len() as u8, kind }
+    }
+
+    fn as_bytes(&self) -> &[u8] {
+        &self.buf[..self.len as usize]
+    }
+
+    pub fn value(&self) -> KeyValue<'_> {
+        match self.kind {
+            Kind::Int => KeyValue::Int(i128::from_le_bytes(self.buf[..16].try_into().expect("16 bytes"))),
+            Kind::Bytes => KeyValue::Bytes(self.as_bytes()),
+        }
     }
 
     /// The 64-bit hash computed at construction (places the key in maps; never identity).
@@ -113,10 +104,15 @@ impl BlockKey {
     }
 
     pub fn from_int(v: i128) -> Self {
-        BlockKey::new(KeyValue::Int(KeyInt::new(v)))
+        BlockKey::new(Kind::Int, &v.to_le_bytes())
     }
 
     pub fn from_bytes(b: &[u8]) -> KvResult<Self> {
+        Self::check_bytes(b)?;
+        Ok(BlockKey::new(Kind::Bytes, b))
+    }
+
+    fn check_bytes(b: &[u8]) -> KvResult<()> {
         if b.is_empty() {
             return Err(KvError::invalid("key", "bytes key is empty"));
         }
@@ -126,26 +122,15 @@ impl BlockKey {
                 format!("bytes key is {} bytes long, at most {MAX_KEY_BYTES} are allowed", b.len()),
             ));
         }
-        let mut buf = [0u8; MAX_KEY_BYTES];
-        buf[..b.len()].copy_from_slice(b);
-        Ok(BlockKey::new(KeyValue::Bytes(KeyBytes { len: b.len() as u8, buf })))
+        Ok(())
     }
 
     /// A stable, self-describing encoding (tag byte, length byte, content) for persistence:
     /// the disk tier stores this in slot headers and compares it in full on every read.
     pub fn encode(&self) -> Vec<u8> {
-        match &self.value {
-            KeyValue::Int(v) => {
-                let mut out = vec![0u8, 16];
-                out.extend_from_slice(&v.get().to_le_bytes());
-                out
-            }
-            KeyValue::Bytes(b) => {
-                let mut out = vec![1u8, b.len];
-                out.extend_from_slice(b.as_slice());
-                out
-            }
-        }
+        let mut out = vec![self.kind as u8, self.len];
+        out.extend_from_slice(self.as_bytes());
+        out
     }
 
     /// Inverse of `encode`; returns None for anything malformed (used on untrusted disk data).
@@ -161,13 +146,73 @@ impl BlockKey {
     }
 }
 
+/// A key probe: a key validated and hashed exactly as `BlockKey` would be, whose bytes are
+/// borrowed from the caller's memory (a Python `bytes` object) or, for an integer, held inline.
+/// Lock-free reads and store completion probe the map with it directly, so a call across the
+/// Python boundary builds no 80-byte key per item.
+#[derive(Clone, Copy)]
+pub struct KeyProbe<'a> {
+    hash: u64,
+    content: ProbeContent<'a>,
+}
+
+#[derive(Clone, Copy)]
+enum ProbeContent<'a> {
+    Bytes(&'a [u8]),
+    Int([u8; 16]),
+}
+
+impl<'a> KeyProbe<'a> {
+    /// A bytes key, with the same checks as `BlockKey::from_bytes`.
+    pub fn bytes(b: &'a [u8]) -> KvResult<Self> {
+        BlockKey::check_bytes(b)?;
+        Ok(KeyProbe { hash: key_hash(Kind::Bytes, b), content: ProbeContent::Bytes(b) })
+    }
+
+    pub fn int(v: i128) -> Self {
+        let le = v.to_le_bytes();
+        KeyProbe { hash: key_hash(Kind::Int, &le), content: ProbeContent::Int(le) }
+    }
+
+    fn kind(&self) -> Kind {
+        match self.content {
+            ProbeContent::Bytes(_) => Kind::Bytes,
+            ProbeContent::Int(_) => Kind::Int,
+        }
+    }
+
+    fn content(&self) -> &[u8] {
+        match &self.content {
+            ProbeContent::Bytes(b) => b,
+            ProbeContent::Int(le) => le,
+        }
+    }
+
+    /// The key itself (for writers, which keep keys).
+    pub fn to_key(&self) -> BlockKey {
+        BlockKey::with_hash(self.kind(), self.content(), self.hash)
+    }
+}
+
+impl Hash for KeyProbe<'_> {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        state.write_u64(self.hash)
+    }
+}
+
+impl scc::Equivalent<BlockKey> for KeyProbe<'_> {
+    fn equivalent(&self, key: &BlockKey) -> bool {
+        self.hash == key.hash && self.kind() == key.kind && self.content() == key.as_bytes()
+    }
+}
+
 impl fmt::Debug for BlockKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match &self.value {
-            KeyValue::Int(v) => write!(f, "Int({})", v.get()),
+        match self.value() {
+            KeyValue::Int(v) => write!(f, "Int({v})"),
             KeyValue::Bytes(b) => {
                 write!(f, "Bytes(")?;
-                for byte in b.as_slice() {
+                for byte in b {
                     write!(f, "{byte:02x}")?;
                 }
                 write!(f, ")")
@@ -221,9 +266,25 @@ mod tests {
     #[test]
     fn integer_keys_round_trip_their_full_range() {
         for v in [0i128, -1, i128::MIN, i128::MAX, u64::MAX as i128, -(u64::MAX as i128)] {
-            let KeyValue::Int(k) = *BlockKey::from_int(v).value() else { unreachable!() };
-            assert_eq!(k.get(), v);
+            assert_eq!(BlockKey::from_int(v).value(), KeyValue::Int(v));
         }
+    }
+
+    #[test]
+    fn a_borrowed_probe_matches_exactly_its_own_key() {
+        use scc::Equivalent;
+        let k = BlockKey::from_bytes(b"abc").unwrap();
+        let probe = KeyProbe::bytes(b"abc").unwrap();
+        assert_eq!(probe.hash, k.hash);
+        assert!(probe.equivalent(&k));
+        assert!(!KeyProbe::bytes(b"abd").unwrap().equivalent(&k));
+        assert!(!KeyProbe::bytes(b"abc\0").unwrap().equivalent(&k));
+        assert!(!KeyProbe::bytes(&7i128.to_le_bytes()).unwrap().equivalent(&BlockKey::from_int(7)));
+        assert!(KeyProbe::int(7).equivalent(&BlockKey::from_int(7)));
+        assert!(!KeyProbe::int(7).equivalent(&BlockKey::from_int(-7)));
+        assert!(KeyProbe::int(-1).to_key() == BlockKey::from_int(-1));
+        assert!(KeyProbe::bytes(&[]).is_err());
+        assert!(KeyProbe::bytes(&[0; 65]).is_err());
     }
 
     #[test]

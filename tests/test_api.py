@@ -92,6 +92,35 @@ def test_pool_views_are_zero_copy_and_page_aligned():
     assert arr.ctypes.data == pool.ptr == t.data_ptr()
 
 
+def test_pool_copy_spans_moves_exactly_the_spans_and_checks_every_one_first():
+    pool = kv.HostPool(2 * 4096, 4096)
+    arr = np.frombuffer(pool, dtype=np.uint8)
+    src = np.arange(100, dtype=np.uint8)
+    spans = np.array([[4096, 10, 5], [0, 90, 10]], dtype=np.int64)
+    assert pool.copy_spans(src, spans, into_pool=True) == 15
+    assert list(arr[4096:4101]) == list(range(10, 15)) and list(arr[:10]) == list(range(90, 100))
+    assert not arr[10:4096].any() and not arr[4101:].any()
+    out = np.zeros(20, dtype=np.uint8)
+    pool.copy_spans(out, np.array([[4096, 3, 5]], dtype=np.int64), into_pool=False)
+    assert list(out[3:8]) == list(range(10, 15)) and not out[:3].any() and not out[8:].any()
+    # Every span is checked before any byte moves.
+    with pytest.raises(kv.InvalidArgumentError, match="span 1"):
+        pool.copy_spans(out, np.array([[0, 0, 4], [8190, 0, 4]], dtype=np.int64), into_pool=False)
+    assert not out[:3].any()
+    with pytest.raises(kv.InvalidArgumentError, match="span 0"):
+        pool.copy_spans(out, np.array([[0, 18, 4]], dtype=np.int64), into_pool=True)
+    with pytest.raises(kv.InvalidArgumentError, match="negative"):
+        pool.copy_spans(out, np.array([[0, -1, 4]], dtype=np.int64), into_pool=True)
+    with pytest.raises(kv.InvalidArgumentError, match="rows of 3"):
+        pool.copy_spans(out, np.array([0, 1], dtype=np.int64), into_pool=True)
+    with pytest.raises(kv.InvalidArgumentError, match="int64"):
+        pool.copy_spans(out, [[0, 0, 1]], into_pool=True)
+    with pytest.raises(kv.InvalidArgumentError, match="read-only"):
+        pool.copy_spans(b"x" * 20, np.array([[0, 0, 1]], dtype=np.int64), into_pool=False)
+    with pytest.raises(kv.InvalidArgumentError, match="C-contiguous"):
+        pool.copy_spans(out[::2], np.array([[0, 0, 1]], dtype=np.int64), into_pool=True)
+
+
 def test_host_tier_round_trip_and_eviction():
     tier = kv.HostTier(kv.TierConfig(capacity_bytes=4 * 4096, block_bytes=4096, policy="lru"))
     payload = {i: bytes([i]) * 4096 for i in range(6)}

@@ -8,6 +8,7 @@ import pickle
 import sys
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -369,3 +370,39 @@ def test_a_request_whose_hash_cannot_be_reproduced_is_neither_matched_nor_saved(
     eng.run_request(Request(2, shared + [8]))
     eng.step([Request(3, shared + [9])])
     assert eng.matched[3] == 12
+
+
+def test_engine_hasher_calls_tensorrt_llms_own_hash_as_the_engine_chains_it(monkeypatch):
+    # A stand-in for tensorrt_llm.runtime.kv_cache_hash (TensorRT-LLM cannot be installed here)
+    # with its signature; what is checked is kvtier's use of it: chaining, salt on the first
+    # block only (string salts through get_cache_salt_id), non-text tokens refused.
+    class NonTextTokenHashError(Exception):
+        pass
+
+    calls = []
+
+    def hash_v1_block_key(tokens, parent_hash=0, lora_task_id=None, cache_salt_id=None):
+        if any(type(t) is not int for t in tokens):
+            raise NonTextTokenHashError
+        calls.append((tuple(tokens), parent_hash, lora_task_id, cache_salt_id))
+        return standin_engine_hash(tokens, parent_hash, lora_task_id, cache_salt_id)
+
+    kv_hash = types.ModuleType("tensorrt_llm.runtime.kv_cache_hash")
+    kv_hash.hash_v1_block_key = hash_v1_block_key
+    kv_hash.NonTextTokenHashError = NonTextTokenHashError
+    kv_hash.get_cache_salt_id = lambda s: 1000 + len(s)
+    runtime = types.ModuleType("tensorrt_llm.runtime")
+    runtime.kv_cache_hash = kv_hash
+    monkeypatch.setitem(sys.modules, "tensorrt_llm", types.ModuleType("tensorrt_llm"))
+    monkeypatch.setitem(sys.modules, "tensorrt_llm.runtime", runtime)
+    monkeypatch.setitem(sys.modules, "tensorrt_llm.runtime.kv_cache_hash", kv_hash)
+
+    chain = identity.block_identity("engine", "ns", 2)
+    assert chain.scheme == "engine"
+    keys = chain.extend(None, [1, 2, 3, 4], 0, 2, 7, "tenant")
+    h1 = standin_engine_hash((1, 2), 0, 7, 1006)
+    assert calls == [((1, 2), 0, 7, 1006), ((3, 4), h1, 7, None)]
+    assert [chain.engine_hash(k) for k in keys] == [h1, standin_engine_hash((3, 4), h1, 7, None)]
+    # Extending from the last key continues the same chain.
+    assert chain.extend(keys[0], [1, 2, 3, 4], 1, 1, 7, "tenant") == keys[1:]
+    assert chain.extend(None, [1.5, 2], 0, 1, None, None) is None

@@ -158,8 +158,7 @@ fn truncated_slab_gives_misses_not_errors() {
         assert_eq!(r.ok_keys.len(), 2, "{engine:?}");
         assert_eq!(r.failed_keys.len(), 2);
         for (s, key) in r.ok_keys.iter().enumerate() {
-            let KeyValue::Int(id) = *key.value() else { unreachable!() };
-            let id = id.get();
+            let KeyValue::Int(id) = key.value() else { unreachable!() };
             assert_eq!(slot_bytes(&h, s as u32), expected(id as u64));
         }
     }
@@ -256,8 +255,8 @@ fn eviction_keeps_capacity_and_newest_copy_wins_after_restart() {
         .index()
         .snapshot()
         .into_iter()
-        .map(|(k, ..)| match *k.value() {
-            KeyValue::Int(i) => i.get(),
+        .map(|(k, ..)| match k.value() {
+            KeyValue::Int(i) => i,
             _ => unreachable!(),
         })
         .collect();

@@ -34,7 +34,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
-use scc::Guard;
+use scc::{Equivalent, Guard};
 
 pub use entry_state::{BlockState, EntryState};
 pub use stats::{IndexStats, StatsSnapshot};
@@ -254,47 +254,50 @@ impl TierIndex {
     }
 
     /// The key's slot and entry, if its block is still the one the map points at.
-    fn resolve<'g>(&'g self, key: &BlockKey, guard: &'g Guard) -> Option<(SlotRef, &'g BlockEntry)> {
+    fn resolve<'g, Q>(&'g self, key: &Q, guard: &'g Guard) -> Option<(SlotRef, &'g BlockEntry)>
+    where
+        Q: Hash + Equivalent<BlockKey> + ?Sized,
+    {
         let r = *self.map.peek(key, guard)?;
         let e = self.entry(r.slot);
         let (_, _, generation) = e.state.load_with_generation();
         (generation == r.generation).then_some((r, e))
     }
 
-    fn is_ready(&self, key: &BlockKey, guard: &Guard) -> bool {
+    fn is_ready<Q>(&self, key: &Q, guard: &Guard) -> bool
+    where
+        Q: Hash + Equivalent<BlockKey> + ?Sized,
+    {
         self.map.peek(key, guard).is_some_and(|r| self.entry(r.slot).state.is_ready_at(r.generation))
     }
 
     // ---- lock-free reads -------------------------------------------------------------------
 
-    /// Length of the longest prefix of `keys` whose blocks are all ready.
-    pub fn lookup_prefix(&self, keys: &[BlockKey]) -> usize {
-        let n: Result<usize, std::convert::Infallible> = self.lookup_prefix_lazy(keys.iter().map(|k| Ok(*k)));
-        n.unwrap_or_else(|never| match never {})
+    /// A reader for keys produced one at a time (the Python binding walks a list and probes
+    /// with keys borrowed from it). Counting is the caller's: `record_lookup`.
+    pub fn reader(&self) -> IndexReader<'_> {
+        IndexReader { index: self, guard: Guard::new() }
     }
 
-    /// `lookup_prefix` over keys produced one at a time, stopping at the first miss, so a
-    /// caller that must convert keys (the Python binding) converts only those it examines.
-    /// A conversion error is returned as is.
-    pub fn lookup_prefix_lazy<E>(&self, keys: impl Iterator<Item = Result<BlockKey, E>>) -> Result<usize, E> {
-        let guard = Guard::new();
-        let mut n = 0usize;
-        let mut examined = 0usize;
-        for k in keys {
-            let k = k?;
-            examined += 1;
-            if !self.is_ready(&k, &guard) {
-                break;
-            }
-            n += 1;
-        }
-        self.stats.record_lookup(examined, n);
-        Ok(n)
+    /// Count one prefix lookup that examined `examined` keys and found `hits` ready.
+    pub fn record_lookup(&self, examined: usize, hits: usize) {
+        self.stats.record_lookup(examined, hits);
+    }
+
+    /// Length of the longest prefix of `keys` whose blocks are all ready.
+    pub fn lookup_prefix(&self, keys: &[BlockKey]) -> usize {
+        let reader = self.reader();
+        let n = keys.iter().take_while(|k| reader.is_ready(*k)).count();
+        self.record_lookup((n + 1).min(keys.len()), n);
+        n
     }
 
     /// The state of one key, counted as a one-key lookup (hit when ready). The engine adapters'
     /// per-key lookup (vLLM's `lookup` -> HIT / HIT_PENDING / MISS) goes through here.
-    pub fn lookup_state(&self, key: &BlockKey) -> Option<BlockState> {
+    pub fn lookup_state<Q>(&self, key: &Q) -> Option<BlockState>
+    where
+        Q: Hash + Equivalent<BlockKey> + ?Sized,
+    {
         let guard = Guard::new();
         let state = self.resolve(key, &guard).map(|(_, e)| e.state.load().0);
         self.stats.record_single_lookup(state == Some(BlockState::Ready));
@@ -443,8 +446,12 @@ impl TierIndex {
 
     /// Finish stores: success makes blocks readable; failure drops them and frees their slots.
     /// Keys not being written are ignored. Returns how many keys were completed or dropped.
-    /// Success is lock-free (one CAS per key); only a failure takes the policy lock.
-    pub fn complete_store(&self, keys: &[BlockKey], success: bool) -> usize {
+    /// Success is lock-free (one CAS per key); only a failure takes the policy lock. Keys may be
+    /// `BlockKey`s or probes borrowed from the caller (`KeyProbe`).
+    pub fn complete_store<Q>(&self, keys: &[Q], success: bool) -> usize
+    where
+        Q: Hash + Equivalent<BlockKey>,
+    {
         let guard = Guard::new();
         let mut done = 0;
         if success {
@@ -460,8 +467,8 @@ impl TierIndex {
         for k in keys {
             let Some(r) = self.map.peek(k, &guard).copied() else { continue };
             if self.entry(r.slot).state.abandon_write(r.generation) {
-                inner.policy.remove(&Resident::of(r.slot, k));
-                inner.detach(&self.map, r.slot);
+                let key = inner.detach(&self.map, r.slot);
+                inner.policy.remove(&Resident::of(r.slot, &key));
                 self.slots.release(r.slot);
                 done += 1;
             }
@@ -503,7 +510,7 @@ impl TierIndex {
             *wanted.entry(k).or_insert(0) += 1;
         }
         for (k, n) in &wanted {
-            let ok = self.resolve(k, &guard).is_some_and(|(_, e)| e.state.load().1 >= *n);
+            let ok = self.resolve(*k, &guard).is_some_and(|(_, e)| e.state.load().1 >= *n);
             if !ok {
                 return Err(KvError::NotPinned(format!("{k:?}")));
             }
@@ -588,6 +595,22 @@ impl TierIndex {
     /// Number of blocks the policy tracks as resident (must always equal `len`).
     pub fn policy_len(&self) -> usize {
         self.inner.lock().policy.len()
+    }
+}
+
+/// Lock-free reads under one epoch guard (see `TierIndex::reader`).
+pub struct IndexReader<'a> {
+    index: &'a TierIndex,
+    guard: Guard,
+}
+
+impl IndexReader<'_> {
+    /// Whether the key's block is ready. Not counted in stats.
+    pub fn is_ready<Q>(&self, key: &Q) -> bool
+    where
+        Q: Hash + Equivalent<BlockKey> + ?Sized,
+    {
+        self.index.is_ready(key, &self.guard)
     }
 }
 

@@ -190,3 +190,40 @@ fn a_batch_never_evicts_its_own_keys() {
     store(&ix, &[k(0)]);
     assert!(matches!(ix.prepare_store(&[k(0), k(5)], InsertHint::default()), Err(KvError::NoSpace { .. })));
 }
+
+#[test]
+fn a_stale_map_value_never_reaches_the_slots_next_block() {
+    // One slot: key 1 takes it, is evicted by key 2, which reuses the slot (next generation).
+    let ix = index(1, PolicyKind::Lru);
+    store(&ix, &[k(1)]);
+    let (_, _, slot1) = ix.state_of(&k(1)).unwrap();
+    let stale = *ix.map.peek(&k(1), &Guard::new()).unwrap();
+    let out = ix.prepare_store(&[k(2)], InsertHint::default()).unwrap();
+    assert_eq!(out.evicted, vec![(k(1), slot1)]);
+    assert_eq!(out.to_write, vec![(k(2), slot1)]);
+    // A reader still holding key 1's (slot, generation) sees neither a block nor a pin target.
+    let e = ix.entry(stale.slot);
+    assert!(!e.state.is_ready_at(stale.generation));
+    assert_eq!(e.state.try_pin(stale.generation), None);
+    assert!(!e.state.mark_ready(stale.generation), "a stale completion must not publish key 2");
+    assert_eq!(ix.lookup_prefix(&[k(2)]), 0, "key 2 is still being written");
+    ix.complete_store(&[k(2)], true);
+    assert_eq!(ix.lookup_prefix(&[k(2)]), 1);
+    assert_eq!(ix.lookup_prefix(&[k(1)]), 0);
+    assert_eq!(ix.state_of(&k(1)), None);
+}
+
+#[test]
+fn probes_borrowed_from_the_caller_find_the_same_blocks() {
+    use crate::keys::KeyProbe;
+    let ix = index(4, PolicyKind::Lru);
+    let a = BlockKey::from_bytes(b"block-a").unwrap();
+    ix.prepare_store(&[a, k(5)], InsertHint::default()).unwrap();
+    assert_eq!(ix.complete_store(&[KeyProbe::bytes(b"block-a").unwrap(), KeyProbe::int(5)], true), 2);
+    let reader = ix.reader();
+    assert!(reader.is_ready(&KeyProbe::bytes(b"block-a").unwrap()));
+    assert!(reader.is_ready(&KeyProbe::int(5)));
+    assert!(!reader.is_ready(&KeyProbe::bytes(b"block-b").unwrap()));
+    assert!(!reader.is_ready(&KeyProbe::bytes(&5i128.to_le_bytes()).unwrap()), "an int is not its bytes");
+    assert_eq!(ix.lookup_state(&KeyProbe::int(5)), Some(BlockState::Ready));
+}

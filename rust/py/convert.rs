@@ -5,16 +5,22 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyInt, PyList, PyTuple};
 
 use super::errors::invalid;
-use crate::keys::{BlockKey, KeyValue};
+use crate::keys::{BlockKey, KeyProbe, KeyValue};
 
 pub fn key_from_py(obj: &Bound<'_, PyAny>) -> PyResult<BlockKey> {
+    probe_from_py(obj).map(|p| p.to_key())
+}
+
+/// `obj` as a key probe, without building a key: a `bytes` key is borrowed in place (the
+/// common case: vLLM's block hashes), an int is held inline.
+pub fn probe_from_py<'a>(obj: &'a Bound<'_, PyAny>) -> PyResult<KeyProbe<'a>> {
     if let Ok(b) = obj.cast::<PyBytes>() {
-        return Ok(BlockKey::from_bytes(b.as_bytes())?);
+        return Ok(KeyProbe::bytes(b.as_bytes())?);
     }
     if obj.is_instance_of::<PyInt>() {
         return obj
             .extract::<i128>()
-            .map(BlockKey::from_int)
+            .map(KeyProbe::int)
             .map_err(|_| invalid("key", "integer key does not fit in 128 bits"));
     }
     Err(invalid(
@@ -40,8 +46,8 @@ pub fn keys_from_py(obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockKey>> {
 
 pub fn key_to_py<'py>(py: Python<'py>, key: &BlockKey) -> PyResult<Bound<'py, PyAny>> {
     Ok(match key.value() {
-        KeyValue::Int(v) => v.get().into_pyobject(py)?.into_any(),
-        KeyValue::Bytes(b) => PyBytes::new(py, b.as_slice()).into_any(),
+        KeyValue::Int(v) => v.into_pyobject(py)?.into_any(),
+        KeyValue::Bytes(b) => PyBytes::new(py, b).into_any(),
     })
 }
 

@@ -8,14 +8,14 @@ use std::ffi::c_int;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use pyo3::buffer::PyUntypedBuffer;
+use pyo3::buffer::{PyBuffer, PyUntypedBuffer};
 use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 
 use super::errors::invalid;
 use super::index::positive;
-use crate::host_pool::HostRegion;
+use crate::host_pool::{HostRegion, Span};
 use crate::slots::SlotAllocator;
 
 #[pyclass(frozen, module = "kvtier_rs._core")]
@@ -75,6 +75,48 @@ impl HostPool {
         let region = unsafe { HostRegion::borrowed(buf.buf_ptr().cast(), buf.len_bytes(), slot)? };
         let slots = Arc::new(SlotAllocator::new(region.num_slots()));
         Ok(HostPool { region, slots, claimed: AtomicBool::new(false), borrowed: Some(buf) })
+    }
+
+    /// Copy byte runs between the pool and `buffer` (any C-contiguous buffer: numpy over a
+    /// tensor's storage, a memoryview), with the GIL released. `spans` is an int64 buffer (e.g.
+    /// a numpy array of shape (n, 3)) of (pool_offset, buffer_offset, nbytes) rows. Every span
+    /// is checked against both extents before any byte moves. Returns the bytes copied.
+    /// The caller must own the pool bytes it writes (slots being written, or pinned).
+    #[pyo3(signature = (buffer, spans, *, into_pool))]
+    fn copy_spans(
+        &self,
+        py: Python<'_>,
+        buffer: &Bound<'_, PyAny>,
+        spans: &Bound<'_, PyAny>,
+        into_pool: bool,
+    ) -> PyResult<usize> {
+        let buf =
+            PyUntypedBuffer::get(buffer).map_err(|e| invalid("buffer", format!("does not export a buffer: {e}")))?;
+        if !buf.is_c_contiguous() {
+            return Err(invalid("buffer", "is not C-contiguous; pass the whole underlying storage"));
+        }
+        if !into_pool && buf.readonly() {
+            return Err(invalid("buffer", "is read-only; it cannot receive a copy out of the pool"));
+        }
+        let rows = PyBuffer::<i64>::get(spans)
+            .and_then(|b| b.to_vec(py))
+            .map_err(|_| invalid("spans", "expected an int64 buffer of (pool_offset, buffer_offset, nbytes) rows"))?;
+        if rows.len() % 3 != 0 {
+            return Err(invalid("spans", format!("{} values do not make rows of 3", rows.len())));
+        }
+        let spans = rows
+            .chunks_exact(3)
+            .map(|r| match (usize::try_from(r[0]), usize::try_from(r[1]), usize::try_from(r[2])) {
+                (Ok(region_offset), Ok(other_offset), Ok(len)) => Ok(Span { region_offset, other_offset, len }),
+                _ => Err(invalid("spans", format!("negative value in span {r:?}"))),
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let (ptr, len) = (buf.buf_ptr() as usize, buf.len_bytes());
+        let region = &self.region;
+        // SAFETY: `buf` keeps the exporter's memory alive and in place for the whole call, and
+        // copy_spans checks every span against its length before copying.
+        py.detach(|| unsafe { region.copy_spans(ptr as *mut u8, len, &spans, into_pool) })?;
+        Ok(spans.iter().map(|s| s.len).sum())
     }
 
     /// True when the pool wraps memory exported by another object (`HostPool.wrap`).

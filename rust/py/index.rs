@@ -5,7 +5,7 @@
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use super::convert::{as_list, key_from_py, key_to_py, keys_from_py, keys_to_py};
+use super::convert::{as_list, key_from_py, key_to_py, keys_from_py, keys_to_py, probe_from_py};
 use super::errors::invalid;
 use super::host_pool::HostPool;
 use crate::admission::AdmissionRule;
@@ -17,7 +17,8 @@ use crate::policy::{InsertHint, PolicyKind, DEFAULT_PRIORITY, MAX_PRIORITY};
 /// (key, state, pins, slot) as `entries()` returns them.
 type EntryRow<'py> = (Bound<'py, PyAny>, &'static str, u32, u32);
 
-/// Below this many keys a lookup walk is done without releasing the GIL (see lookup_prefix).
+/// Below this many keys a lookup or store completion runs without releasing the GIL: the
+/// per-key work is cheaper than releasing and re-taking it.
 const LONG_WALK_KEYS: usize = 256;
 
 pub(crate) fn tier_id(name: &str) -> PyResult<u8> {
@@ -174,7 +175,17 @@ impl BlockIndex {
     fn lookup_prefix(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
         if let Ok(list) = keys.cast::<PyList>() {
             if list.len() < LONG_WALK_KEYS {
-                return self.inner.lookup_prefix_lazy(list.iter().map(|k| key_from_py(&k)));
+                let reader = self.inner.reader();
+                let (mut examined, mut n) = (0, 0);
+                for item in list.iter() {
+                    examined += 1;
+                    if !reader.is_ready(&probe_from_py(&item)?) {
+                        break;
+                    }
+                    n += 1;
+                }
+                self.inner.record_lookup(examined, n);
+                return Ok(n);
             }
         }
         let keys = keys_from_py(keys)?;
@@ -219,8 +230,14 @@ impl BlockIndex {
     /// Finish stores; failure drops the blocks and frees their slots. Returns how many changed.
     #[pyo3(signature = (keys, success=true))]
     fn complete_store(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, success: bool) -> PyResult<usize> {
-        let keys = keys_from_py(keys)?;
-        Ok(py.detach(|| self.inner.complete_store(&keys, success)))
+        // Probes borrow each bytes key in place; `items` keeps the (immutable) objects alive for
+        // the whole call, also while the GIL is released for a long batch.
+        let items: Vec<Bound<'_, PyAny>> = as_list(keys)?.iter().collect();
+        let probes = items.iter().map(|k| probe_from_py(k)).collect::<PyResult<Vec<_>>>()?;
+        if probes.len() < LONG_WALK_KEYS {
+            return Ok(self.inner.complete_store(&probes, success));
+        }
+        Ok(py.detach(|| self.inner.complete_store(&probes, success)))
     }
 
     /// Pin all keys for a load and return their slots; all-or-nothing (NotReadyError).
@@ -282,8 +299,7 @@ impl BlockIndex {
         let _ = context;
         let results =
             self.lookup_results.get().ok_or_else(|| invalid("lookup_results", "call set_lookup_results() first"))?;
-        let k = key_from_py(key)?;
-        let i = match self.inner.lookup_state(&k) {
+        let i = match self.inner.lookup_state(&probe_from_py(key)?) {
             Some(crate::index::BlockState::Ready) => 0,
             Some(crate::index::BlockState::Writing) => 1,
             _ => 2,
@@ -292,8 +308,9 @@ impl BlockIndex {
     }
 
     fn lookup_one(&self, key: &Bound<'_, PyAny>) -> PyResult<bool> {
-        let k = key_from_py(key)?;
-        Ok(self.inner.lookup_prefix(std::slice::from_ref(&k)) == 1)
+        let hit = self.inner.reader().is_ready(&probe_from_py(key)?);
+        self.inner.record_lookup(1, usize::from(hit));
+        Ok(hit)
     }
 
     /// Reserve a slot for one key: the slot, or None if it was present or refused.
@@ -311,8 +328,7 @@ impl BlockIndex {
 
     #[pyo3(signature = (key, success=true))]
     fn complete_store_one(&self, key: &Bound<'_, PyAny>, success: bool) -> PyResult<bool> {
-        let k = key_from_py(key)?;
-        Ok(self.inner.complete_store(std::slice::from_ref(&k), success) == 1)
+        Ok(self.inner.complete_store(&[probe_from_py(key)?], success) == 1)
     }
 
     fn pin_one(&self, key: &Bound<'_, PyAny>) -> PyResult<u32> {

@@ -49,13 +49,17 @@ class Region:
             offset_bytes=offset_bytes,
         )
 
+    def storage_bytes(self) -> tuple[torch.Tensor, int]:
+        """The tensor's whole storage as a flat uint8 tensor (no copy), and the byte offset of
+        block 0's chunk in it; block b's chunk starts `b * block_stride_bytes` further on."""
+        t = self.tensor
+        base = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+        return base, t.storage_offset() * t.element_size() + self.offset_bytes
+
     def byte_rows(self) -> torch.Tensor:
         """A uint8 view (num_blocks, bytes_per_block) over this region's chunks (no copy)."""
-        t = self.tensor
-        storage = t.untyped_storage()
-        base = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-        start = t.storage_offset() * t.element_size() + self.offset_bytes
-        return base.as_strided((t.shape[0], self.bytes_per_block), (self.block_stride_bytes, 1), start)
+        base, start = self.storage_bytes()
+        return base.as_strided((self.tensor.shape[0], self.bytes_per_block), (self.block_stride_bytes, 1), start)
 
     def data_ptr(self) -> int:
         """Address of block 0's chunk."""

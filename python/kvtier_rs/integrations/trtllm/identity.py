@@ -34,23 +34,38 @@ from kvtier_rs.integrations.trtllm.metadata import KEY_BYTES
 
 HASH_MASK = (1 << 64) - 1
 
-# (tokens of one block, parent engine hash (0 for the first block), lora task id, cache salt id)
-# -> the block's engine hash, or None when the engine's hash cannot be reproduced for them.
+# (tokens of one block, parent engine hash (0 for the first block), lora task id, cache salt
+# (id or string; first block only)) -> the block's engine hash, or None when it cannot be
+# reproduced for them.
 EngineHash = Callable[[Sequence[int], int, Any, Any], "int | None"]
 
 SCHEMES = ("auto", "engine", "kvtier")
 
 
 def engine_block_hasher() -> EngineHash | None:
-    """TensorRT-LLM's block hash as a function, or None where TensorRT-LLM is not importable."""
+    """TensorRT-LLM's block hash as a function, or None where TensorRT-LLM is not importable.
+    The salt argument is the request's ``cache_salt_id`` (int) or ``cache_salt`` (str)."""
     try:
-        from tensorrt_llm.runtime.kv_cache_hash import hash_v1_block_key  # newer releases
+        from tensorrt_llm.runtime import kv_cache_hash  # newer releases: the engine's hash in Python
     except ImportError:
-        hash_v1_block_key = None
-    if hash_v1_block_key is not None:
+        kv_cache_hash = None
+    if kv_cache_hash is not None:
+        not_text = getattr(kv_cache_hash, "NonTextTokenHashError", ())
+        salt_id_of = getattr(kv_cache_hash, "get_cache_salt_id", None)
 
-        def hash_v1(tokens: Sequence[int], parent: int, lora: Any, salt_id: Any) -> int | None:
-            return int(hash_v1_block_key(list(tokens), parent_hash=parent, lora_task_id=lora, cache_salt_id=salt_id))
+        def hash_v1(tokens: Sequence[int], parent: int, lora: Any, salt: Any) -> int | None:
+            if isinstance(salt, str):
+                if salt_id_of is None:
+                    return None
+                salt = salt_id_of(salt)
+            try:
+                return int(
+                    kv_cache_hash.hash_v1_block_key(
+                        list(tokens), parent_hash=parent, lora_task_id=lora, cache_salt_id=salt
+                    )
+                )
+            except not_text:
+                return None  # non-text tokens: the engine hashes them some other way
 
         return hash_v1
     try:
@@ -58,8 +73,8 @@ def engine_block_hasher() -> EngineHash | None:
     except ImportError:
         return None
 
-    def hash_bindings(tokens: Sequence[int], parent: int, lora: Any, salt_id: Any) -> int | None:
-        if salt_id is not None:
+    def hash_bindings(tokens: Sequence[int], parent: int, lora: Any, salt: Any) -> int | None:
+        if salt is not None:
             return None  # these bindings take no cache salt: the engine's hash is not reproducible
         return int(BlockKeyHasher.hash(BlockKey(list(tokens), lora), parent))
 
