@@ -169,6 +169,14 @@ impl<'a> KeyProbe<'a> {
         Ok(KeyProbe { hash: key_hash(Kind::Bytes, b), content: ProbeContent::Bytes(b) })
     }
 
+    /// `bytes` for the hot path: None instead of an error (the caller asks `bytes` for the
+    /// error only when there is one; returning a large `Result` costs a stall per call).
+    #[inline]
+    pub fn try_bytes(b: &'a [u8]) -> Option<Self> {
+        (!b.is_empty() && b.len() <= MAX_KEY_BYTES)
+            .then(|| KeyProbe { hash: key_hash(Kind::Bytes, b), content: ProbeContent::Bytes(b) })
+    }
+
     pub fn int(v: i128) -> Self {
         let le = v.to_le_bytes();
         KeyProbe { hash: key_hash(Kind::Int, &le), content: ProbeContent::Int(le) }

@@ -101,7 +101,10 @@ impl EntryState {
     }
 
     /// Start the slot's next generation in `state` (Writing for a store, Ready for a block
-    /// recovered from disk). Only for a vacant slot, by the one writer that holds it.
+    /// recovered from disk). Only for a vacant slot, by the one writer that holds it. A plain
+    /// store is enough: while the slot is vacant (Evicting, no pins) no lock-free transition can
+    /// succeed (`mark_ready` needs Writing, `unpin` needs a pin, `try_pin` needs Ready), and
+    /// every stale compare-and-swap fails on the whole word.
     pub fn occupy(&self, state: BlockState) -> u32 {
         let (s, pins, g) = self.load_with_generation();
         debug_assert!(s == BlockState::Evicting && pins == 0, "occupying a slot that holds a block");

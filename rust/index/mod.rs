@@ -54,6 +54,15 @@ struct SlotRef {
 }
 
 type Map = scc::HashIndex<BlockKey, SlotRef, foldhash::fast::RandomState>;
+
+/// A key's block as one consistent read: its slot and entry, and the state and pins read with
+/// the generation check.
+struct Resolved<'a> {
+    slot: u32,
+    entry: &'a BlockEntry,
+    state: BlockState,
+    pins: u32,
+}
 type FastSet<T> = HashSet<T, foldhash::fast::RandomState>;
 
 /// Everything the index knows about the block in one slot (the slot is the arena index; the
@@ -179,7 +188,10 @@ impl Inner {
     /// record and its map entry. Returns its key.
     fn detach(&mut self, map: &Map, slot: u32) -> BlockKey {
         let key = self.keys[slot as usize].take().expect("a resident slot has a key");
-        map.remove_sync(&key);
+        // Only this slot's entry: a map entry for the key pointing elsewhere would be a bug, and
+        // removing it would orphan that slot.
+        let removed = map.remove_if_sync(&key, |r| r.slot == slot);
+        assert!(removed, "slot {slot}'s key was not mapped to it");
         key
     }
 }
@@ -253,15 +265,17 @@ impl TierIndex {
         &self.entries[slot as usize]
     }
 
-    /// The key's slot and entry, if its block is still the one the map points at.
-    fn resolve<'g, Q>(&'g self, key: &Q, guard: &'g Guard) -> Option<(SlotRef, &'g BlockEntry)>
+    /// The key's slot, entry, state and pins, if its block is still the one the map points at.
+    /// State and pins come from the same load that checked the generation: a second load could
+    /// already describe the slot's next block.
+    fn resolve<'g, Q>(&'g self, key: &Q, guard: &'g Guard) -> Option<Resolved<'g>>
     where
         Q: Hash + Equivalent<BlockKey> + ?Sized,
     {
         let r = *self.map.peek(key, guard)?;
-        let e = self.entry(r.slot);
-        let (_, _, generation) = e.state.load_with_generation();
-        (generation == r.generation).then_some((r, e))
+        let entry = self.entry(r.slot);
+        let (state, pins, generation) = entry.state.load_with_generation();
+        (generation == r.generation).then_some(Resolved { slot: r.slot, entry, state, pins })
     }
 
     fn is_ready<Q>(&self, key: &Q, guard: &Guard) -> bool
@@ -299,7 +313,7 @@ impl TierIndex {
         Q: Hash + Equivalent<BlockKey> + ?Sized,
     {
         let guard = Guard::new();
-        let state = self.resolve(key, &guard).map(|(_, e)| e.state.load().0);
+        let state = self.resolve(key, &guard).map(|r| r.state);
         self.stats.record_single_lookup(state == Some(BlockState::Ready));
         state
     }
@@ -313,17 +327,14 @@ impl TierIndex {
     /// State, pins and slot of one key.
     pub fn state_of(&self, key: &BlockKey) -> Option<(BlockState, u32, u32)> {
         let guard = Guard::new();
-        self.resolve(key, &guard).map(|(r, e)| {
-            let (s, p) = e.state.load();
-            (s, p, r.slot)
-        })
+        self.resolve(key, &guard).map(|r| (r.state, r.pins, r.slot))
     }
 
     /// Run `f` on the entry of `key`. The entry's fields describe `key`'s block only while the
     /// caller holds a pin or an in-flight store on it (otherwise the slot may be reused).
     pub fn with_entry<R>(&self, key: &BlockKey, f: impl FnOnce(&BlockEntry) -> R) -> Option<R> {
         let guard = Guard::new();
-        self.resolve(key, &guard).map(|(_, e)| f(e))
+        self.resolve(key, &guard).map(|r| f(r.entry))
     }
 
     /// All keys with their state, pins and slot (a snapshot, for status and tests).
@@ -391,7 +402,7 @@ impl TierIndex {
                 // under it; a concurrent unpin only lowers the count.
                 let (_, _, generation) = self.entry(v.slot).state.load_with_generation();
                 let claimed = self.entry(v.slot).state.try_claim(generation);
-                debug_assert!(claimed, "victim slot {} could not be claimed", v.slot);
+                assert!(claimed, "victim slot {} could not be claimed", v.slot);
                 let key = inner.detach(&self.map, v.slot);
                 self.slots.release(v.slot);
                 out.evicted.push((key, v.slot));
@@ -418,7 +429,7 @@ impl TierIndex {
     fn publish(&self, inner: &mut Inner, key: BlockKey, slot: u32, generation: u32, hint: InsertHint, now: u64) {
         inner.keys[slot as usize] = Some(key);
         let inserted = self.map.insert_sync(key, SlotRef { slot, generation }).is_ok();
-        debug_assert!(inserted, "a key was inserted twice");
+        assert!(inserted, "a key was inserted twice");
         inner.policy.insert(&Resident::of(slot, &key), hint, now);
     }
 
@@ -510,14 +521,17 @@ impl TierIndex {
             *wanted.entry(k).or_insert(0) += 1;
         }
         for (k, n) in &wanted {
-            let ok = self.resolve(*k, &guard).is_some_and(|(_, e)| e.state.load().1 >= *n);
+            let ok = self.resolve(*k, &guard).is_some_and(|r| r.pins >= *n);
             if !ok {
                 return Err(KvError::NotPinned(format!("{k:?}")));
             }
         }
         for k in keys {
-            if let Some(r) = self.map.peek(k, &guard) {
-                self.entry(r.slot).state.unpin(r.generation);
+            // Cannot fail after the check above unless a caller unpins the same keys
+            // concurrently (a double unpin): say so rather than hide it.
+            let dropped = self.map.peek(k, &guard).and_then(|r| self.entry(r.slot).state.unpin(r.generation));
+            if dropped.is_none() {
+                return Err(KvError::NotPinned(format!("{k:?} (unpinned concurrently)")));
             }
         }
         self.stats.unpins.fetch_add(keys.len() as u64, Ordering::Relaxed);

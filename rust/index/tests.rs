@@ -227,3 +227,34 @@ fn probes_borrowed_from_the_caller_find_the_same_blocks() {
     assert!(!reader.is_ready(&KeyProbe::bytes(&5i128.to_le_bytes()).unwrap()), "an int is not its bytes");
     assert_eq!(ix.lookup_state(&KeyProbe::int(5)), Some(BlockState::Ready));
 }
+
+#[test]
+fn a_reader_never_sees_the_next_blocks_state_under_a_stale_key() {
+    // One slot. The writer stores K2 and fails it (K2 is never readable), then stores K, which
+    // takes the same slot, and removes it again. A reader asking for K2 must never get Ready:
+    // that would be K's state read through K2's stale map entry (the slot's next generation).
+    // A stress test: the race window is a few instructions wide, so it is not caught every run.
+    let ix = Arc::new(index(1, PolicyKind::Lru));
+    let stop = Arc::new(AtomicBool::new(false));
+    let (k_other, k_failed) = (k(1), k(2));
+    let reader = {
+        let (ix, stop) = (ix.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                assert_ne!(ix.lookup_state(&k_failed), Some(BlockState::Ready), "a failed store read as ready");
+                // Being written, or being dropped after the failure: never ready.
+                let state = ix.state_of(&k_failed).map(|(s, _, _)| s);
+                assert_ne!(state, Some(BlockState::Ready), "a failed store's slot read as ready");
+            }
+        })
+    };
+    for _ in 0..200_000 {
+        ix.prepare_store(&[k_failed], InsertHint::default()).unwrap();
+        ix.complete_store(&[k_failed], false);
+        ix.prepare_store(&[k_other], InsertHint::default()).unwrap();
+        ix.complete_store(&[k_other], true);
+        ix.remove(&[k_other]);
+    }
+    stop.store(true, Ordering::Relaxed);
+    reader.join().unwrap();
+}

@@ -13,9 +13,14 @@ pub fn key_from_py(obj: &Bound<'_, PyAny>) -> PyResult<BlockKey> {
 
 /// `obj` as a key probe, without building a key: a `bytes` key is borrowed in place (the
 /// common case: vLLM's block hashes), an int is held inline.
+#[inline]
 pub fn probe_from_py<'a>(obj: &'a Bound<'_, PyAny>) -> PyResult<KeyProbe<'a>> {
     if let Ok(b) = obj.cast::<PyBytes>() {
-        return Ok(KeyProbe::bytes(b.as_bytes())?);
+        let bytes = b.as_bytes();
+        return match KeyProbe::try_bytes(bytes) {
+            Some(probe) => Ok(probe),
+            None => Err(KeyProbe::bytes(bytes).err().expect("try_bytes refused it").into()),
+        };
     }
     if obj.is_instance_of::<PyInt>() {
         return obj
