@@ -40,13 +40,24 @@ pub fn keys_from_py(obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockKey>> {
         return Err(invalid("keys", "expected a sequence of keys, got a single key"));
     }
     if let Ok(list) = obj.cast::<PyList>() {
-        return list.iter().map(|k| key_from_py(&k)).collect();
+        return collect_keys(list.len(), list.iter().map(Ok));
     }
     if let Ok(t) = obj.cast::<PyTuple>() {
-        return t.iter().map(|k| key_from_py(&k)).collect();
+        return collect_keys(t.len(), t.iter().map(Ok));
     }
     let iter = obj.try_iter().map_err(|_| invalid("keys", "expected a sequence of int or bytes keys"))?;
-    iter.map(|k| key_from_py(&k?)).collect()
+    collect_keys(0, iter)
+}
+
+/// Keys pushed one by one into a vector sized up front: collecting `PyResult<BlockKey>`s
+/// through an iterator adapter moved every 80-byte key through temporaries (measured: a
+/// quarter of a batch store's time).
+fn collect_keys<'py>(size: usize, items: impl Iterator<Item = PyResult<Bound<'py, PyAny>>>) -> PyResult<Vec<BlockKey>> {
+    let mut keys = Vec::with_capacity(size);
+    for item in items {
+        keys.push(probe_from_py(&item?)?.to_key());
+    }
+    Ok(keys)
 }
 
 pub fn key_to_py<'py>(py: Python<'py>, key: &BlockKey) -> PyResult<Bound<'py, PyAny>> {

@@ -233,7 +233,10 @@ impl BlockIndex {
         // Probes borrow each bytes key in place; `items` keeps the (immutable) objects alive for
         // the whole call, also while the GIL is released for a long batch.
         let items: Vec<Bound<'_, PyAny>> = as_list(keys)?.iter().collect();
-        let probes = items.iter().map(|k| probe_from_py(k)).collect::<PyResult<Vec<_>>>()?;
+        let mut probes = Vec::with_capacity(items.len());
+        for item in &items {
+            probes.push(probe_from_py(item)?);
+        }
         if probes.len() < LONG_WALK_KEYS {
             return Ok(self.inner.complete_store(&probes, success));
         }
