@@ -14,7 +14,9 @@ import sys
 
 def main(model: str) -> None:
     # kvtier's options travel in the environment: KvCacheConnectorConfig has no free-form field.
-    cfg = {"cpu_bytes": "8GiB", "min_offload_priority": 30}
+    # block_identity "auto" (the default): blocks are keyed by the engine's own block hash,
+    # computed with TensorRT-LLM's hasher and checked against SchedulerOutput.block_hashes.
+    cfg = {"cpu_bytes": "8GiB", "min_offload_priority": 30, "block_identity": "auto"}
     if os.environ.get("KVTIER_DISK"):
         cfg.update(disk_root=os.environ["KVTIER_DISK"], disk_bytes="64GiB")
     os.environ["KVTIER_TRTLLM_CONFIG"] = json.dumps(cfg)
