@@ -112,6 +112,7 @@ impl BlockKey {
         Ok(BlockKey::new(Kind::Bytes, b))
     }
 
+    #[inline]
     fn check_bytes(b: &[u8]) -> KvResult<()> {
         if b.is_empty() {
             return Err(KvError::invalid("key", "bytes key is empty"));
@@ -173,7 +174,8 @@ impl<'a> KeyProbe<'a> {
     /// error only when there is one; returning a large `Result` costs a stall per call).
     #[inline]
     pub fn try_bytes(b: &'a [u8]) -> Option<Self> {
-        (!b.is_empty() && b.len() <= MAX_KEY_BYTES)
+        BlockKey::check_bytes(b)
+            .is_ok()
             .then(|| KeyProbe { hash: key_hash(Kind::Bytes, b), content: ProbeContent::Bytes(b) })
     }
 

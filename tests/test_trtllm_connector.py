@@ -330,9 +330,9 @@ def test_blocks_are_named_by_the_engines_hashes(tmp_path, engines, monkeypatch):
     eng.run_request(r1)
     # Every stored key is the namespace prefix + the engine's hash of that block.
     hashes = eng.block_hashes(Request(0, shared))
-    prefix = identity.EngineChain(eng.sched.namespace, TPB, standin_engine_hash)._prefix
     index = eng.worker.tiers.orchestrator.host.index
-    keys = [prefix + h.to_bytes(8, "little") for h in hashes]
+    keys = [eng.sched.identity.key_for(h) for h in hashes]
+    assert all(key[8:] == h.to_bytes(8, "little") for key, h in zip(keys, hashes, strict=True))
     assert index.lookup_prefix(keys) == 3
     assert eng.sched.counts["engine_hash_mismatches"] == 0
     r2 = Request(2, shared + [5, 6])

@@ -86,10 +86,6 @@ impl EntryState {
         unpack(self.0.load(Ordering::Acquire))
     }
 
-    pub fn is_ready(&self) -> bool {
-        self.load().0 == BlockState::Ready
-    }
-
     /// Ready and still the block of `generation`.
     pub fn is_ready_at(&self, generation: u32) -> bool {
         let (s, _, g) = self.load_with_generation();

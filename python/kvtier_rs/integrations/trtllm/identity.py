@@ -140,8 +140,12 @@ class EngineChain:
             if nh is None:
                 return None
             h = int(nh) & HASH_MASK
-            out.append(self._prefix + h.to_bytes(8, "little"))
+            out.append(self.key_for(h))
         return out
+
+    def key_for(self, engine_hash: int) -> bytes:
+        """The kvtier key of the block the engine hashes to `engine_hash`."""
+        return self._prefix + (engine_hash & HASH_MASK).to_bytes(8, "little")
 
     def engine_hash(self, key: bytes) -> int:
         return int.from_bytes(key[8:], "little")
