@@ -212,8 +212,31 @@ impl Hash for KeyProbe<'_> {
 
 impl scc::Equivalent<BlockKey> for KeyProbe<'_> {
     fn equivalent(&self, key: &BlockKey) -> bool {
-        self.hash == key.hash && self.kind() == key.kind && self.content() == key.as_bytes()
+        self.hash == key.hash && self.kind() == key.kind && same_bytes(self.content(), key.as_bytes())
     }
+}
+
+/// Byte-wise equality of two short slices (keys: at most 64 bytes) without a call to `memcmp`,
+/// which the map's probe otherwise pays on every lookup: 8-byte words, the last one overlapping
+/// the previous when the length is not a multiple of 8.
+#[inline]
+fn same_bytes(a: &[u8], b: &[u8]) -> bool {
+    let n = a.len();
+    if n != b.len() {
+        return false;
+    }
+    if n < 8 {
+        return a.iter().zip(b).all(|(x, y)| x == y);
+    }
+    let word = |s: &[u8], at: usize| u64::from_ne_bytes(s[at..at + 8].try_into().expect("8 bytes"));
+    let mut at = 0;
+    while at + 8 < n {
+        if word(a, at) != word(b, at) {
+            return false;
+        }
+        at += 8;
+    }
+    word(a, n - 8) == word(b, n - 8)
 }
 
 impl fmt::Debug for BlockKey {
@@ -295,6 +318,24 @@ mod tests {
         assert!(KeyProbe::int(-1).to_key() == BlockKey::from_int(-1));
         assert!(KeyProbe::bytes(&[]).is_err());
         assert!(KeyProbe::bytes(&[0; 65]).is_err());
+    }
+
+    #[test]
+    fn same_bytes_is_slice_equality() {
+        // Every length up to 64 (short, multiple of 8, and overlapping last word), with each byte
+        // position changed in turn.
+        for n in 0..=64usize {
+            let a: Vec<u8> = (0..n as u8).map(|i| i.wrapping_mul(37).wrapping_add(1)).collect();
+            assert!(same_bytes(&a, &a.clone()));
+            for i in 0..n {
+                let mut b = a.clone();
+                b[i] ^= 0x80;
+                assert!(!same_bytes(&a, &b), "len {n}, byte {i}");
+            }
+            if n > 0 {
+                assert!(!same_bytes(&a, &a[..n - 1]));
+            }
+        }
     }
 
     #[test]

@@ -202,10 +202,10 @@ fn a_stale_map_value_never_reaches_the_slots_next_block() {
     assert_eq!(out.evicted, vec![(k(1), slot1)]);
     assert_eq!(out.to_write, vec![(k(2), slot1)]);
     // A reader still holding key 1's (slot, generation) sees neither a block nor a pin target.
-    let e = ix.entry(stale.slot);
-    assert!(!e.state.is_ready_at(stale.generation));
-    assert_eq!(e.state.try_pin(stale.generation), None);
-    assert!(!e.state.mark_ready(stale.generation), "a stale completion must not publish key 2");
+    let e = ix.state(stale.slot);
+    assert!(!e.is_ready_at(stale.generation));
+    assert_eq!(e.try_pin(stale.generation), None);
+    assert!(!e.mark_ready(stale.generation), "a stale completion must not publish key 2");
     assert_eq!(ix.lookup_prefix(&[k(2)]), 0, "key 2 is still being written");
     ix.complete_store(&[k(2)], true);
     assert_eq!(ix.lookup_prefix(&[k(2)]), 1);

@@ -10,8 +10,8 @@ use super::errors::invalid;
 use super::host_pool::HostPool;
 use crate::admission::AdmissionRule;
 use crate::error::KvError;
-use crate::index::{IndexConfig, TierIndex};
-use crate::keys::BlockKey;
+use crate::index::{BlockState, IndexConfig, TierIndex};
+use crate::keys::{BlockKey, KeyProbe};
 use crate::policy::{InsertHint, PolicyKind, DEFAULT_PRIORITY, MAX_PRIORITY};
 
 /// (key, state, pins, slot) as `entries()` returns them.
@@ -19,7 +19,7 @@ type EntryRow<'py> = (Bound<'py, PyAny>, &'static str, u32, u32);
 
 /// Below this many keys a lookup or store completion runs without releasing the GIL: the
 /// per-key work is cheaper than releasing and re-taking it.
-const LONG_WALK_KEYS: usize = 256;
+pub(crate) const LONG_WALK_KEYS: usize = 256;
 
 pub(crate) fn tier_id(name: &str) -> PyResult<u8> {
     match name {
@@ -86,6 +86,63 @@ pub struct BlockIndex {
     /// The caller's own objects for (ready, being written, absent), set once; lets an engine's
     /// per-key lookup be a single call that returns its enum value directly.
     lookup_results: std::sync::OnceLock<[Py<PyAny>; 3]>,
+}
+
+/// The per-key lookups. Python reaches them through `fast_calls`, which answers the common case
+/// itself and calls these for everything else (so both paths share one definition).
+impl BlockIndex {
+    pub(crate) fn inner(&self) -> &TierIndex {
+        &self.inner
+    }
+
+    pub(crate) fn lookup_results(&self) -> Option<&[Py<PyAny>; 3]> {
+        self.lookup_results.get()
+    }
+
+    /// Which of the lookup results (ready, being written, absent) answers for `key`; counted as
+    /// a one-key lookup.
+    pub(crate) fn result_index(&self, key: &KeyProbe<'_>) -> usize {
+        match self.inner.lookup_state(key) {
+            Some(BlockState::Ready) => 0,
+            Some(BlockState::Writing) => 1,
+            _ => 2,
+        }
+    }
+
+    pub(crate) fn lookup_one_impl(&self, key: &Bound<'_, PyAny>) -> PyResult<bool> {
+        Ok(self.inner.lookup_state(&probe_from_py(key)?) == Some(BlockState::Ready))
+    }
+
+    pub(crate) fn lookup_result_impl(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+        let results =
+            self.lookup_results.get().ok_or_else(|| invalid("lookup_results", "call set_lookup_results() first"))?;
+        Ok(results[self.result_index(&probe_from_py(key)?)].clone_ref(py))
+    }
+
+    /// Length of the longest prefix of `keys` whose blocks are ready.
+    ///
+    /// The walk stops at the first miss and converts keys as it goes, with the GIL held: the
+    /// per-key work is one lock-free map read, cheaper than releasing and re-taking the GIL.
+    /// Batches of LONG_WALK_KEYS or more are converted first and walked with the GIL released.
+    pub(crate) fn lookup_prefix_impl(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
+        if let Ok(list) = keys.cast::<PyList>() {
+            if list.len() < LONG_WALK_KEYS {
+                let reader = self.inner.reader();
+                let (mut examined, mut n) = (0, 0);
+                for item in list.iter() {
+                    examined += 1;
+                    if !reader.is_ready(&probe_from_py(&item)?) {
+                        break;
+                    }
+                    n += 1;
+                }
+                self.inner.record_lookup(examined, n);
+                return Ok(n);
+            }
+        }
+        let keys = keys_from_py(keys)?;
+        Ok(py.detach(|| self.inner.lookup_prefix(&keys)))
+    }
 }
 
 #[pymethods]
@@ -165,31 +222,6 @@ impl BlockIndex {
             self.admission(),
             self.inner.len()
         )
-    }
-
-    /// Length of the longest prefix of `keys` whose blocks are ready.
-    ///
-    /// The walk stops at the first miss and converts keys as it goes, with the GIL held: the
-    /// per-key work is one lock-free map read, cheaper than releasing and re-taking the GIL.
-    /// Batches of LONG_WALK_KEYS or more are converted first and walked with the GIL released.
-    fn lookup_prefix(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
-        if let Ok(list) = keys.cast::<PyList>() {
-            if list.len() < LONG_WALK_KEYS {
-                let reader = self.inner.reader();
-                let (mut examined, mut n) = (0, 0);
-                for item in list.iter() {
-                    examined += 1;
-                    if !reader.is_ready(&probe_from_py(&item)?) {
-                        break;
-                    }
-                    n += 1;
-                }
-                self.inner.record_lookup(examined, n);
-                return Ok(n);
-            }
-        }
-        let keys = keys_from_py(keys)?;
-        Ok(py.detach(|| self.inner.lookup_prefix(&keys)))
     }
 
     /// Whether each key is ready (no prefix semantics).
@@ -288,32 +320,6 @@ impl BlockIndex {
         self.lookup_results
             .set([ready, writing, absent])
             .map_err(|_| invalid("lookup_results", "already set for this index"))
-    }
-
-    /// One key's state as the object chosen with `set_lookup_results`. `context` is accepted and
-    /// ignored so the method can stand in for an engine's `lookup(key, context)` directly.
-    #[pyo3(signature = (key, context=None))]
-    fn lookup_result(
-        &self,
-        py: Python<'_>,
-        key: &Bound<'_, PyAny>,
-        context: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Py<PyAny>> {
-        let _ = context;
-        let results =
-            self.lookup_results.get().ok_or_else(|| invalid("lookup_results", "call set_lookup_results() first"))?;
-        let i = match self.inner.lookup_state(&probe_from_py(key)?) {
-            Some(crate::index::BlockState::Ready) => 0,
-            Some(crate::index::BlockState::Writing) => 1,
-            _ => 2,
-        };
-        Ok(results[i].clone_ref(py))
-    }
-
-    fn lookup_one(&self, key: &Bound<'_, PyAny>) -> PyResult<bool> {
-        let hit = self.inner.reader().is_ready(&probe_from_py(key)?);
-        self.inner.record_lookup(1, usize::from(hit));
-        Ok(hit)
     }
 
     /// Reserve a slot for one key: the slot, or None if it was present or refused.

@@ -4,6 +4,7 @@
 mod convert;
 mod disk;
 mod errors;
+mod fast_calls;
 mod host_pool;
 mod index;
 mod replay;
@@ -52,6 +53,8 @@ mod core_module {
     fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m.add("MAX_KEY_BYTES", crate::keys::MAX_KEY_BYTES)?;
         m.add("DEFAULT_PRIORITY", crate::policy::DEFAULT_PRIORITY)?;
+        // The per-key lookups are CPython method descriptors, not pyo3 methods (see fast_calls).
+        super::fast_calls::install(&m.py().get_type::<BlockIndex>())?;
         Ok(())
     }
 }
