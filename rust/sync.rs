@@ -1,7 +1,8 @@
 //! Atomics shim: the real std atomics normally, loom's under `--cfg loom` so the lock-free entry
-//! state machine can be model-checked exhaustively (see tests/loom_entry_state.rs).
+//! state machine and slot key records can be model-checked exhaustively (see
+//! tests/loom_entry_state.rs).
 
 #[cfg(loom)]
-pub(crate) use loom::sync::atomic::{AtomicU64, Ordering};
+pub(crate) use loom::sync::atomic::{fence, AtomicU64, Ordering};
 #[cfg(not(loom))]
-pub(crate) use std::sync::atomic::{AtomicU64, Ordering};
+pub(crate) use std::sync::atomic::{fence, AtomicU64, Ordering};

@@ -1,9 +1,12 @@
 //! Exhaustive model check (loom) of the lock-free entry state word: pins, eviction claims,
-//! write completion and unpins racing on one block. Run with
+//! write completion and unpins racing on one block; and of the slot key records that chained
+//! lookups compare instead of probing the map (`index::slot_key`). Run with
 //! `RUSTFLAGS="--cfg loom" cargo test --release --test loom_entry_state` (`make loom`).
 #![cfg(loom)]
 
-use kvtier::index::{BlockState, EntryState};
+use kvtier::index::{occupy_slot, probe_slot, BlockState, EntryState, SlotKeys};
+use kvtier::keys::KeyProbe;
+use kvtier::BlockKey;
 use loom::sync::Arc;
 use loom::thread;
 
@@ -115,5 +118,64 @@ fn a_stale_reader_never_pins_the_slots_next_block() {
             }
         }
         assert!(!s.is_ready_at(generation.wrapping_add(1)));
+    });
+}
+
+/// A reader compares a slot's key record while a writer evicts the slot's block and puts another
+/// key's block in its place. `torn` is the first 8 bytes of the new key followed by the last 8
+/// of the old one: a reader mixing words of the two records would match it.
+#[test]
+fn a_chained_read_never_sees_a_key_the_slot_does_not_hold() {
+    let old = BlockKey::from_bytes(&[0x11; 16]).unwrap();
+    let new = BlockKey::from_bytes(&[0x22; 16]).unwrap();
+    let mut mixed = [0x22u8; 16];
+    mixed[8..].fill(0x11);
+    loom::model(move || {
+        let state = Arc::new(EntryState::vacant());
+        let keys = Arc::new(SlotKeys::new(1));
+        let first = occupy_slot(&state, &keys, 0, &old, BlockState::Writing);
+        assert!(state.mark_ready(first));
+        let (s2, k2) = (state.clone(), keys.clone());
+        let writer = thread::spawn(move || {
+            assert!(s2.try_claim(first));
+            let second = occupy_slot(&s2, &k2, 0, &new, BlockState::Writing);
+            assert!(s2.mark_ready(second));
+        });
+        let torn = probe_slot(&state, &keys, 0, &KeyProbe::bytes(&mixed).unwrap());
+        let saw_old = probe_slot(&state, &keys, 0, &old.as_probe());
+        let saw_new = probe_slot(&state, &keys, 0, &new.as_probe());
+        writer.join().unwrap();
+        assert_eq!(torn, None, "a torn record was taken for a key");
+        assert!(matches!(saw_old, None | Some(BlockState::Ready)), "{saw_old:?}");
+        assert!(matches!(saw_new, None | Some(BlockState::Writing | BlockState::Ready)), "{saw_new:?}");
+        // Program order: once the reader saw the new key, the old one is gone for good.
+        assert_eq!(probe_slot(&state, &keys, 0, &old.as_probe()), None);
+        assert_eq!(probe_slot(&state, &keys, 0, &new.as_probe()), Some(BlockState::Ready));
+        assert_eq!(keys.read(0), new);
+    });
+}
+
+/// A failed store vacates its slot (Writing -> Evicting) and the slot is reused: a reader must
+/// never report the new key with the failed block's state, nor the failed key at all afterwards.
+#[test]
+fn a_chained_read_across_a_failed_store_and_reuse() {
+    let failed = BlockKey::from_int(1);
+    let next = BlockKey::from_int(2);
+    loom::model(move || {
+        let state = Arc::new(EntryState::vacant());
+        let keys = Arc::new(SlotKeys::new(1));
+        let first = occupy_slot(&state, &keys, 0, &failed, BlockState::Writing);
+        let (s2, k2) = (state.clone(), keys.clone());
+        let writer = thread::spawn(move || {
+            assert!(s2.abandon_write(first));
+            occupy_slot(&s2, &k2, 0, &next, BlockState::Ready)
+        });
+        let saw_failed = probe_slot(&state, &keys, 0, &failed.as_probe());
+        let saw_next = probe_slot(&state, &keys, 0, &next.as_probe());
+        let second = writer.join().unwrap();
+        assert!(matches!(saw_failed, None | Some(BlockState::Writing)), "{saw_failed:?}");
+        assert!(matches!(saw_next, None | Some(BlockState::Ready)), "{saw_next:?}");
+        assert_eq!(state.load_with_generation(), (BlockState::Ready, 0, second));
+        assert_eq!(probe_slot(&state, &keys, 0, &failed.as_probe()), None);
     });
 }

@@ -298,7 +298,9 @@ class IndexModel:
             for v in victims:
                 self.free.append(self.entries.pop(v)["slot"])
                 evicted.append(v)
-        placed = [(k, self.free.popleft()) for k in new]
+        # The batch's slots are taken from the free list, then given to the chain in ascending
+        # order (the core's chained lookups rely on it).
+        placed = list(zip(new, sorted(self.free.popleft() for _ in new), strict=True))
         for k, slot in reversed(placed):
             self.entries[k] = {"state": "writing", "pins": 0, "slot": slot}
             self.policy.insert(k, priority, duration_ns, self.now)

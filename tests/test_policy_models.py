@@ -85,6 +85,12 @@ def make_machine(policy: str, min_priority: int | None = None, key_domain: int =
         @rule(keys=chains)
         def lookup(self, keys):
             assert self.ix.lookup_prefix(keys) == self.model.lookup_prefix(keys)
+            # The engines' per-key walk (chained through the previous answer's slot).
+            for k in keys:
+                ready = self.model.lookup_prefix([k]) == 1
+                assert self.ix.lookup_one(k) is ready
+                if not ready:
+                    break
 
         @rule(keys=chains)
         def pin(self, keys):

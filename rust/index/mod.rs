@@ -18,6 +18,10 @@
 //!   slot starts a new generation, and every lock-free access checks the generation it read
 //!   from the map, so a reader can never see a key pointing at a slot that now holds another
 //!   block.
+//! - Each slot also keeps its key in a record of atomic words, a seqlock whose version is the
+//!   slot's generation (`slot_key`). A chain stored in one call takes ascending slots, so a
+//!   lookup walking a chain compares the slot after the previous block's first and probes the
+//!   map only when that slot holds another key; writers read a victim's key there.
 //! - Policies order slot numbers, not keys: choosing a victim reads the arena directly instead
 //!   of probing the map, and the policy's own maps hash a u32. Ghost entries (ARC, S3-FIFO)
 //!   follow the key's hash, so they survive the slot being reused.
@@ -26,6 +30,7 @@
 //! touches tail-first, so every policy ranks the head as more recent and evicts the tail first.
 
 mod entry_state;
+mod slot_key;
 mod stats;
 
 use std::collections::HashSet;
@@ -37,12 +42,13 @@ use parking_lot::Mutex;
 use scc::{Equivalent, Guard};
 
 pub use entry_state::{BlockState, EntryState};
+pub use slot_key::{occupy_slot, probe_slot, SlotKeys};
 pub use stats::{IndexStats, StatsSnapshot};
 
 use crate::admission::{Admission, AdmissionRule};
 use crate::clock::Clock;
 use crate::error::{KvError, KvResult};
-use crate::keys::BlockKey;
+use crate::keys::{BlockKey, KeyProbe};
 use crate::policy::{EvictionPolicy, InsertHint, PolicyKey, PolicyKind, DEFAULT_PRIORITY, MAX_PRIORITY};
 use crate::slots::SlotAllocator;
 
@@ -176,27 +182,14 @@ pub struct StoreOutcome {
 struct Inner {
     policy: Box<dyn EvictionPolicy<Resident>>,
     admission: Admission,
-    /// The key of the block in each slot (None: vacant). Writers need it to remove a victim
-    /// from the map; readers never look here.
-    keys: Vec<Option<BlockKey>>,
-}
-
-impl Inner {
-    /// Forget the block in `slot` (already claimed, and already out of the policy): its key
-    /// record and its map entry. Returns its key.
-    fn detach(&mut self, map: &Map, slot: u32) -> BlockKey {
-        let key = self.keys[slot as usize].take().expect("a resident slot has a key");
-        // Only this slot's entry: a map entry for the key pointing elsewhere would be a bug, and
-        // removing it would orphan that slot.
-        let removed = map.remove_if_sync(&key, |r| r.slot == slot);
-        assert!(removed, "slot {slot}'s key was not mapped to it");
-        key
-    }
 }
 
 pub struct TierIndex {
     map: Map,
     states: Box<[EntryState]>,
+    /// Each slot's key (see `slot_key`): writers read a victim's key here to remove it from the
+    /// map; readers walking a chain compare the next slot's key instead of probing the map.
+    slot_keys: SlotKeys,
     entries: Box<[BlockEntry]>,
     inner: Mutex<Inner>,
     slots: Arc<SlotAllocator>,
@@ -230,11 +223,11 @@ impl TierIndex {
         Ok(TierIndex {
             map: Map::with_capacity_and_hasher(config.capacity, foldhash::fast::RandomState::default()),
             states: (0..config.capacity).map(|_| EntryState::vacant()).collect(),
+            slot_keys: SlotKeys::new(config.capacity),
             entries: (0..config.capacity).map(|_| BlockEntry::vacant()).collect(),
             inner: Mutex::new(Inner {
                 policy: config.policy.build(config.capacity),
                 admission: Admission::new(config.admission, config.capacity * 4),
-                keys: vec![None; config.capacity],
             }),
             slots,
             config,
@@ -269,11 +262,24 @@ impl TierIndex {
         &self.states[slot as usize]
     }
 
-    /// Take a vacant slot for a new block; returns the block's generation.
-    fn occupy(&self, slot: u32, state: BlockState, priority: u8, size: u64, checksum: u32) -> u32 {
+    /// Take a vacant slot for `key`'s new block (writers, `inner` locked); returns the block's
+    /// generation. A reader that sees the map entry published after this sees all of it.
+    fn occupy(&self, _inner: &mut Inner, slot: u32, key: &BlockKey, state: BlockState, meta: (u8, u64, u32)) -> u32 {
+        let (priority, size, checksum) = meta;
         self.entry(slot).reset(priority, size, checksum);
-        // Release: a reader that sees the map entry published after this sees all of the above.
-        self.state(slot).occupy(state)
+        occupy_slot(self.state(slot), &self.slot_keys, slot, key, state)
+    }
+
+    /// Forget the block in `slot` (already claimed, and already out of the policy): its map
+    /// entry. Returns its key. The slot's key record stays until the slot is occupied again;
+    /// readers never trust it for a vacant slot.
+    fn detach(&self, _inner: &mut Inner, slot: u32) -> BlockKey {
+        let key = self.slot_keys.read(slot);
+        // Only this slot's entry: a map entry for the key pointing elsewhere would be a bug, and
+        // removing it would orphan that slot.
+        let removed = self.map.remove_if_sync(&key, |r| r.slot == slot);
+        assert!(removed, "slot {slot}'s key was not mapped to it");
+        key
     }
 
     /// The key's slot, entry, state and pins, if its block is still the one the map points at.
@@ -311,21 +317,57 @@ impl TierIndex {
     /// Length of the longest prefix of `keys` whose blocks are all ready.
     pub fn lookup_prefix(&self, keys: &[BlockKey]) -> usize {
         let reader = self.reader();
-        let n = keys.iter().take_while(|k| reader.is_ready(*k)).count();
+        let mut prev = None;
+        let n = keys
+            .iter()
+            .take_while(|k| {
+                prev = reader.ready_slot(&k.as_probe(), prev);
+                prev.is_some()
+            })
+            .count();
         self.record_lookup((n + 1).min(keys.len()), n);
         n
     }
 
     /// The state of one key, counted as a one-key lookup (hit when ready). The engine adapters'
     /// per-key lookup (vLLM's `lookup` -> HIT / HIT_PENDING / MISS) goes through here.
-    pub fn lookup_state<Q>(&self, key: &Q) -> Option<BlockState>
-    where
-        Q: Hash + Equivalent<BlockKey> + ?Sized,
-    {
-        let guard = Guard::new();
-        let state = self.resolve(key, &guard).map(|r| r.state);
+    ///
+    /// Engines ask about a request's blocks one call at a time, head first, so the slot after
+    /// this thread's last answer from this index is compared first (`ready_slot` explains why
+    /// that is usually the one); the map is probed when it is not.
+    pub fn lookup_state(&self, key: &KeyProbe<'_>) -> Option<BlockState> {
+        let me = self as *const Self as usize;
+        let (owner, last) = LAST_LOOKUP.get();
+        let chained = if owner == me { self.probe_after(last, key) } else { None };
+        let found = chained.or_else(|| {
+            let guard = Guard::new();
+            self.resolve(key, &guard).map(|r| (r.slot, r.state))
+        });
+        LAST_LOOKUP.set((me, found.map_or(NO_SLOT, |(slot, _)| slot)));
+        let state = found.map(|(_, state)| state);
         self.stats.record_single_lookup(state == Some(BlockState::Ready));
         state
+    }
+
+    /// `key`'s slot and state if its block is in the slot after `prev` (lock-free, see
+    /// `slot_key::probe_slot`).
+    #[inline]
+    fn probe_after(&self, prev: u32, key: &KeyProbe<'_>) -> Option<(u32, BlockState)> {
+        let next = prev.checked_add(1).filter(|&s| (s as usize) < self.config.capacity)?;
+        probe_slot(self.state(next), &self.slot_keys, next, key).map(|state| (next, state))
+    }
+
+    /// The slot of `key`'s block if it is ready. `after` is the slot of the previous block of
+    /// the chain being walked: the slot after it is compared first, since blocks of a chain
+    /// stored in one call take ascending, usually adjacent slots (`prepare_store`); the map is
+    /// probed only when that slot holds another key.
+    #[inline]
+    fn ready_slot(&self, key: &KeyProbe<'_>, after: Option<u32>, guard: &Guard) -> Option<u32> {
+        if let Some((slot, state)) = after.and_then(|prev| self.probe_after(prev, key)) {
+            return (state == BlockState::Ready).then_some(slot);
+        }
+        let r = *self.map.peek(key, guard)?;
+        self.state(r.slot).is_ready_at(r.generation).then_some(r.slot)
     }
 
     /// Whether each key is ready (no prefix semantics).
@@ -412,21 +454,24 @@ impl TierIndex {
                 let (_, _, generation) = self.state(v.slot).load_with_generation();
                 let claimed = self.state(v.slot).try_claim(generation);
                 assert!(claimed, "victim slot {} could not be claimed", v.slot);
-                let key = inner.detach(&self.map, v.slot);
+                let key = self.detach(&mut inner, v.slot);
                 self.slots.release(v.slot);
                 out.evicted.push((key, v.slot));
             }
             self.stats.evictions.fetch_add(out.evicted.len() as u64, Ordering::Relaxed);
         }
 
-        // Slots first in chain order (so the head gets the lower slot), inserts tail-first.
-        let mut placed = Vec::with_capacity(new_keys.len());
-        for k in &new_keys {
-            let slot = self.slots.alloc().expect("capacity was reserved above");
-            placed.push((*k, slot));
-        }
+        // Slots in ascending order along the chain: a chain stored in one call then sits in
+        // ascending (usually adjacent: evicting a chain frees a run) slots, which is what lets a
+        // lookup walking it find each next block at the next slot (`IndexReader::ready_slot`),
+        // and what lets copies of adjacent blocks coalesce. Inserts tail-first.
+        let mut slots: Vec<u32> =
+            new_keys.iter().map(|_| self.slots.alloc().expect("capacity was reserved above")).collect();
+        slots.sort_unstable();
+        let placed: Vec<(BlockKey, u32)> = new_keys.iter().copied().zip(slots).collect();
+        let meta = (hint.priority, self.config.block_bytes, 0);
         for (k, slot) in placed.iter().rev() {
-            let generation = self.occupy(*slot, BlockState::Writing, hint.priority, self.config.block_bytes, 0);
+            let generation = self.occupy(&mut inner, *slot, k, BlockState::Writing, meta);
             self.publish(&mut inner, *k, *slot, generation, hint, now);
         }
         self.stats.stores_prepared.fetch_add(placed.len() as u64, Ordering::Relaxed);
@@ -434,9 +479,8 @@ impl TierIndex {
         Ok(out)
     }
 
-    /// Make an occupied slot's block findable: key record, map entry, policy entry.
+    /// Make an occupied slot's block findable: map entry, policy entry.
     fn publish(&self, inner: &mut Inner, key: BlockKey, slot: u32, generation: u32, hint: InsertHint, now: u64) {
-        inner.keys[slot as usize] = Some(key);
         let inserted = self.map.insert_sync(key, SlotRef { slot, generation }).is_ok();
         assert!(inserted, "a key was inserted twice");
         inner.policy.insert(&Resident::of(slot, &key), hint, now);
@@ -456,10 +500,12 @@ impl TierIndex {
         if self.map.peek(&key, &guard).is_some() {
             return Err(KvError::invalid("key", format!("{key:?} recovered twice")));
         }
-        if inner.keys[slot as usize].is_some() {
+        // Under the lock a slot holds a block exactly when its state is not Evicting (claims and
+        // detaches happen together under it).
+        if self.state(slot).load().0 != BlockState::Evicting {
             return Err(KvError::invalid("slot", format!("slot {slot} recovered twice")));
         }
-        let generation = self.occupy(slot, BlockState::Ready, DEFAULT_PRIORITY, size, checksum);
+        let generation = self.occupy(&mut inner, slot, &key, BlockState::Ready, (DEFAULT_PRIORITY, size, checksum));
         self.publish(&mut inner, key, slot, generation, InsertHint::default(), now);
         Ok(())
     }
@@ -487,7 +533,7 @@ impl TierIndex {
         for k in keys {
             let Some(r) = self.map.peek(k, &guard).copied() else { continue };
             if self.state(r.slot).abandon_write(r.generation) {
-                let key = inner.detach(&self.map, r.slot);
+                let key = self.detach(&mut inner, r.slot);
                 inner.policy.remove(&Resident::of(r.slot, &key));
                 self.slots.release(r.slot);
                 done += 1;
@@ -583,7 +629,7 @@ impl TierIndex {
             let Some(r) = self.map.peek(k, &guard).copied() else { continue };
             if self.state(r.slot).try_claim(r.generation) {
                 inner.policy.remove(&Resident::of(r.slot, k));
-                inner.detach(&self.map, r.slot);
+                self.detach(inner, r.slot);
                 self.slots.release(r.slot);
                 removed.push((*k, r.slot));
             }
@@ -595,7 +641,10 @@ impl TierIndex {
     /// Remove every block that is not pinned or being written. Returns how many were removed.
     pub fn clear(&self) -> usize {
         let mut inner = self.inner.lock();
-        let keys: Vec<BlockKey> = inner.keys.iter().flatten().copied().collect();
+        let keys: Vec<BlockKey> = (0..self.capacity() as u32)
+            .filter(|&slot| self.state(slot).load().0 != BlockState::Evicting)
+            .map(|slot| self.slot_keys.read(slot))
+            .collect();
         let n = self.remove_locked(&mut inner, &keys).len();
         if self.is_empty() {
             inner.policy.clear();
@@ -635,6 +684,23 @@ impl IndexReader<'_> {
     {
         self.index.is_ready(key, &self.guard)
     }
+
+    /// The slot of `key`'s block if it is ready; `after` is the previous block's slot when
+    /// walking a chain (see `TierIndex::ready_slot`). Not counted in stats.
+    #[inline]
+    pub fn ready_slot(&self, key: &KeyProbe<'_>, after: Option<u32>) -> Option<u32> {
+        self.index.ready_slot(key, after, &self.guard)
+    }
+}
+
+/// No slot: `LAST_LOOKUP` after a miss.
+const NO_SLOT: u32 = u32::MAX;
+
+thread_local! {
+    /// This thread's last one-key lookup: (address of the index, slot of the block it found or
+    /// NO_SLOT). Only a hint for the next lookup: `probe_slot` checks the slot's key and
+    /// generation, so a stale or foreign hint costs a compare, never a wrong answer.
+    static LAST_LOOKUP: std::cell::Cell<(usize, u32)> = const { std::cell::Cell::new((0, NO_SLOT)) };
 }
 
 #[cfg(test)]

@@ -185,11 +185,12 @@ unsafe extern "C" fn lookup_prefix(slf: *mut ffi::PyObject, keys: *mut ffi::PyOb
                     return None;
                 }
                 let reader = ix.inner().reader();
-                let mut hits = 0;
+                let (mut hits, mut prev) = (0, None);
                 // The list cannot change during the walk: no Python code runs in it.
                 for i in 0..len {
                     let probe = fast_probe(ffi::PyList_GetItem(keys, i))?;
-                    if !reader.is_ready(&probe) {
+                    prev = reader.ready_slot(&probe, prev);
+                    if prev.is_none() {
                         break;
                     }
                     hits += 1;

@@ -128,10 +128,11 @@ impl BlockIndex {
         if let Ok(list) = keys.cast::<PyList>() {
             if list.len() < LONG_WALK_KEYS {
                 let reader = self.inner.reader();
-                let (mut examined, mut n) = (0, 0);
+                let (mut examined, mut n, mut prev) = (0, 0, None);
                 for item in list.iter() {
                     examined += 1;
-                    if !reader.is_ready(&probe_from_py(&item)?) {
+                    prev = reader.ready_slot(&probe_from_py(&item)?, prev);
+                    if prev.is_none() {
                         break;
                     }
                     n += 1;
