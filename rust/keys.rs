@@ -73,6 +73,11 @@ impl Hash for BlockKey {
     }
 }
 
+/// A key hashes as exactly one `write_u64` of its precomputed hash, so maps may use that value
+/// as it is (`nohash_hasher`). `KeyProbe` hashes the same way, so probes find keys.
+impl nohash_hasher::IsEnabled for BlockKey {}
+impl nohash_hasher::IsEnabled for &BlockKey {}
+
 /// The last, partial 8-byte word of `content` (whose length is not a multiple of 8) as
 /// `BlockKey::to_words` stores it: the tail bytes, zero above. Built from an overlapping load
 /// of the last 8 bytes rather than a copy into a zeroed buffer: the copy's byte stores followed

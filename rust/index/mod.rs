@@ -59,7 +59,10 @@ struct SlotRef {
     generation: u32,
 }
 
-type Map = scc::HashIndex<BlockKey, SlotRef, foldhash::fast::RandomState>;
+/// Keys carry a well-mixed 64-bit hash computed once (`BlockKey::hash64`); the map uses it as
+/// it is instead of hashing it again on every probe, insert and removal.
+type KeyHasher = nohash_hasher::BuildNoHashHasher<BlockKey>;
+type Map = scc::HashIndex<BlockKey, SlotRef, KeyHasher>;
 
 /// A key's block as one consistent read: its slot and entry, and the state and pins read with
 /// the generation check.
@@ -69,7 +72,35 @@ struct Resolved<'a> {
     state: BlockState,
     pins: u32,
 }
-type FastSet<T> = HashSet<T, foldhash::fast::RandomState>;
+
+/// The distinct keys of a batch seen so far. A request's chain rarely repeats a key, and a
+/// scan of a few dozen precomputed hashes costs less than building a hash set (measured: set
+/// growth was ~4% of a store), so small batches scan and only long ones hash.
+#[derive(Default)]
+struct SeenKeys<'a> {
+    few: Vec<&'a BlockKey>,
+    many: HashSet<&'a BlockKey, KeyHasher>,
+}
+
+impl<'a> SeenKeys<'a> {
+    const SCAN_UP_TO: usize = 32;
+
+    /// Record `key`; false if it was seen before.
+    fn insert(&mut self, key: &'a BlockKey) -> bool {
+        if self.many.is_empty() {
+            // Equality compares the precomputed hashes first: a scan is a few word compares.
+            if self.few.contains(&key) {
+                return false;
+            }
+            if self.few.len() < Self::SCAN_UP_TO {
+                self.few.push(key);
+                return true;
+            }
+            self.many.extend(self.few.drain(..));
+        }
+        self.many.insert(key)
+    }
+}
 
 /// What the index records about the block in one slot besides its state word (the slot is the
 /// arena index; the tier is the index's own). The fields describe the current generation's
@@ -221,7 +252,7 @@ impl TierIndex {
         }
         let clock = if config.manual_clock { Clock::manual() } else { Clock::monotonic() };
         Ok(TierIndex {
-            map: Map::with_capacity_and_hasher(config.capacity, foldhash::fast::RandomState::default()),
+            map: Map::with_capacity_and_hasher(config.capacity, KeyHasher::default()),
             states: (0..config.capacity).map(|_| EntryState::vacant()).collect(),
             slot_keys: SlotKeys::new(config.capacity),
             entries: (0..config.capacity).map(|_| BlockEntry::vacant()).collect(),
@@ -417,12 +448,16 @@ impl TierIndex {
         let mut new_keys: Vec<BlockKey> = Vec::with_capacity(keys.len());
         // Slots of this batch's resident keys: never evicted to make room for the others
         // (vLLM's contract, and the only sane one: the caller was just told they are present).
-        let mut protected: Vec<u32> = Vec::new();
-        let mut seen: FastSet<&BlockKey> = FastSet::with_capacity_and_hasher(keys.len(), Default::default());
+        let mut protected: Vec<u32> = Vec::with_capacity(keys.len());
+        // Absent keys met so far (a repeat of a present key is simply present again).
+        let mut absent_seen = SeenKeys::default();
+        out.already_present.reserve(keys.len());
+        out.already_present_pos.reserve(keys.len());
+        out.to_write_pos.reserve(keys.len());
         for (pos, k) in keys.iter().enumerate() {
-            let duplicate = keys.len() > 1 && !seen.insert(k);
             // Under the lock every map entry is current: removal and reuse happen under it.
-            let present = if duplicate { None } else { self.map.peek(k, &guard).copied() };
+            let present = self.map.peek(k, &guard).copied();
+            let duplicate = present.is_none() && keys.len() > 1 && !absent_seen.insert(k);
             if duplicate || present.is_some() {
                 protected.extend(present.map(|r| r.slot));
                 out.already_present.push(*k);
@@ -448,6 +483,7 @@ impl TierIndex {
                 let available = (0..self.capacity() as u32).filter(|&s| evictable(s)).count();
                 return Err(KvError::NoSpace { needed: new_keys.len(), available: free + available });
             };
+            out.evicted.reserve(victims.len());
             for v in victims {
                 // Cannot fail: evictable was checked under the lock and pins are only taken
                 // under it; a concurrent unpin only lowers the count.

@@ -316,3 +316,19 @@ fn chained_reads_never_report_a_failed_store_as_ready() {
     let slots: Vec<u32> = xs.iter().map(|k| ix.state_of(k).unwrap().2).collect();
     assert!(slots.windows(2).all(|w| w[0] < w[1]), "{slots:?}");
 }
+
+#[test]
+fn repeated_keys_count_once_in_short_and_long_batches() {
+    // Batches below and above the length where duplicate detection switches from a scan to a set.
+    for n in [3i128, 32, 33, 100] {
+        let ix = index(256, PolicyKind::Lru);
+        let mut batch = keys(0..n);
+        batch.extend(keys(0..n).into_iter().rev());
+        batch.push(k(n / 2));
+        let out = ix.prepare_store(&batch, InsertHint::default()).unwrap();
+        assert_eq!(out.to_write.len(), n as usize, "n={n}");
+        assert_eq!(out.already_present.len(), n as usize + 1, "n={n}");
+        assert_eq!(out.to_write_pos, (0..n as usize).collect::<Vec<_>>());
+        assert_eq!(ix.len(), n as usize);
+    }
+}

@@ -1,6 +1,10 @@
 //! Key conversion at the boundary: Python `int` and `bytes` only (bytearray/memoryview are
 //! refused so a mutable buffer can never change a key after it was indexed).
 
+use std::ffi::c_char;
+use std::ptr;
+
+use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyInt, PyList, PyTuple};
 
@@ -11,10 +15,54 @@ pub fn key_from_py(obj: &Bound<'_, PyAny>) -> PyResult<BlockKey> {
     probe_from_py(obj).map(|p| p.to_key())
 }
 
+/// A probe for `obj` if it is exactly a `bytes` object (not a subclass) of valid key length,
+/// borrowing its bytes: the common case (every engine's digests), in one type compare and one
+/// C-API call instead of pyo3's checked cast (a flags lookup through a function in the stable
+/// ABI) and two calls for data and length.
+///
+/// # Safety
+/// Attached to the interpreter; `obj` a live object that outlives the probe.
+#[inline]
+pub unsafe fn exact_bytes_probe<'a>(obj: *mut ffi::PyObject) -> Option<KeyProbe<'a>> {
+    unsafe {
+        if ffi::Py_TYPE(obj) != ptr::addr_of_mut!(ffi::PyBytes_Type) {
+            return None;
+        }
+        let mut data: *mut c_char = ptr::null_mut();
+        let mut len: ffi::Py_ssize_t = 0;
+        // Cannot fail for an exact bytes object.
+        if ffi::PyBytes_AsStringAndSize(obj, &mut data, &mut len) != 0 {
+            ffi::PyErr_Clear();
+            return None;
+        }
+        KeyProbe::try_bytes(std::slice::from_raw_parts(data.cast::<u8>(), len as usize))
+    }
+}
+
+/// The items of an exact `list`, borrowed, for a walk that runs no Python code (so the list
+/// cannot change under it); None for anything else.
+///
+/// # Safety
+/// Attached for as long as the iterator is used, without running Python code meanwhile.
+pub unsafe fn borrowed_list_items(obj: &Bound<'_, PyAny>) -> Option<impl Iterator<Item = *mut ffi::PyObject>> {
+    let list = obj.as_ptr();
+    unsafe {
+        if ffi::Py_TYPE(list) != ptr::addr_of_mut!(ffi::PyList_Type) {
+            return None;
+        }
+        let len = ffi::PyList_Size(list);
+        Some((0..len.max(0)).map(move |i| ffi::PyList_GetItem(list, i)))
+    }
+}
+
 /// `obj` as a key probe, without building a key: a `bytes` key is borrowed in place (the
 /// common case: vLLM's block hashes), an int is held inline.
 #[inline]
 pub fn probe_from_py<'a>(obj: &'a Bound<'_, PyAny>) -> PyResult<KeyProbe<'a>> {
+    // SAFETY: attached (we hold a Bound), and `obj` outlives 'a.
+    if let Some(probe) = unsafe { exact_bytes_probe(obj.as_ptr()) } {
+        return Ok(probe);
+    }
     if let Ok(b) = obj.cast::<PyBytes>() {
         let bytes = b.as_bytes();
         return match KeyProbe::try_bytes(bytes) {
@@ -38,6 +86,18 @@ pub fn probe_from_py<'a>(obj: &'a Bound<'_, PyAny>) -> PyResult<KeyProbe<'a>> {
 pub fn keys_from_py(obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockKey>> {
     if obj.is_instance_of::<PyBytes>() || obj.is_instance_of::<PyInt>() {
         return Err(invalid("keys", "expected a sequence of keys, got a single key"));
+    }
+    // SAFETY: attached; converting keys runs no Python code.
+    if let Some(items) = unsafe { borrowed_list_items(obj) } {
+        let mut keys = Vec::with_capacity(items.size_hint().0);
+        for item in items {
+            // SAFETY: the list holds `item` for the whole walk.
+            match unsafe { exact_bytes_probe(item) } {
+                Some(probe) => keys.push(probe.to_key()),
+                None => keys.push(key_from_py(unsafe { &Bound::from_borrowed_ptr(obj.py(), item) })?),
+            }
+        }
+        return Ok(keys);
     }
     if let Ok(list) = obj.cast::<PyList>() {
         return collect_keys(list.len(), list.iter().map(Ok));

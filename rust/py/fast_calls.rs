@@ -17,7 +17,7 @@
 //! Python object and cannot fail except by panicking, which is caught and raised as
 //! `PanicException`, never unwound into the interpreter.
 
-use std::ffi::{c_char, CStr};
+use std::ffi::CStr;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr;
 
@@ -26,39 +26,9 @@ use pyo3::prelude::*;
 use pyo3::types::PyType;
 use pyo3::Borrowed;
 
+use super::convert::exact_bytes_probe;
 use super::index::{BlockIndex, LONG_WALK_KEYS};
 use crate::index::BlockState;
-use crate::keys::KeyProbe;
-
-/// `obj`'s bytes if it is exactly a `bytes` object (not a subclass), borrowed from it.
-///
-/// # Safety
-/// Attached to the interpreter; `obj` a live object that outlives the returned slice.
-#[inline]
-unsafe fn exact_bytes<'a>(obj: *mut ffi::PyObject) -> Option<&'a [u8]> {
-    unsafe {
-        if ffi::Py_TYPE(obj) != ptr::addr_of_mut!(ffi::PyBytes_Type) {
-            return None;
-        }
-        let mut data: *mut c_char = ptr::null_mut();
-        let mut len: ffi::Py_ssize_t = 0;
-        // Cannot fail for an exact bytes object.
-        if ffi::PyBytes_AsStringAndSize(obj, &mut data, &mut len) != 0 {
-            ffi::PyErr_Clear();
-            return None;
-        }
-        Some(std::slice::from_raw_parts(data.cast::<u8>(), len as usize))
-    }
-}
-
-/// A probe for `obj` when the fast path can take it: an exact `bytes` key of valid length.
-///
-/// # Safety
-/// As `exact_bytes`.
-#[inline]
-unsafe fn fast_probe<'a>(obj: *mut ffi::PyObject) -> Option<KeyProbe<'a>> {
-    unsafe { exact_bytes(obj) }.and_then(KeyProbe::try_bytes)
-}
 
 /// The index behind the method's `self`.
 ///
@@ -136,7 +106,7 @@ unsafe extern "C" fn lookup_one(slf: *mut ffi::PyObject, key: *mut ffi::PyObject
     unsafe {
         let ix = index(slf);
         dispatch(
-            || fast_probe(key).map(|probe| py_bool(ix.inner().lookup_state(&probe) == Some(BlockState::Ready))),
+            || exact_bytes_probe(key).map(|probe| py_bool(ix.inner().lookup_state(&probe) == Some(BlockState::Ready))),
             |py| Ok(ix.lookup_one_impl(&arg(py, key))?.into_pyobject(py)?.to_owned().into_any().unbind()),
         )
     }
@@ -154,7 +124,7 @@ unsafe extern "C" fn lookup_result(
         let key = if (1..=2).contains(&nargs) { Some(*args) } else { None };
         dispatch(
             || {
-                let probe = fast_probe(key?)?;
+                let probe = exact_bytes_probe(key?)?;
                 let results = ix.lookup_results()?;
                 Some(new_ref(results[ix.result_index(&probe)].as_ptr()))
             },
@@ -188,7 +158,7 @@ unsafe extern "C" fn lookup_prefix(slf: *mut ffi::PyObject, keys: *mut ffi::PyOb
                 let (mut hits, mut prev) = (0, None);
                 // The list cannot change during the walk: no Python code runs in it.
                 for i in 0..len {
-                    let probe = fast_probe(ffi::PyList_GetItem(keys, i))?;
+                    let probe = exact_bytes_probe(ffi::PyList_GetItem(keys, i))?;
                     prev = reader.ready_slot(&probe, prev);
                     if prev.is_none() {
                         break;

@@ -5,7 +5,9 @@
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use super::convert::{as_list, key_from_py, key_to_py, keys_from_py, keys_to_py, probe_from_py};
+use super::convert::{
+    as_list, borrowed_list_items, exact_bytes_probe, key_from_py, key_to_py, keys_from_py, keys_to_py, probe_from_py,
+};
 use super::errors::invalid;
 use super::host_pool::HostPool;
 use crate::admission::AdmissionRule;
@@ -245,7 +247,15 @@ impl BlockIndex {
         // Hand back the caller's own key objects (by position) rather than new ones.
         let seq = as_list(keys)?;
         let core_keys = keys_from_py(seq.as_any())?;
-        let out = py.detach(|| self.inner.prepare_store(&core_keys, hint))?;
+        // Like lookups, a short batch keeps the GIL: releasing and re-taking it costs more than
+        // placing a request's chain. The core never calls into Python, so holding the GIL while
+        // it waits for the index's mutex cannot deadlock; it only delays other Python threads
+        // by as long as the other writer's (short) operation.
+        let out = if core_keys.len() < LONG_WALK_KEYS {
+            self.inner.prepare_store(&core_keys, hint)?
+        } else {
+            py.detach(|| self.inner.prepare_store(&core_keys, hint))?
+        };
         let pick = |pos: &[usize]| -> PyResult<Py<PyList>> {
             Ok(PyList::new(py, pos.iter().map(|&p| seq.get_item(p)).collect::<PyResult<Vec<_>>>()?)?.unbind())
         };
@@ -263,8 +273,27 @@ impl BlockIndex {
     /// Finish stores; failure drops the blocks and frees their slots. Returns how many changed.
     #[pyo3(signature = (keys, success=true))]
     fn complete_store(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, success: bool) -> PyResult<usize> {
-        // Probes borrow each bytes key in place; `items` keeps the (immutable) objects alive for
-        // the whole call, also while the GIL is released for a long batch.
+        // A short list is walked with the GIL held: its items are borrowed, and stay alive since
+        // no Python code runs meanwhile.
+        // SAFETY: attached; nothing below runs Python code while `items` is used.
+        if let Some(items) = unsafe { borrowed_list_items(keys) } {
+            if items.size_hint().0 < LONG_WALK_KEYS {
+                let mut probes = Vec::with_capacity(items.size_hint().0);
+                // SAFETY: the list holds each item for the whole call.
+                let all_exact = items.into_iter().all(|item| match unsafe { exact_bytes_probe(item) } {
+                    Some(probe) => {
+                        probes.push(probe);
+                        true
+                    }
+                    None => false,
+                });
+                if all_exact {
+                    return Ok(self.inner.complete_store(&probes, success));
+                }
+            }
+        }
+        // Otherwise (other key types, invalid keys: their errors come from `probe_from_py`) probes borrow each bytes key in place and `items` keeps the (immutable)
+        // objects alive for the whole call, also while the GIL is released for a long batch.
         let items: Vec<Bound<'_, PyAny>> = as_list(keys)?.iter().collect();
         let mut probes = Vec::with_capacity(items.len());
         for item in &items {
