@@ -33,16 +33,16 @@ def baseline(env, prompts):
         E.shutdown(llm)
 
 
-def tiering_llm(env, primary_chunks=4):
+def tiering_llm(env, primary_chunks=4, tier_type="KvtierDiskTier", module="kvtier_rs.integrations.vllm", root=None):
     cfg = {
         "spec_name": "KvtierTieringOffloadingSpec",
         "spec_module_path": "kvtier_rs.integrations.vllm",
         "cpu_bytes_to_use": primary_chunks * E.BLOCK_BYTES,
         "secondary_tiers": [
             {
-                "type": "KvtierDiskTier",
-                "module_path": "kvtier_rs.integrations.vllm",
-                "root_dir": str(env["disk"]),
+                "type": tier_type,
+                "module_path": module,
+                "root_dir": str(root or env["disk"]),
                 "capacity_bytes": "4MiB",
             }
         ],
@@ -56,6 +56,22 @@ def tier(llm):
     mgr = llm.llm_engine.engine_core.engine_core.scheduler.connector.connector_scheduler.manager
     (t,) = [t for t in mgr.secondary_tiers if isinstance(t, KvtierDiskTier)]
     return t
+
+
+def test_negative_control_wrong_promoted_bytes_change_tokens(env, prompts, baseline, tmp_path):
+    """The first scenario with a secondary tier that promotes wrong bytes: the comparison with
+    the baseline must catch it, or the positive tests below would prove nothing."""
+    llm = tiering_llm(env, tier_type="WrongBytesDiskTier", module="vllm_support.faulty", root=tmp_path)
+    try:
+        for name in "ABC":
+            assert E.generate(llm, prompts[name]) == (baseline[name], 0)
+        tier(llm).drain_jobs()
+        E.drop_gpu_cache(llm)
+        tokens, cached = E.generate(llm, prompts["A"])
+        assert cached == E.SERVED and tier(llm).counters["loads"] == 3
+        assert tokens != baseline["A"], "wrong KV went unnoticed: the comparison proves nothing"
+    finally:
+        E.shutdown(llm)
 
 
 def test_secondary_tier_serves_prefix_evicted_from_primary(env, prompts, baseline):

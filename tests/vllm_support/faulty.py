@@ -1,4 +1,5 @@
-"""A deliberately broken kvtier spec for the negative control: its worker loads wrong bytes.
+"""Deliberately broken kvtier parts for the negative controls: a spec whose worker loads wrong
+bytes, and a secondary tier that promotes wrong bytes.
 
 If the end-to-end comparison with the baseline could not tell right KV from wrong KV, the
 positive tests would prove nothing; with this spec the same scenario must change the tokens.
@@ -6,8 +7,10 @@ positive tests would prove nothing; with this spec the same scenario must change
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from kvtier_rs.integrations.vllm.secondary import KvtierDiskTier
 from kvtier_rs.integrations.vllm.spec import KvtierOffloadingSpec
 from kvtier_rs.integrations.vllm.worker import KvtierWorker
 
@@ -29,3 +32,23 @@ class WrongBytesWorker(KvtierWorker):
 
 class WrongBytesSpec(KvtierOffloadingSpec):
     worker_cls = WrongBytesWorker
+
+
+class WrongBytesDiskTier(KvtierDiskTier):
+    """kvtier's secondary tier, except that every block it promotes is overwritten with wrong
+    bytes once the verified read has landed in vLLM's primary row (the tiering-mode control)."""
+
+    def submit_load(self, job_metadata):
+        self._wrong_rows = getattr(self, "_wrong_rows", [])
+        self._wrong_rows.extend(np.asarray(job_metadata.chunk_ids).tolist())
+        super().submit_load(job_metadata)
+
+    def get_finished_jobs(self):
+        done = list(super().get_finished_jobs())
+        rows = np.frombuffer(self.pool, dtype=np.uint8).reshape(self.pool.num_slots, self.pool.slot_bytes)
+        rng = np.random.default_rng(len(done))
+        for row in getattr(self, "_wrong_rows", []):
+            # Small fp32 noise: plausible-looking, wrong KV.
+            rows[row] = rng.standard_normal(self.pool.slot_bytes // 4, dtype=np.float32).view(np.uint8)
+        self._wrong_rows = []
+        return done
