@@ -179,12 +179,13 @@ impl BlockKey {
     }
 
     /// The key as a probe borrowing its content.
+    #[inline(always)]
     pub fn as_probe(&self) -> KeyProbe<'_> {
         let content = match self.kind {
             Kind::Bytes => ProbeContent::Bytes(self.as_bytes()),
             Kind::Int => ProbeContent::Int(self.buf[..16].try_into().expect("16 bytes")),
         };
-        KeyProbe { hash: self.hash, content }
+        KeyProbe { hash: self.hash, key: KeyRef(content) }
     }
 
     /// A stable, self-describing encoding (tag byte, length byte, content) for persistence:
@@ -208,15 +209,12 @@ impl BlockKey {
     }
 }
 
-/// A key probe: a key validated and hashed exactly as `BlockKey` would be, whose bytes are
-/// borrowed from the caller's memory (a Python `bytes` object) or, for an integer, held inline.
-/// Lock-free reads and store completion probe the map with it directly, so a call across the
-/// Python boundary builds no 80-byte key per item.
+/// A key validated exactly as `BlockKey` would be, but not hashed, whose bytes are borrowed
+/// from the caller's memory (a Python `bytes` object) or, for an integer, held inline. A chained
+/// lookup compares it with a slot's key record, which needs no hash; `hashed` makes the probe
+/// that the map needs.
 #[derive(Clone, Copy)]
-pub struct KeyProbe<'a> {
-    hash: u64,
-    content: ProbeContent<'a>,
-}
+pub struct KeyRef<'a>(ProbeContent<'a>);
 
 #[derive(Clone, Copy)]
 enum ProbeContent<'a> {
@@ -224,44 +222,50 @@ enum ProbeContent<'a> {
     Int([u8; 16]),
 }
 
-impl<'a> KeyProbe<'a> {
+impl<'a> KeyRef<'a> {
     /// A bytes key, with the same checks as `BlockKey::from_bytes`.
     pub fn bytes(b: &'a [u8]) -> KvResult<Self> {
         BlockKey::check_bytes(b)?;
-        Ok(KeyProbe { hash: key_hash(Kind::Bytes, b), content: ProbeContent::Bytes(b) })
+        Ok(KeyRef(ProbeContent::Bytes(b)))
     }
 
     /// `bytes` for the hot path: None instead of an error (the caller asks `bytes` for the
     /// error only when there is one; returning a large `Result` costs a stall per call).
-    #[inline]
+    #[inline(always)]
     pub fn try_bytes(b: &'a [u8]) -> Option<Self> {
-        BlockKey::check_bytes(b)
-            .is_ok()
-            .then(|| KeyProbe { hash: key_hash(Kind::Bytes, b), content: ProbeContent::Bytes(b) })
+        BlockKey::check_bytes(b).is_ok().then_some(KeyRef(ProbeContent::Bytes(b)))
     }
 
     pub fn int(v: i128) -> Self {
-        let le = v.to_le_bytes();
-        KeyProbe { hash: key_hash(Kind::Int, &le), content: ProbeContent::Int(le) }
+        KeyRef(ProbeContent::Int(v.to_le_bytes()))
     }
 
     fn kind(&self) -> Kind {
-        match self.content {
+        match self.0 {
             ProbeContent::Bytes(_) => Kind::Bytes,
             ProbeContent::Int(_) => Kind::Int,
         }
     }
 
     fn content(&self) -> &[u8] {
-        match &self.content {
+        match &self.0 {
             ProbeContent::Bytes(b) => b,
             ProbeContent::Int(le) => le,
         }
     }
 
+    /// The probe for the map: this key with its hash.
+    // Always inlined (as the constructors): a probe returned through memory is written
+    // piecewise and read back whole, which stalls store forwarding (measured: over half the
+    // cost of a chained lookup).
+    #[inline(always)]
+    pub fn hashed(&self) -> KeyProbe<'a> {
+        KeyProbe { hash: key_hash(self.kind(), self.content()), key: *self }
+    }
+
     /// Whether a key record read word by word (`word(i)` is word i of `BlockKey::to_words`)
-    /// holds this probe's key. Compares kind, length and content in full, the tag word first
-    /// (the common mismatch is a different key of the same shape, rejected by its first content
+    /// holds this key. Compares kind, length and content in full, the tag word first (the
+    /// common mismatch is a different key of the same shape, rejected by its first content
     /// word). The hash word is not read: it follows from the content.
     #[inline]
     pub fn matches_words(&self, word: impl Fn(usize) -> u64) -> bool {
@@ -281,10 +285,87 @@ impl<'a> KeyProbe<'a> {
         }
         word(1 + content.len() / 8) == tail_word(content)
     }
+}
+
+/// A key probe: a `KeyRef` with the hash `BlockKey` would have. Lock-free reads and store
+/// completion probe the map with it directly, so a call across the Python boundary builds no
+/// 80-byte key per item.
+#[derive(Clone, Copy)]
+pub struct KeyProbe<'a> {
+    hash: u64,
+    key: KeyRef<'a>,
+}
+
+impl<'a> KeyProbe<'a> {
+    /// A bytes key, with the same checks as `BlockKey::from_bytes`.
+    pub fn bytes(b: &'a [u8]) -> KvResult<Self> {
+        Ok(KeyRef::bytes(b)?.hashed())
+    }
+
+    /// `bytes` for the hot path: None instead of an error.
+    #[inline(always)]
+    pub fn try_bytes(b: &'a [u8]) -> Option<Self> {
+        KeyRef::try_bytes(b).map(|k| k.hashed())
+    }
+
+    pub fn int(v: i128) -> Self {
+        KeyRef::int(v).hashed()
+    }
+
+    /// The key without its hash.
+    pub fn key_ref(&self) -> KeyRef<'a> {
+        self.key
+    }
+
+    /// See `KeyRef::matches_words`.
+    #[inline]
+    pub fn matches_words(&self, word: impl Fn(usize) -> u64) -> bool {
+        self.key.matches_words(word)
+    }
 
     /// The key itself (for writers, which keep keys).
     pub fn to_key(&self) -> BlockKey {
-        BlockKey::with_hash(self.kind(), self.content(), self.hash)
+        BlockKey::with_hash(self.key.kind(), self.key.content(), self.hash)
+    }
+}
+
+/// A key that a chained lookup can compare with slot key records (`key_ref`, no hash needed)
+/// and, when that fails, look up in the map (`probe`, hashing only then if it must).
+pub trait ChainKey {
+    fn key_ref(&self) -> KeyRef<'_>;
+    fn probe(&self) -> KeyProbe<'_>;
+}
+
+impl ChainKey for KeyRef<'_> {
+    #[inline(always)]
+    fn key_ref(&self) -> KeyRef<'_> {
+        *self
+    }
+    #[inline(always)]
+    fn probe(&self) -> KeyProbe<'_> {
+        self.hashed()
+    }
+}
+
+impl ChainKey for KeyProbe<'_> {
+    #[inline(always)]
+    fn key_ref(&self) -> KeyRef<'_> {
+        self.key
+    }
+    #[inline(always)]
+    fn probe(&self) -> KeyProbe<'_> {
+        *self
+    }
+}
+
+impl ChainKey for BlockKey {
+    #[inline(always)]
+    fn key_ref(&self) -> KeyRef<'_> {
+        self.as_probe().key
+    }
+    #[inline(always)]
+    fn probe(&self) -> KeyProbe<'_> {
+        self.as_probe()
     }
 }
 
@@ -296,7 +377,7 @@ impl Hash for KeyProbe<'_> {
 
 impl scc::Equivalent<BlockKey> for KeyProbe<'_> {
     fn equivalent(&self, key: &BlockKey) -> bool {
-        self.hash == key.hash && self.kind() == key.kind && same_bytes(self.content(), key.as_bytes())
+        self.hash == key.hash && self.key.kind() == key.kind && same_bytes(self.key.content(), key.as_bytes())
     }
 }
 

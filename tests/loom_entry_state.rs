@@ -5,7 +5,7 @@
 #![cfg(loom)]
 
 use kvtier::index::{occupy_slot, probe_slot, BlockState, EntryState, SlotKeys};
-use kvtier::keys::KeyProbe;
+use kvtier::keys::KeyRef;
 use kvtier::BlockKey;
 use loom::sync::Arc;
 use loom::thread;
@@ -141,16 +141,16 @@ fn a_chained_read_never_sees_a_key_the_slot_does_not_hold() {
             let second = occupy_slot(&s2, &k2, 0, &new, BlockState::Writing);
             assert!(s2.mark_ready(second));
         });
-        let torn = probe_slot(&state, &keys, 0, &KeyProbe::bytes(&mixed).unwrap());
-        let saw_old = probe_slot(&state, &keys, 0, &old.as_probe());
-        let saw_new = probe_slot(&state, &keys, 0, &new.as_probe());
+        let torn = probe_slot(&state, &keys, 0, &KeyRef::bytes(&mixed).unwrap());
+        let saw_old = probe_slot(&state, &keys, 0, &old.as_probe().key_ref());
+        let saw_new = probe_slot(&state, &keys, 0, &new.as_probe().key_ref());
         writer.join().unwrap();
         assert_eq!(torn, None, "a torn record was taken for a key");
         assert!(matches!(saw_old, None | Some(BlockState::Ready)), "{saw_old:?}");
         assert!(matches!(saw_new, None | Some(BlockState::Writing | BlockState::Ready)), "{saw_new:?}");
         // Program order: once the reader saw the new key, the old one is gone for good.
-        assert_eq!(probe_slot(&state, &keys, 0, &old.as_probe()), None);
-        assert_eq!(probe_slot(&state, &keys, 0, &new.as_probe()), Some(BlockState::Ready));
+        assert_eq!(probe_slot(&state, &keys, 0, &old.as_probe().key_ref()), None);
+        assert_eq!(probe_slot(&state, &keys, 0, &new.as_probe().key_ref()), Some(BlockState::Ready));
         assert_eq!(keys.read(0), new);
     });
 }
@@ -170,12 +170,12 @@ fn a_chained_read_across_a_failed_store_and_reuse() {
             assert!(s2.abandon_write(first));
             occupy_slot(&s2, &k2, 0, &next, BlockState::Ready)
         });
-        let saw_failed = probe_slot(&state, &keys, 0, &failed.as_probe());
-        let saw_next = probe_slot(&state, &keys, 0, &next.as_probe());
+        let saw_failed = probe_slot(&state, &keys, 0, &failed.as_probe().key_ref());
+        let saw_next = probe_slot(&state, &keys, 0, &next.as_probe().key_ref());
         let second = writer.join().unwrap();
         assert!(matches!(saw_failed, None | Some(BlockState::Writing)), "{saw_failed:?}");
         assert!(matches!(saw_next, None | Some(BlockState::Ready)), "{saw_next:?}");
         assert_eq!(state.load_with_generation(), (BlockState::Ready, 0, second));
-        assert_eq!(probe_slot(&state, &keys, 0, &failed.as_probe()), None);
+        assert_eq!(probe_slot(&state, &keys, 0, &failed.as_probe().key_ref()), None);
     });
 }

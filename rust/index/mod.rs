@@ -48,7 +48,7 @@ pub use stats::{IndexStats, StatsSnapshot};
 use crate::admission::{Admission, AdmissionRule};
 use crate::clock::Clock;
 use crate::error::{KvError, KvResult};
-use crate::keys::{BlockKey, KeyProbe};
+use crate::keys::{BlockKey, ChainKey, KeyRef};
 use crate::policy::{EvictionPolicy, InsertHint, PolicyKey, PolicyKind, DEFAULT_PRIORITY, MAX_PRIORITY};
 use crate::slots::SlotAllocator;
 
@@ -352,7 +352,7 @@ impl TierIndex {
         let n = keys
             .iter()
             .take_while(|k| {
-                prev = reader.ready_slot(&k.as_probe(), prev);
+                prev = reader.ready_slot(*k, prev);
                 prev.is_some()
             })
             .count();
@@ -366,13 +366,13 @@ impl TierIndex {
     /// Engines ask about a request's blocks one call at a time, head first, so the slot after
     /// this thread's last answer from this index is compared first (`ready_slot` explains why
     /// that is usually the one); the map is probed when it is not.
-    pub fn lookup_state(&self, key: &KeyProbe<'_>) -> Option<BlockState> {
+    pub fn lookup_state(&self, key: &impl ChainKey) -> Option<BlockState> {
         let me = self as *const Self as usize;
         let (owner, last) = LAST_LOOKUP.get();
-        let chained = if owner == me { self.probe_after(last, key) } else { None };
+        let chained = if owner == me { self.probe_after(last, &key.key_ref()) } else { None };
         let found = chained.or_else(|| {
             let guard = Guard::new();
-            self.resolve(key, &guard).map(|r| (r.slot, r.state))
+            self.resolve(&key.probe(), &guard).map(|r| (r.slot, r.state))
         });
         LAST_LOOKUP.set((me, found.map_or(NO_SLOT, |(slot, _)| slot)));
         let state = found.map(|(_, state)| state);
@@ -383,7 +383,7 @@ impl TierIndex {
     /// `key`'s slot and state if its block is in the slot after `prev` (lock-free, see
     /// `slot_key::probe_slot`).
     #[inline]
-    fn probe_after(&self, prev: u32, key: &KeyProbe<'_>) -> Option<(u32, BlockState)> {
+    fn probe_after(&self, prev: u32, key: &KeyRef<'_>) -> Option<(u32, BlockState)> {
         let next = prev.checked_add(1).filter(|&s| (s as usize) < self.config.capacity)?;
         probe_slot(self.state(next), &self.slot_keys, next, key).map(|state| (next, state))
     }
@@ -393,11 +393,12 @@ impl TierIndex {
     /// stored in one call take ascending, usually adjacent slots (`prepare_store`); the map is
     /// probed only when that slot holds another key.
     #[inline]
-    fn ready_slot(&self, key: &KeyProbe<'_>, after: Option<u32>, guard: &Guard) -> Option<u32> {
-        if let Some((slot, state)) = after.and_then(|prev| self.probe_after(prev, key)) {
+    fn ready_slot(&self, key: &impl ChainKey, after: Option<u32>, guard: &Guard) -> Option<u32> {
+        if let Some((slot, state)) = after.and_then(|prev| self.probe_after(prev, &key.key_ref())) {
             return (state == BlockState::Ready).then_some(slot);
         }
-        let r = *self.map.peek(key, guard)?;
+        // Only now is the key hashed (if it was not already).
+        let r = *self.map.peek(&key.probe(), guard)?;
         self.state(r.slot).is_ready_at(r.generation).then_some(r.slot)
     }
 
@@ -724,7 +725,7 @@ impl IndexReader<'_> {
     /// The slot of `key`'s block if it is ready; `after` is the previous block's slot when
     /// walking a chain (see `TierIndex::ready_slot`). Not counted in stats.
     #[inline]
-    pub fn ready_slot(&self, key: &KeyProbe<'_>, after: Option<u32>) -> Option<u32> {
+    pub fn ready_slot(&self, key: &impl ChainKey, after: Option<u32>) -> Option<u32> {
         self.index.ready_slot(key, after, &self.guard)
     }
 }

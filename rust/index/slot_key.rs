@@ -20,7 +20,7 @@
 //! including a torn read that would match a third key.
 
 use super::entry_state::{BlockState, EntryState};
-use crate::keys::{BlockKey, KeyProbe, KEY_WORDS};
+use crate::keys::{BlockKey, KeyRef, KEY_WORDS};
 use crate::sync::{fence, AtomicU64, Ordering};
 
 /// The key records of an index's slots, `KEY_WORDS` atomics each.
@@ -50,7 +50,7 @@ impl SlotKeys {
 
     /// Whether `slot`'s record holds `probe`'s key, read racily: only meaningful inside
     /// `probe_slot`'s generation check.
-    fn matches(&self, slot: u32, probe: &KeyProbe<'_>) -> bool {
+    fn matches(&self, slot: u32, probe: &KeyRef<'_>) -> bool {
         let record = self.record(slot);
         probe.matches_words(|i| record[i].load(Ordering::Relaxed))
     }
@@ -74,7 +74,7 @@ pub fn occupy_slot(state: &EntryState, keys: &SlotKeys, slot: u32, key: &BlockKe
 /// slot changed while it was read). Lock-free; never reports a key the slot does not hold in
 /// the generation whose state it returns.
 #[inline]
-pub fn probe_slot(state: &EntryState, keys: &SlotKeys, slot: u32, probe: &KeyProbe<'_>) -> Option<BlockState> {
+pub fn probe_slot(state: &EntryState, keys: &SlotKeys, slot: u32, probe: &KeyRef<'_>) -> Option<BlockState> {
     let (before, _, generation) = state.load_with_generation();
     if before == BlockState::Evicting || !keys.matches(slot, probe) {
         return None;

@@ -9,21 +9,22 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyInt, PyList, PyTuple};
 
 use super::errors::invalid;
-use crate::keys::{BlockKey, KeyProbe, KeyValue};
+use crate::keys::{BlockKey, KeyProbe, KeyRef, KeyValue};
 
 pub fn key_from_py(obj: &Bound<'_, PyAny>) -> PyResult<BlockKey> {
     probe_from_py(obj).map(|p| p.to_key())
 }
 
-/// A probe for `obj` if it is exactly a `bytes` object (not a subclass) of valid key length,
-/// borrowing its bytes: the common case (every engine's digests), in one type compare and one
-/// C-API call instead of pyo3's checked cast (a flags lookup through a function in the stable
-/// ABI) and two calls for data and length.
+/// `obj` as a key if it is exactly a `bytes` object (not a subclass) of valid key length,
+/// borrowing its bytes, unhashed: the common case (every engine's digests), in one type compare
+/// and one C-API call instead of pyo3's checked cast (a flags lookup through a function in the
+/// stable ABI) and two calls for data and length.
 ///
 /// # Safety
-/// Attached to the interpreter; `obj` a live object that outlives the probe.
-#[inline]
-pub unsafe fn exact_bytes_probe<'a>(obj: *mut ffi::PyObject) -> Option<KeyProbe<'a>> {
+/// Attached to the interpreter; `obj` a live object that outlives the key.
+// Always inlined, like `KeyRef::try_bytes` (a key returned through memory stalls).
+#[inline(always)]
+pub unsafe fn exact_bytes_key<'a>(obj: *mut ffi::PyObject) -> Option<KeyRef<'a>> {
     unsafe {
         if ffi::Py_TYPE(obj) != ptr::addr_of_mut!(ffi::PyBytes_Type) {
             return None;
@@ -35,8 +36,17 @@ pub unsafe fn exact_bytes_probe<'a>(obj: *mut ffi::PyObject) -> Option<KeyProbe<
             ffi::PyErr_Clear();
             return None;
         }
-        KeyProbe::try_bytes(std::slice::from_raw_parts(data.cast::<u8>(), len as usize))
+        KeyRef::try_bytes(std::slice::from_raw_parts(data.cast::<u8>(), len as usize))
     }
+}
+
+/// `exact_bytes_key`, hashed for the map.
+///
+/// # Safety
+/// As `exact_bytes_key`.
+#[inline(always)]
+pub unsafe fn exact_bytes_probe<'a>(obj: *mut ffi::PyObject) -> Option<KeyProbe<'a>> {
+    unsafe { exact_bytes_key(obj) }.map(|k| k.hashed())
 }
 
 /// The items of an exact `list`, borrowed, for a walk that runs no Python code (so the list

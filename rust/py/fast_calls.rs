@@ -26,7 +26,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyType;
 use pyo3::Borrowed;
 
-use super::convert::exact_bytes_probe;
+use super::convert::exact_bytes_key;
 use super::index::{BlockIndex, LONG_WALK_KEYS};
 use crate::index::BlockState;
 
@@ -106,7 +106,7 @@ unsafe extern "C" fn lookup_one(slf: *mut ffi::PyObject, key: *mut ffi::PyObject
     unsafe {
         let ix = index(slf);
         dispatch(
-            || exact_bytes_probe(key).map(|probe| py_bool(ix.inner().lookup_state(&probe) == Some(BlockState::Ready))),
+            || exact_bytes_key(key).map(|probe| py_bool(ix.inner().lookup_state(&probe) == Some(BlockState::Ready))),
             |py| Ok(ix.lookup_one_impl(&arg(py, key))?.into_pyobject(py)?.to_owned().into_any().unbind()),
         )
     }
@@ -124,7 +124,7 @@ unsafe extern "C" fn lookup_result(
         let key = if (1..=2).contains(&nargs) { Some(*args) } else { None };
         dispatch(
             || {
-                let probe = exact_bytes_probe(key?)?;
+                let probe = exact_bytes_key(key?)?;
                 let results = ix.lookup_results()?;
                 Some(new_ref(results[ix.result_index(&probe)].as_ptr()))
             },
@@ -158,7 +158,7 @@ unsafe extern "C" fn lookup_prefix(slf: *mut ffi::PyObject, keys: *mut ffi::PyOb
                 let (mut hits, mut prev) = (0, None);
                 // The list cannot change during the walk: no Python code runs in it.
                 for i in 0..len {
-                    let probe = exact_bytes_probe(ffi::PyList_GetItem(keys, i))?;
+                    let probe = exact_bytes_key(ffi::PyList_GetItem(keys, i))?;
                     prev = reader.ready_slot(&probe, prev);
                     if prev.is_none() {
                         break;

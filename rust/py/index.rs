@@ -13,7 +13,7 @@ use super::host_pool::HostPool;
 use crate::admission::AdmissionRule;
 use crate::error::KvError;
 use crate::index::{BlockState, IndexConfig, TierIndex};
-use crate::keys::{BlockKey, KeyProbe};
+use crate::keys::{BlockKey, ChainKey};
 use crate::policy::{InsertHint, PolicyKind, DEFAULT_PRIORITY, MAX_PRIORITY};
 
 /// (key, state, pins, slot) as `entries()` returns them.
@@ -103,7 +103,7 @@ impl BlockIndex {
 
     /// Which of the lookup results (ready, being written, absent) answers for `key`; counted as
     /// a one-key lookup.
-    pub(crate) fn result_index(&self, key: &KeyProbe<'_>) -> usize {
+    pub(crate) fn result_index(&self, key: &impl ChainKey) -> usize {
         match self.inner.lookup_state(key) {
             Some(BlockState::Ready) => 0,
             Some(BlockState::Writing) => 1,
