@@ -12,7 +12,11 @@ with no offloading, with vLLM's tiering spec and its ``fs`` file tier, and with 
   measurement lasts several seconds), every prompt unique. Tiering
   cannot help here; it can only cost. kvtier's bar: at most 2% over no offloading. Measured for
   kvtier with its disk tier and with its CPU tier alone (``kvtier_cpu``), so the cost of the
-  disk tier's background writes shows separately.
+  disk tier's background writes shows separately. A repetition's wall-clock ratio scatters by
+  10-25% on a shared VM, more than the bar; so one more run of each kvtier config goes under a
+  sampling profiler (py-spy, ``benches/attribution.py``), which reports kvtier's and vLLM's
+  connector hooks' share of the engine thread and the CPU of kvtier's own native threads: shares
+  within one run that the machine's noise does not move.
 * vLLM's tiering spec refuses vLLM's CPU platform in its worker (``get_worker`` raises), so the
   "vLLM fs" row runs vLLM's tiering manager, primary tier and ``fs`` tier with kvtier's worker
   (``KvtierTieringOffloadingSpec``, which differs from vLLM's spec in ``get_worker`` only).
@@ -40,6 +44,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+import attribution  # noqa: E402 - benches/attribution.py
 from vllm_support import engine as E  # noqa: E402 - the tests' engine helpers
 
 BLOCK = 32
@@ -133,7 +138,7 @@ def configs(tmp: Path, cpu_chunks: int) -> dict[str, Any]:
     }
 
 
-def one(model: str, cfg: Any, gpu_blocks: int, plan, reuse: bool, seed: int) -> dict[str, float]:
+def one(model: str, cfg: Any, gpu_blocks: int, plan, reuse: bool, seed: int, end_hook=None) -> dict[str, float]:
     llm = E.make_llm(
         model,
         cfg,
@@ -146,7 +151,10 @@ def one(model: str, cfg: Any, gpu_blocks: int, plan, reuse: bool, seed: int) -> 
     try:
         # Warm-up (kernels, allocator) on prompts no workload uses.
         run_workload(llm, [(99, 64)], reuse=False, seed=10_000 + seed)
-        return run_workload(llm, plan, reuse, seed)
+        result = run_workload(llm, plan, reuse, seed)
+        if end_hook is not None:
+            end_hook()
+        return result
     finally:
         E.shutdown(llm)
         gc.collect()
@@ -165,6 +173,11 @@ def main() -> None:
         "--zero-repeat", type=int, default=4, help="the zero-reuse workload is the multi-turn shapes this many times"
     )
     ap.add_argument("--reps", type=int, default=3, help="zero-reuse repetitions of each config (interleaved)")
+    ap.add_argument(
+        "--no-attribution",
+        action="store_true",
+        help="skip the zero-reuse runs under py-spy that attribute the engine thread's time",
+    )
     a = ap.parse_args()
 
     # Every config preallocates its disk tier (1 GiB): the whole directory goes when the run
@@ -200,6 +213,17 @@ def measure(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         shutil.rmtree(tmp / f"z{rep}", ignore_errors=True)
     for name, rs in runs.items():
         results["zero_reuse"][name] = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+    if not a.no_attribution:
+        # One more zero-reuse run of each kvtier config under a sampling profiler: its share of
+        # the engine thread does not move with this VM's noise the way a wall-clock ratio does.
+        cfgs = configs(tmp / "attr", a.cpu_chunks)
+        for name in ("kvtier", "kvtier_cpu"):
+            shares = attribution.profile(
+                lambda mark, name=name: one(model, cfgs[name], a.gpu_blocks, zero_plan, False, 200, end_hook=mark)
+            )
+            if shares is not None:
+                results[f"zero_reuse_{name}_attribution"] = shares.__dict__
+        shutil.rmtree(tmp / "attr", ignore_errors=True)
     for name in ("kvtier", "kvtier_cpu"):
         pairs = list(zip(runs["none"], runs[name], strict=True))
         results[f"zero_reuse_{name}_overhead_pct"] = {
@@ -231,6 +255,9 @@ def report(a: argparse.Namespace, results: dict[str, Any]) -> None:
             f"zero reuse, {name} over none (median of paired reps): TTFT {o['ttft']:+.1f}%, "
             f"throughput cost {o['throughput']:+.1f}% (bar: <= 2%); per rep {o['throughput_per_rep']}"
         )
+        if f"zero_reuse_{name}_attribution" in results:
+            shares = attribution.Shares(**results[f"zero_reuse_{name}_attribution"])
+            print(f"zero reuse, {name}, sampled: {shares.line()}")
 
 
 if __name__ == "__main__":
