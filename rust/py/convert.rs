@@ -61,7 +61,13 @@ pub unsafe fn borrowed_list_items(obj: &Bound<'_, PyAny>) -> Option<impl Iterato
             return None;
         }
         let len = ffi::PyList_Size(list);
-        Some((0..len.max(0)).map(move |i| ffi::PyList_GetItem(list, i)))
+        Some((0..len.max(0)).map(move |i| {
+            let item = ffi::PyList_GetItem(list, i);
+            // Only a list changed by Python code during the walk could yield NULL here, and
+            // callers run none.
+            assert!(!item.is_null(), "a list changed while its keys were read");
+            item
+        }))
     }
 }
 
@@ -97,17 +103,22 @@ pub fn keys_from_py(obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockKey>> {
     if obj.is_instance_of::<PyBytes>() || obj.is_instance_of::<PyInt>() {
         return Err(invalid("keys", "expected a sequence of keys, got a single key"));
     }
-    // SAFETY: attached; converting keys runs no Python code.
+    // A list of exact `bytes` keys (the common case) is walked borrowing its items; anything
+    // else in it sends the whole list down the general path below, which also makes the errors.
+    // SAFETY: attached; the walk runs no Python code, so the list cannot change under it.
     if let Some(items) = unsafe { borrowed_list_items(obj) } {
         let mut keys = Vec::with_capacity(items.size_hint().0);
-        for item in items {
-            // SAFETY: the list holds `item` for the whole walk.
-            match unsafe { exact_bytes_probe(item) } {
-                Some(probe) => keys.push(probe.to_key()),
-                None => keys.push(key_from_py(unsafe { &Bound::from_borrowed_ptr(obj.py(), item) })?),
+        // SAFETY: the list holds each item for the whole walk.
+        let all_exact = items.into_iter().all(|item| match unsafe { exact_bytes_probe(item) } {
+            Some(probe) => {
+                keys.push(probe.to_key());
+                true
             }
+            None => false,
+        });
+        if all_exact {
+            return Ok(keys);
         }
-        return Ok(keys);
     }
     if let Ok(list) = obj.cast::<PyList>() {
         return collect_keys(list.len(), list.iter().map(Ok));
