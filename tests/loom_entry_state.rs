@@ -179,3 +179,50 @@ fn a_chained_read_across_a_failed_store_and_reuse() {
         assert_eq!(probe_slot(&state, &keys, 0, &failed.as_probe().key_ref()), None);
     });
 }
+
+/// As above, but the eviction and the reuse are made by two writers, handing the slot over
+/// through the index's mutex (as two threads' stores do): the reader's fence then pairs with a
+/// fence in a thread other than the one that vacated the slot.
+#[test]
+fn a_chained_read_across_two_writers() {
+    use loom::sync::Mutex;
+    let old = BlockKey::from_bytes(&[0x11; 16]).unwrap();
+    let new = BlockKey::from_bytes(&[0x22; 16]).unwrap();
+    let mut mixed = [0x22u8; 16];
+    mixed[8..].fill(0x11);
+    loom::model(move || {
+        let state = Arc::new(EntryState::vacant());
+        let keys = Arc::new(SlotKeys::new(1));
+        let first = occupy_slot(&state, &keys, 0, &old, BlockState::Writing);
+        assert!(state.mark_ready(first));
+        // The index's mutex; true while the slot is vacant.
+        let lock = Arc::new(Mutex::new(false));
+        let evictor = {
+            let (state, lock) = (state.clone(), lock.clone());
+            thread::spawn(move || {
+                let mut vacant = lock.lock().unwrap();
+                assert!(state.try_claim(first));
+                *vacant = true;
+            })
+        };
+        let reuser = {
+            let (state, keys, lock) = (state.clone(), keys.clone(), lock.clone());
+            thread::spawn(move || {
+                let mut vacant = lock.lock().unwrap();
+                if *vacant {
+                    occupy_slot(&state, &keys, 0, &new, BlockState::Ready);
+                    *vacant = false;
+                }
+            })
+        };
+        let torn = probe_slot(&state, &keys, 0, &KeyRef::bytes(&mixed).unwrap());
+        let saw_old = probe_slot(&state, &keys, 0, &old.as_probe().key_ref());
+        let saw_new = probe_slot(&state, &keys, 0, &new.as_probe().key_ref());
+        evictor.join().unwrap();
+        reuser.join().unwrap();
+        assert_eq!(torn, None, "a torn record was taken for a key");
+        assert!(matches!(saw_old, None | Some(BlockState::Ready)), "{saw_old:?}");
+        assert!(matches!(saw_new, None | Some(BlockState::Ready)), "{saw_new:?}");
+        assert_eq!(probe_slot(&state, &keys, 0, &old.as_probe().key_ref()), None);
+    });
+}

@@ -65,10 +65,12 @@ def test_negative_control_wrong_promoted_bytes_change_tokens(env, prompts, basel
     try:
         for name in "ABC":
             assert E.generate(llm, prompts[name]) == (baseline[name], 0)
-        tier(llm).drain_jobs()
+        t = tier(llm)
+        t.drain_jobs()
+        assert t.disk.stats()["blocks_written"] == 9, t.disk.stats()
         E.drop_gpu_cache(llm)
         tokens, cached = E.generate(llm, prompts["A"])
-        assert cached == E.SERVED and tier(llm).counters["loads"] == 3
+        assert cached == E.SERVED and t.counters["loads"] == 3, (cached, t.counters, t.disk.stats())
         assert tokens != baseline["A"], "wrong KV went unnoticed: the comparison proves nothing"
     finally:
         E.shutdown(llm)

@@ -439,11 +439,36 @@ impl TierIndex {
     /// `NoSpace` nothing was evicted or reserved. Duplicates inside the batch count once, and
     /// no key of the batch is ever evicted to make room for the others.
     pub fn prepare_store(&self, keys: &[BlockKey], hint: InsertHint) -> KvResult<StoreOutcome> {
+        Self::check_hint(hint)?;
+        let now = self.clock.now_ns();
+        self.prepare_store_locked(&mut self.inner.lock(), keys, hint, now)
+    }
+
+    /// `prepare_store` if the index's mutex is free right now, None if another writer holds it
+    /// (a caller holding the GIL then releases it before waiting: see the Python binding).
+    pub fn try_prepare_store(&self, keys: &[BlockKey], hint: InsertHint) -> Option<KvResult<StoreOutcome>> {
+        if let Err(e) = Self::check_hint(hint) {
+            return Some(Err(e));
+        }
+        let now = self.clock.now_ns();
+        let mut inner = self.inner.try_lock()?;
+        Some(self.prepare_store_locked(&mut inner, keys, hint, now))
+    }
+
+    fn check_hint(hint: InsertHint) -> KvResult<()> {
         if hint.priority > MAX_PRIORITY {
             return Err(KvError::invalid("priority", format!("{} is outside 0..=100", hint.priority)));
         }
-        let now = self.clock.now_ns();
-        let mut inner = self.inner.lock();
+        Ok(())
+    }
+
+    fn prepare_store_locked(
+        &self,
+        inner: &mut Inner,
+        keys: &[BlockKey],
+        hint: InsertHint,
+        now: u64,
+    ) -> KvResult<StoreOutcome> {
         let guard = Guard::new();
         let mut out = StoreOutcome::default();
         let mut new_keys: Vec<BlockKey> = Vec::with_capacity(keys.len());
@@ -491,7 +516,7 @@ impl TierIndex {
                 let (_, _, generation) = self.state(v.slot).load_with_generation();
                 let claimed = self.state(v.slot).try_claim(generation);
                 assert!(claimed, "victim slot {} could not be claimed", v.slot);
-                let key = self.detach(&mut inner, v.slot);
+                let key = self.detach(inner, v.slot);
                 self.slots.release(v.slot);
                 out.evicted.push((key, v.slot));
             }
@@ -508,8 +533,8 @@ impl TierIndex {
         let placed: Vec<(BlockKey, u32)> = new_keys.iter().copied().zip(slots).collect();
         let meta = (hint.priority, self.config.block_bytes, 0);
         for (k, slot) in placed.iter().rev() {
-            let generation = self.occupy(&mut inner, *slot, k, BlockState::Writing, meta);
-            self.publish(&mut inner, *k, *slot, generation, hint, now);
+            let generation = self.occupy(inner, *slot, k, BlockState::Writing, meta);
+            self.publish(inner, *k, *slot, generation, hint, now);
         }
         self.stats.stores_prepared.fetch_add(placed.len() as u64, Ordering::Relaxed);
         out.to_write = placed;

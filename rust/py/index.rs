@@ -248,13 +248,14 @@ impl BlockIndex {
         let seq = as_list(keys)?;
         let core_keys = keys_from_py(seq.as_any())?;
         // Like lookups, a short batch keeps the GIL: releasing and re-taking it costs more than
-        // placing a request's chain. The core never calls into Python, so holding the GIL while
-        // it waits for the index's mutex cannot deadlock; it only delays other Python threads
-        // by as long as the other writer's (short) operation.
-        let out = if core_keys.len() < LONG_WALK_KEYS {
-            self.inner.prepare_store(&core_keys, hint)?
-        } else {
-            py.detach(|| self.inner.prepare_store(&core_keys, hint))?
+        // placing a request's chain. But it never waits for the index's mutex with the GIL held
+        // (another writer may hold the mutex for long, e.g. a clear(), and every Python thread
+        // would stall meanwhile): when the mutex is taken, it releases the GIL and waits.
+        let quick =
+            if core_keys.len() < LONG_WALK_KEYS { self.inner.try_prepare_store(&core_keys, hint) } else { None };
+        let out = match quick {
+            Some(out) => out?,
+            None => py.detach(|| self.inner.prepare_store(&core_keys, hint))?,
         };
         let pick = |pos: &[usize]| -> PyResult<Py<PyList>> {
             Ok(PyList::new(py, pos.iter().map(|&p| seq.get_item(p)).collect::<PyResult<Vec<_>>>()?)?.unbind())
@@ -273,10 +274,10 @@ impl BlockIndex {
     /// Finish stores; failure drops the blocks and frees their slots. Returns how many changed.
     #[pyo3(signature = (keys, success=true))]
     fn complete_store(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, success: bool) -> PyResult<usize> {
-        // A short list is walked with the GIL held: its items are borrowed, and stay alive since
-        // no Python code runs meanwhile.
+        // A successful completion is lock-free: a short list of it is walked with the GIL held,
+        // its items borrowed (they stay alive since no Python code runs meanwhile).
         // SAFETY: attached; nothing below runs Python code while `items` is used.
-        if let Some(items) = unsafe { borrowed_list_items(keys) } {
+        if let Some(items) = unsafe { borrowed_list_items(keys) }.filter(|_| success) {
             if items.size_hint().0 < LONG_WALK_KEYS {
                 let mut probes = Vec::with_capacity(items.size_hint().0);
                 // SAFETY: the list holds each item for the whole call.
@@ -288,19 +289,20 @@ impl BlockIndex {
                     None => false,
                 });
                 if all_exact {
-                    return Ok(self.inner.complete_store(&probes, success));
+                    return Ok(self.inner.complete_store(&probes, true));
                 }
             }
         }
-        // Otherwise (other key types, invalid keys: their errors come from `probe_from_py`) probes borrow each bytes key in place and `items` keeps the (immutable)
-        // objects alive for the whole call, also while the GIL is released for a long batch.
+        // Otherwise (a failure, which takes the index's mutex; other key types; invalid keys,
+        // whose errors come from `probe_from_py`) probes borrow each bytes key in place and
+        // `items` keeps the (immutable) objects alive, also while the GIL is released.
         let items: Vec<Bound<'_, PyAny>> = as_list(keys)?.iter().collect();
         let mut probes = Vec::with_capacity(items.len());
         for item in &items {
             probes.push(probe_from_py(item)?);
         }
-        if probes.len() < LONG_WALK_KEYS {
-            return Ok(self.inner.complete_store(&probes, success));
+        if success && probes.len() < LONG_WALK_KEYS {
+            return Ok(self.inner.complete_store(&probes, true));
         }
         Ok(py.detach(|| self.inner.complete_store(&probes, success)))
     }

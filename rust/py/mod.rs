@@ -11,7 +11,10 @@ mod replay;
 
 use pyo3::prelude::*;
 
-#[pymodule(name = "_core")]
+// gil_used: the fast paths borrow list items and key bytes on the premise that no other thread
+// runs Python code meanwhile, so on a free-threaded interpreter importing the module must turn
+// the GIL back on.
+#[pymodule(name = "_core", gil_used = true)]
 mod core_module {
     #[pymodule_export]
     use super::disk::disk_status;

@@ -39,16 +39,20 @@ class WrongBytesDiskTier(KvtierDiskTier):
     bytes once the verified read has landed in vLLM's primary row (the tiering-mode control)."""
 
     def submit_load(self, job_metadata):
-        self._wrong_rows = getattr(self, "_wrong_rows", [])
-        self._wrong_rows.extend(np.asarray(job_metadata.chunk_ids).tolist())
+        self._rows_of = getattr(self, "_rows_of", {})
+        self._rows_of[job_metadata.job_id] = np.asarray(job_metadata.chunk_ids).tolist()
         super().submit_load(job_metadata)
 
     def get_finished_jobs(self):
         done = list(super().get_finished_jobs())
-        rows = np.frombuffer(self.pool, dtype=np.uint8).reshape(self.pool.num_slots, self.pool.slot_bytes)
-        rng = np.random.default_rng(len(done))
-        for row in getattr(self, "_wrong_rows", []):
-            # Small fp32 noise: plausible-looking, wrong KV.
-            rows[row] = rng.standard_normal(self.pool.slot_bytes // 4, dtype=np.float32).view(np.uint8)
-        self._wrong_rows = []
+        rows_of = getattr(self, "_rows_of", {})
+        # Rows of the promotions reported done now: their verified bytes have landed.
+        wrong = [row for r in done if r.success for row in rows_of.pop(r.job_id, [])]
+        if wrong:
+            rows = np.frombuffer(self.pool, dtype=np.uint8).reshape(self.pool.num_slots, self.pool.slot_bytes)
+            rng = np.random.default_rng(len(wrong))
+            for row in wrong:
+                # Small fp32 noise: plausible-looking, wrong KV.
+                rows[row] = rng.standard_normal(self.pool.slot_bytes // 4, dtype=np.float32).view(np.uint8)
+            del rows  # no export of vLLM's region may outlive the call (it unmaps it at shutdown)
         return done
