@@ -121,37 +121,63 @@ fn a_stale_reader_never_pins_the_slots_next_block() {
     });
 }
 
+/// The keys of the chained-read models: the block evicted, the block that takes its slot, and
+/// `torn`, the first 8 bytes of the new key followed by the last 8 of the old one, which a reader
+/// mixing words of the two records would match.
+fn old_new_torn() -> (BlockKey, BlockKey, [u8; 16]) {
+    let mut torn = [0x22u8; 16];
+    torn[8..].fill(0x11);
+    (BlockKey::from_bytes(&[0x11; 16]).unwrap(), BlockKey::from_bytes(&[0x22; 16]).unwrap(), torn)
+}
+
+/// Slot 0 of a one-slot arena holding `key`'s block in `state`; returns its generation too.
+fn slot_holding(key: &BlockKey, state: BlockState) -> (Arc<EntryState>, Arc<SlotKeys>, u32) {
+    let (entry, keys) = (Arc::new(EntryState::vacant()), Arc::new(SlotKeys::new(1)));
+    let generation = occupy_slot(&entry, &keys, 0, key, BlockState::Writing);
+    if state == BlockState::Ready {
+        assert!(entry.mark_ready(generation));
+    }
+    (entry, keys, generation)
+}
+
+fn probe(state: &EntryState, keys: &SlotKeys, key: &BlockKey) -> Option<BlockState> {
+    probe_slot(state, keys, 0, &key.as_probe().key_ref())
+}
+
+/// A reader walking the slot (the torn key, the old, the new) while it changes hands: it must
+/// never match the torn key, and may see the old key only ready and the new one only as `new_as`.
+fn read_while_the_slot_changes_hands(
+    state: &EntryState,
+    keys: &SlotKeys,
+    (old, new, torn): &(BlockKey, BlockKey, [u8; 16]),
+    new_as: &[BlockState],
+) {
+    assert_eq!(probe_slot(state, keys, 0, &KeyRef::bytes(torn).unwrap()), None, "a torn record was taken for a key");
+    let saw_old = probe(state, keys, old);
+    assert!(matches!(saw_old, None | Some(BlockState::Ready)), "{saw_old:?}");
+    let saw_new = probe(state, keys, new);
+    assert!(saw_new.is_none_or(|s| new_as.contains(&s)), "{saw_new:?}");
+}
+
 /// A reader compares a slot's key record while a writer evicts the slot's block and puts another
-/// key's block in its place. `torn` is the first 8 bytes of the new key followed by the last 8
-/// of the old one: a reader mixing words of the two records would match it.
+/// key's block in its place.
 #[test]
 fn a_chained_read_never_sees_a_key_the_slot_does_not_hold() {
-    let old = BlockKey::from_bytes(&[0x11; 16]).unwrap();
-    let new = BlockKey::from_bytes(&[0x22; 16]).unwrap();
-    let mut mixed = [0x22u8; 16];
-    mixed[8..].fill(0x11);
+    let ks = old_new_torn();
     loom::model(move || {
-        let state = Arc::new(EntryState::vacant());
-        let keys = Arc::new(SlotKeys::new(1));
-        let first = occupy_slot(&state, &keys, 0, &old, BlockState::Writing);
-        assert!(state.mark_ready(first));
-        let (s2, k2) = (state.clone(), keys.clone());
+        let (state, keys, first) = slot_holding(&ks.0, BlockState::Ready);
+        let (s2, k2, new) = (state.clone(), keys.clone(), ks.1);
         let writer = thread::spawn(move || {
             assert!(s2.try_claim(first));
             let second = occupy_slot(&s2, &k2, 0, &new, BlockState::Writing);
             assert!(s2.mark_ready(second));
         });
-        let torn = probe_slot(&state, &keys, 0, &KeyRef::bytes(&mixed).unwrap());
-        let saw_old = probe_slot(&state, &keys, 0, &old.as_probe().key_ref());
-        let saw_new = probe_slot(&state, &keys, 0, &new.as_probe().key_ref());
+        read_while_the_slot_changes_hands(&state, &keys, &ks, &[BlockState::Writing, BlockState::Ready]);
         writer.join().unwrap();
-        assert_eq!(torn, None, "a torn record was taken for a key");
-        assert!(matches!(saw_old, None | Some(BlockState::Ready)), "{saw_old:?}");
-        assert!(matches!(saw_new, None | Some(BlockState::Writing | BlockState::Ready)), "{saw_new:?}");
-        // Program order: once the reader saw the new key, the old one is gone for good.
-        assert_eq!(probe_slot(&state, &keys, 0, &old.as_probe().key_ref()), None);
-        assert_eq!(probe_slot(&state, &keys, 0, &new.as_probe().key_ref()), Some(BlockState::Ready));
-        assert_eq!(keys.read(0), new);
+        // Once the writer is done, the old key is gone for good.
+        assert_eq!(probe(&state, &keys, &ks.0), None);
+        assert_eq!(probe(&state, &keys, &ks.1), Some(BlockState::Ready));
+        assert_eq!(keys.read(0), ks.1);
     });
 }
 
@@ -162,39 +188,31 @@ fn a_chained_read_across_a_failed_store_and_reuse() {
     let failed = BlockKey::from_int(1);
     let next = BlockKey::from_int(2);
     loom::model(move || {
-        let state = Arc::new(EntryState::vacant());
-        let keys = Arc::new(SlotKeys::new(1));
-        let first = occupy_slot(&state, &keys, 0, &failed, BlockState::Writing);
+        let (state, keys, first) = slot_holding(&failed, BlockState::Writing);
         let (s2, k2) = (state.clone(), keys.clone());
         let writer = thread::spawn(move || {
             assert!(s2.abandon_write(first));
             occupy_slot(&s2, &k2, 0, &next, BlockState::Ready)
         });
-        let saw_failed = probe_slot(&state, &keys, 0, &failed.as_probe().key_ref());
-        let saw_next = probe_slot(&state, &keys, 0, &next.as_probe().key_ref());
+        let saw_failed = probe(&state, &keys, &failed);
+        let saw_next = probe(&state, &keys, &next);
         let second = writer.join().unwrap();
         assert!(matches!(saw_failed, None | Some(BlockState::Writing)), "{saw_failed:?}");
         assert!(matches!(saw_next, None | Some(BlockState::Ready)), "{saw_next:?}");
         assert_eq!(state.load_with_generation(), (BlockState::Ready, 0, second));
-        assert_eq!(probe_slot(&state, &keys, 0, &failed.as_probe().key_ref()), None);
+        assert_eq!(probe(&state, &keys, &failed), None);
     });
 }
 
-/// As above, but the eviction and the reuse are made by two writers, handing the slot over
+/// As the first, but the eviction and the reuse are made by two writers, handing the slot over
 /// through the index's mutex (as two threads' stores do): the reader's fence then pairs with a
 /// fence in a thread other than the one that vacated the slot.
 #[test]
 fn a_chained_read_across_two_writers() {
     use loom::sync::Mutex;
-    let old = BlockKey::from_bytes(&[0x11; 16]).unwrap();
-    let new = BlockKey::from_bytes(&[0x22; 16]).unwrap();
-    let mut mixed = [0x22u8; 16];
-    mixed[8..].fill(0x11);
+    let ks = old_new_torn();
     loom::model(move || {
-        let state = Arc::new(EntryState::vacant());
-        let keys = Arc::new(SlotKeys::new(1));
-        let first = occupy_slot(&state, &keys, 0, &old, BlockState::Writing);
-        assert!(state.mark_ready(first));
+        let (state, keys, first) = slot_holding(&ks.0, BlockState::Ready);
         // The index's mutex; true while the slot is vacant.
         let lock = Arc::new(Mutex::new(false));
         let evictor = {
@@ -206,7 +224,7 @@ fn a_chained_read_across_two_writers() {
             })
         };
         let reuser = {
-            let (state, keys, lock) = (state.clone(), keys.clone(), lock.clone());
+            let (state, keys, lock, new) = (state.clone(), keys.clone(), lock.clone(), ks.1);
             thread::spawn(move || {
                 let mut vacant = lock.lock().unwrap();
                 if *vacant {
@@ -215,14 +233,9 @@ fn a_chained_read_across_two_writers() {
                 }
             })
         };
-        let torn = probe_slot(&state, &keys, 0, &KeyRef::bytes(&mixed).unwrap());
-        let saw_old = probe_slot(&state, &keys, 0, &old.as_probe().key_ref());
-        let saw_new = probe_slot(&state, &keys, 0, &new.as_probe().key_ref());
+        read_while_the_slot_changes_hands(&state, &keys, &ks, &[BlockState::Ready]);
         evictor.join().unwrap();
         reuser.join().unwrap();
-        assert_eq!(torn, None, "a torn record was taken for a key");
-        assert!(matches!(saw_old, None | Some(BlockState::Ready)), "{saw_old:?}");
-        assert!(matches!(saw_new, None | Some(BlockState::Ready)), "{saw_new:?}");
-        assert_eq!(probe_slot(&state, &keys, 0, &old.as_probe().key_ref()), None);
+        assert_eq!(probe(&state, &keys, &ks.0), None);
     });
 }
