@@ -317,12 +317,6 @@ impl<'a> KeyProbe<'a> {
         self.key
     }
 
-    /// See `KeyRef::matches_words`.
-    #[inline]
-    pub fn matches_words(&self, word: impl Fn(usize) -> u64) -> bool {
-        self.key.matches_words(word)
-    }
-
     /// The key itself (for writers, which keep keys).
     pub fn to_key(&self) -> BlockKey {
         BlockKey::with_hash(self.key.kind(), self.key.content(), self.hash)
@@ -355,6 +349,17 @@ impl ChainKey for KeyProbe<'_> {
     #[inline(always)]
     fn probe(&self) -> KeyProbe<'_> {
         *self
+    }
+}
+
+impl<T: ChainKey + ?Sized> ChainKey for &T {
+    #[inline(always)]
+    fn key_ref(&self) -> KeyRef<'_> {
+        (**self).key_ref()
+    }
+    #[inline(always)]
+    fn probe(&self) -> KeyProbe<'_> {
+        (**self).probe()
     }
 }
 
@@ -524,7 +529,7 @@ mod tests {
             let w = a.to_words();
             assert_eq!(BlockKey::from_words(&w), *a);
             for b in &keys {
-                assert_eq!(b.as_probe().matches_words(|i| w[i]), a == b, "{a:?} vs {b:?}");
+                assert_eq!(b.as_probe().key_ref().matches_words(|i| w[i]), a == b, "{a:?} vs {b:?}");
             }
             // Any single changed content bit is a different key.
             let bytes = a.encode();
@@ -532,7 +537,7 @@ mod tests {
                 for i in 0..a.as_bytes().len() {
                     let mut other = a.as_bytes().to_vec();
                     other[i] ^= 1;
-                    assert!(!KeyProbe::bytes(&other).unwrap().matches_words(|j| w[j]));
+                    assert!(!KeyRef::bytes(&other).unwrap().matches_words(|j| w[j]));
                 }
             }
         }

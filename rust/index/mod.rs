@@ -325,13 +325,6 @@ impl TierIndex {
         (generation == r.generation).then_some(Resolved { slot: r.slot, entry: self.entry(r.slot), state, pins })
     }
 
-    fn is_ready<Q>(&self, key: &Q, guard: &Guard) -> bool
-    where
-        Q: Hash + Equivalent<BlockKey> + ?Sized,
-    {
-        self.map.peek(key, guard).is_some_and(|r| self.state(r.slot).is_ready_at(r.generation))
-    }
-
     // ---- lock-free reads -------------------------------------------------------------------
 
     /// A reader for keys produced one at a time (the Python binding walks a list and probes
@@ -347,15 +340,7 @@ impl TierIndex {
 
     /// Length of the longest prefix of `keys` whose blocks are all ready.
     pub fn lookup_prefix(&self, keys: &[BlockKey]) -> usize {
-        let reader = self.reader();
-        let mut prev = None;
-        let n = keys
-            .iter()
-            .take_while(|k| {
-                prev = reader.ready_slot(*k, prev);
-                prev.is_some()
-            })
-            .count();
+        let Ok(n) = self.reader().ready_prefix(keys.iter().map(Ok::<_, std::convert::Infallible>));
         self.record_lookup((n + 1).min(keys.len()), n);
         n
     }
@@ -405,7 +390,7 @@ impl TierIndex {
     /// Whether each key is ready (no prefix semantics).
     pub fn contains_ready(&self, keys: &[BlockKey]) -> Vec<bool> {
         let guard = Guard::new();
-        keys.iter().map(|k| self.is_ready(k, &guard)).collect()
+        keys.iter().map(|k| self.ready_slot(k, None, &guard).is_some()).collect()
     }
 
     /// State, pins and slot of one key.
@@ -740,11 +725,8 @@ pub struct IndexReader<'a> {
 
 impl IndexReader<'_> {
     /// Whether the key's block is ready. Not counted in stats.
-    pub fn is_ready<Q>(&self, key: &Q) -> bool
-    where
-        Q: Hash + Equivalent<BlockKey> + ?Sized,
-    {
-        self.index.is_ready(key, &self.guard)
+    pub fn is_ready(&self, key: &impl ChainKey) -> bool {
+        self.ready_slot(key, None).is_some()
     }
 
     /// The slot of `key`'s block if it is ready; `after` is the previous block's slot when
@@ -752,6 +734,23 @@ impl IndexReader<'_> {
     #[inline]
     pub fn ready_slot(&self, key: &impl ChainKey, after: Option<u32>) -> Option<u32> {
         self.index.ready_slot(key, after, &self.guard)
+    }
+
+    /// How many of `keys`, from the first, have ready blocks: the walk of every prefix lookup,
+    /// chained through each block's slot. It stops at the first miss without taking further
+    /// keys from the iterator, and at the first key the caller could not make (its error).
+    /// Not counted in stats.
+    #[inline]
+    pub fn ready_prefix<K: ChainKey, E>(&self, keys: impl IntoIterator<Item = Result<K, E>>) -> Result<usize, E> {
+        let (mut hits, mut prev) = (0, None);
+        for key in keys {
+            prev = self.ready_slot(&key?, prev);
+            if prev.is_none() {
+                break;
+            }
+            hits += 1;
+        }
+        Ok(hits)
     }
 }
 

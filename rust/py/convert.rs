@@ -49,25 +49,26 @@ pub unsafe fn exact_bytes_probe<'a>(obj: *mut ffi::PyObject) -> Option<KeyProbe<
     unsafe { exact_bytes_key(obj) }.map(|k| k.hashed())
 }
 
-/// The items of an exact `list`, borrowed, for a walk that runs no Python code (so the list
-/// cannot change under it); None for anything else.
+/// The keys of `obj` if it is an exact `list` of exact `bytes` keys (the common case), borrowed
+/// from the list's items; None for anything else, which the caller then converts the general
+/// way (that way also makes the errors).
 ///
 /// # Safety
-/// Attached for as long as the iterator is used, without running Python code meanwhile.
-pub unsafe fn borrowed_list_items(obj: &Bound<'_, PyAny>) -> Option<impl Iterator<Item = *mut ffi::PyObject>> {
+/// Attached for as long as the probes are used, without running Python code meanwhile (so the
+/// list and its items cannot change).
+pub unsafe fn exact_bytes_probes<'a>(obj: &Bound<'_, PyAny>) -> Option<Vec<KeyProbe<'a>>> {
     let list = obj.as_ptr();
     unsafe {
         if ffi::Py_TYPE(list) != ptr::addr_of_mut!(ffi::PyList_Type) {
             return None;
         }
-        let len = ffi::PyList_Size(list);
-        Some((0..len.max(0)).map(move |i| {
-            let item = ffi::PyList_GetItem(list, i);
-            // Only a list changed by Python code during the walk could yield NULL here, and
-            // callers run none.
-            assert!(!item.is_null(), "a list changed while its keys were read");
-            item
-        }))
+        let len = ffi::PyList_Size(list).max(0);
+        let mut probes = Vec::with_capacity(len as usize);
+        for i in 0..len {
+            // PyList_GetItem is in range (the list cannot change: no Python code runs here).
+            probes.push(exact_bytes_probe(ffi::PyList_GetItem(list, i))?);
+        }
+        Some(probes)
     }
 }
 
@@ -103,22 +104,9 @@ pub fn keys_from_py(obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockKey>> {
     if obj.is_instance_of::<PyBytes>() || obj.is_instance_of::<PyInt>() {
         return Err(invalid("keys", "expected a sequence of keys, got a single key"));
     }
-    // A list of exact `bytes` keys (the common case) is walked borrowing its items; anything
-    // else in it sends the whole list down the general path below, which also makes the errors.
-    // SAFETY: attached; the walk runs no Python code, so the list cannot change under it.
-    if let Some(items) = unsafe { borrowed_list_items(obj) } {
-        let mut keys = Vec::with_capacity(items.size_hint().0);
-        // SAFETY: the list holds each item for the whole walk.
-        let all_exact = items.into_iter().all(|item| match unsafe { exact_bytes_probe(item) } {
-            Some(probe) => {
-                keys.push(probe.to_key());
-                true
-            }
-            None => false,
-        });
-        if all_exact {
-            return Ok(keys);
-        }
+    // SAFETY: attached; the probes are used at once, running no Python code.
+    if let Some(probes) = unsafe { exact_bytes_probes(obj) } {
+        return Ok(probes.iter().map(KeyProbe::to_key).collect());
     }
     if let Ok(list) = obj.cast::<PyList>() {
         return collect_keys(list.len(), list.iter().map(Ok));

@@ -154,17 +154,10 @@ unsafe extern "C" fn lookup_prefix(slf: *mut ffi::PyObject, keys: *mut ffi::PyOb
                     ffi::PyErr_Clear();
                     return None;
                 }
-                let reader = ix.inner().reader();
-                let (mut hits, mut prev) = (0, None);
-                // The list cannot change during the walk: no Python code runs in it.
-                for i in 0..len {
-                    let probe = exact_bytes_key(ffi::PyList_GetItem(keys, i))?;
-                    prev = reader.ready_slot(&probe, prev);
-                    if prev.is_none() {
-                        break;
-                    }
-                    hits += 1;
-                }
+                // The list cannot change during the walk: no Python code runs in it. A key that
+                // is not exact bytes ends the walk (Err) and the slow path starts over.
+                let walk = (0..len).map(|i| exact_bytes_key(ffi::PyList_GetItem(keys, i)).ok_or(()));
+                let hits = ix.inner().reader().ready_prefix(walk).ok()?;
                 ix.inner().record_lookup((hits + 1).min(len as usize), hits);
                 Some(ffi::PyLong_FromSize_t(hits))
             },

@@ -5,9 +5,7 @@
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use super::convert::{
-    as_list, borrowed_list_items, exact_bytes_probe, key_from_py, key_to_py, keys_from_py, keys_to_py, probe_from_py,
-};
+use super::convert::{as_list, exact_bytes_probes, key_from_py, key_to_py, keys_from_py, keys_to_py, probe_from_py};
 use super::errors::invalid;
 use super::host_pool::HostPool;
 use crate::admission::AdmissionRule;
@@ -129,17 +127,9 @@ impl BlockIndex {
     pub(crate) fn lookup_prefix_impl(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
         if let Ok(list) = keys.cast::<PyList>() {
             if list.len() < LONG_WALK_KEYS {
-                let reader = self.inner.reader();
-                let (mut examined, mut n, mut prev) = (0, 0, None);
-                for item in list.iter() {
-                    examined += 1;
-                    prev = reader.ready_slot(&probe_from_py(&item)?, prev);
-                    if prev.is_none() {
-                        break;
-                    }
-                    n += 1;
-                }
-                self.inner.record_lookup(examined, n);
+                let keys = list.iter().map(|item| probe_from_py(&item).map(|p| p.to_key()));
+                let n = self.inner.reader().ready_prefix(keys)?;
+                self.inner.record_lookup((n + 1).min(list.len()), n);
                 return Ok(n);
             }
         }
@@ -276,21 +266,10 @@ impl BlockIndex {
     fn complete_store(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, success: bool) -> PyResult<usize> {
         // A successful completion is lock-free: a short list of it is walked with the GIL held,
         // its items borrowed (they stay alive since no Python code runs meanwhile).
-        // SAFETY: attached; nothing below runs Python code while `items` is used.
-        if let Some(items) = unsafe { borrowed_list_items(keys) }.filter(|_| success) {
-            if items.size_hint().0 < LONG_WALK_KEYS {
-                let mut probes = Vec::with_capacity(items.size_hint().0);
-                // SAFETY: the list holds each item for the whole call.
-                let all_exact = items.into_iter().all(|item| match unsafe { exact_bytes_probe(item) } {
-                    Some(probe) => {
-                        probes.push(probe);
-                        true
-                    }
-                    None => false,
-                });
-                if all_exact {
-                    return Ok(self.inner.complete_store(&probes, true));
-                }
+        if success {
+            // SAFETY: attached; nothing below runs Python code while the probes are used.
+            if let Some(probes) = unsafe { exact_bytes_probes(keys) }.filter(|p| p.len() < LONG_WALK_KEYS) {
+                return Ok(self.inner.complete_store(&probes, true));
             }
         }
         // Otherwise (a failure, which takes the index's mutex; other key types; invalid keys,
