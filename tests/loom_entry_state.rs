@@ -141,7 +141,7 @@ fn slot_holding(key: &BlockKey, state: BlockState) -> (Arc<EntryState>, Arc<Slot
 }
 
 fn probe(state: &EntryState, keys: &SlotKeys, key: &BlockKey) -> Option<BlockState> {
-    probe_slot(state, keys, 0, &key.as_probe().key_ref())
+    probe_slot(state, keys, 0, &key.as_probe().key_ref()).map(|(s, _)| s)
 }
 
 /// A reader walking the slot (the torn key, the old, the new) while it changes hands: it must

@@ -524,7 +524,7 @@ impl DiskTier {
         Ok(WriteTicket {
             job_id: job.id,
             keys: write_keys,
-            skipped: out.already_present,
+            skipped: out.already_present(keys),
             refused: out.refused,
             evicted: out.evicted.into_iter().map(|(k, _)| k).collect(),
         })

@@ -73,32 +73,45 @@ struct Resolved<'a> {
     pins: u32,
 }
 
-/// The distinct keys of a batch seen so far. A request's chain rarely repeats a key, and a
-/// scan of a few dozen precomputed hashes costs less than building a hash set (measured: set
-/// growth was ~4% of a store), so small batches scan and only long ones hash.
-#[derive(Default)]
-struct SeenKeys<'a> {
-    few: Vec<&'a BlockKey>,
-    many: HashSet<&'a BlockKey, KeyHasher>,
+/// The distinct absent keys of a batch, in input order with their positions. A request's chain
+/// rarely repeats a key, and a scan of a few dozen keys (equality compares the precomputed
+/// hashes first) costs less than building a hash set (measured: set growth was ~4% of a
+/// store), so small batches scan and only long ones hash.
+struct AbsentKeys {
+    keys: Vec<(BlockKey, usize)>,
+    many: HashSet<BlockKey, KeyHasher>,
+    batch_len: usize,
 }
 
-impl<'a> SeenKeys<'a> {
+impl AbsentKeys {
     const SCAN_UP_TO: usize = 32;
 
-    /// Record `key`; false if it was seen before.
-    fn insert(&mut self, key: &'a BlockKey) -> bool {
-        if self.many.is_empty() {
-            // Equality compares the precomputed hashes first: a scan is a few word compares.
-            if self.few.contains(&key) {
+    /// For a batch of `batch_len` keys. Allocates nothing until the first absent key (a store
+    /// of a chain already present, the common repeat, then allocates nothing here at all).
+    fn for_batch(batch_len: usize) -> Self {
+        AbsentKeys { keys: Vec::new(), many: HashSet::default(), batch_len }
+    }
+
+    /// Record `key`, met at `pos`; false if the batch had it before.
+    fn insert(&mut self, key: BlockKey, pos: usize) -> bool {
+        if self.keys.capacity() == 0 {
+            // At most the rest of the batch is absent.
+            self.keys.reserve_exact(self.batch_len - pos);
+        }
+        if self.keys.len() < Self::SCAN_UP_TO {
+            if self.keys.iter().any(|(k, _)| *k == key) {
                 return false;
             }
-            if self.few.len() < Self::SCAN_UP_TO {
-                self.few.push(key);
-                return true;
+        } else {
+            if self.many.is_empty() {
+                self.many.extend(self.keys.iter().map(|(k, _)| *k));
             }
-            self.many.extend(self.few.drain(..));
+            if !self.many.insert(key) {
+                return false;
+            }
         }
-        self.many.insert(key)
+        self.keys.push((key, pos));
+        true
     }
 }
 
@@ -196,17 +209,24 @@ impl IndexConfig {
 pub struct StoreOutcome {
     /// New blocks to write, in the order given, with the slot each must be written to.
     pub to_write: Vec<(BlockKey, u32)>,
-    /// Keys already present (ready or being written), left alone.
-    pub already_present: Vec<BlockKey>,
     /// Keys the admission rule turned away.
     pub refused: Vec<BlockKey>,
     /// Blocks evicted to make room, with the slot they occupied (already reusable).
     pub evicted: Vec<(BlockKey, u32)>,
-    /// Positions in the input of `to_write`, `already_present` and `refused` (so bindings can
-    /// hand back the caller's own key objects instead of building new ones).
+    /// Positions in the input of `to_write`, of the keys already present (ready or being
+    /// written, left alone; also repeats within the batch) and of `refused`. Present keys are
+    /// given by position only: the binding hands back the caller's own objects, and building
+    /// keys for them would mean hashing keys that a chained compare recognised without.
     pub to_write_pos: Vec<usize>,
     pub already_present_pos: Vec<usize>,
     pub refused_pos: Vec<usize>,
+}
+
+impl StoreOutcome {
+    /// The keys that were already present, taken from the batch `keys` given to the store.
+    pub fn already_present<K: Clone>(&self, keys: &[K]) -> Vec<K> {
+        self.already_present_pos.iter().map(|&p| keys[p].clone()).collect()
+    }
 }
 
 /// State only writers touch, under the index's mutex.
@@ -369,8 +389,14 @@ impl TierIndex {
     /// `slot_key::probe_slot`).
     #[inline]
     fn probe_after(&self, prev: u32, key: &KeyRef<'_>) -> Option<(u32, BlockState)> {
+        self.probe_after_at(prev, key).map(|(slot, state, _)| (slot, state))
+    }
+
+    /// `probe_after` with the generation of the block it found.
+    #[inline(always)]
+    fn probe_after_at(&self, prev: u32, key: &KeyRef<'_>) -> Option<(u32, BlockState, u32)> {
         let next = prev.checked_add(1).filter(|&s| (s as usize) < self.config.capacity)?;
-        probe_slot(self.state(next), &self.slot_keys, next, key).map(|state| (next, state))
+        probe_slot(self.state(next), &self.slot_keys, next, key).map(|(state, generation)| (next, state, generation))
     }
 
     /// The slot of `key`'s block if it is ready. `after` is the slot of the previous block of
@@ -423,7 +449,7 @@ impl TierIndex {
     /// Reserve slots for the new blocks among `keys`, evicting if needed. All-or-nothing: on
     /// `NoSpace` nothing was evicted or reserved. Duplicates inside the batch count once, and
     /// no key of the batch is ever evicted to make room for the others.
-    pub fn prepare_store(&self, keys: &[BlockKey], hint: InsertHint) -> KvResult<StoreOutcome> {
+    pub fn prepare_store<K: ChainKey>(&self, keys: &[K], hint: InsertHint) -> KvResult<StoreOutcome> {
         Self::check_hint(hint)?;
         let now = self.clock.now_ns();
         self.prepare_store_locked(&mut self.inner.lock(), keys, hint, now)
@@ -431,7 +457,7 @@ impl TierIndex {
 
     /// `prepare_store` if the index's mutex is free right now, None if another writer holds it
     /// (a caller holding the GIL then releases it before waiting: see the Python binding).
-    pub fn try_prepare_store(&self, keys: &[BlockKey], hint: InsertHint) -> Option<KvResult<StoreOutcome>> {
+    pub fn try_prepare_store<K: ChainKey>(&self, keys: &[K], hint: InsertHint) -> Option<KvResult<StoreOutcome>> {
         if let Err(e) = Self::check_hint(hint) {
             return Some(Err(e));
         }
@@ -447,42 +473,62 @@ impl TierIndex {
         Ok(())
     }
 
-    fn prepare_store_locked(
+    fn prepare_store_locked<K: ChainKey>(
         &self,
         inner: &mut Inner,
-        keys: &[BlockKey],
+        keys: &[K],
         hint: InsertHint,
         now: u64,
     ) -> KvResult<StoreOutcome> {
         let guard = Guard::new();
         let mut out = StoreOutcome::default();
-        let mut new_keys: Vec<BlockKey> = Vec::with_capacity(keys.len());
         // Slots of this batch's resident keys: never evicted to make room for the others
         // (vLLM's contract, and the only sane one: the caller was just told they are present).
         let mut protected: Vec<u32> = Vec::with_capacity(keys.len());
-        // Absent keys met so far (a repeat of a present key is simply present again).
-        let mut absent_seen = SeenKeys::default();
-        out.already_present.reserve(keys.len());
+        let mut absent = AbsentKeys::for_batch(keys.len());
         out.already_present_pos.reserve(keys.len());
-        out.to_write_pos.reserve(keys.len());
+        // The slot of the previous key when it was present: a chain stored before in one call
+        // sits in ascending slots (below), so the slot after it is compared first, as lookups
+        // do (`ready_slot`), and a present chain is recognised without hashing its keys. Under
+        // the lock a slot that is not vacant always holds a mapped block (claims, removals and
+        // reuse all happen under it), so a match there is the map's answer.
+        let mut prev: Option<u32> = None;
         for (pos, k) in keys.iter().enumerate() {
-            // Under the lock every map entry is current: removal and reuse happen under it.
-            let present = self.map.peek(k, &guard).copied();
-            let duplicate = present.is_none() && keys.len() > 1 && !absent_seen.insert(k);
-            if duplicate || present.is_some() {
-                protected.extend(present.map(|r| r.slot));
-                out.already_present.push(*k);
-                out.already_present_pos.push(pos);
-            } else if inner.admission.offer(k, hint.priority) {
-                new_keys.push(*k);
+            let found = match prev.and_then(|p| self.probe_after(p, &k.key_ref())) {
+                Some((slot, _)) => Ok(slot),
+                None => {
+                    let probe = k.probe();
+                    self.map.peek(&probe, &guard).map(|r| r.slot).ok_or(probe)
+                }
+            };
+            prev = found.ok();
+            match found {
+                Ok(slot) => {
+                    protected.push(slot);
+                    out.already_present_pos.push(pos);
+                }
+                // An absent key met again in the batch is simply present the second time.
+                Err(probe) => {
+                    if !absent.insert(probe.to_key(), pos) {
+                        out.already_present_pos.push(pos);
+                    }
+                }
+            }
+        }
+        // Admission, in input order, for each distinct absent key.
+        let mut new_keys: Vec<BlockKey> = Vec::with_capacity(absent.keys.len());
+        out.to_write_pos.reserve(absent.keys.len());
+        for (key, pos) in absent.keys {
+            if inner.admission.offer(&key, hint.priority) {
+                new_keys.push(key);
                 out.to_write_pos.push(pos);
             } else {
-                out.refused.push(*k);
+                out.refused.push(key);
                 out.refused_pos.push(pos);
             }
         }
         self.stats.store_refused.fetch_add(out.refused.len() as u64, Ordering::Relaxed);
-        self.stats.store_skipped.fetch_add(out.already_present.len() as u64, Ordering::Relaxed);
+        self.stats.store_skipped.fetch_add(out.already_present_pos.len() as u64, Ordering::Relaxed);
 
         let free = self.slots.free_count();
         if new_keys.len() > free {
@@ -561,24 +607,31 @@ impl TierIndex {
     /// Keys not being written are ignored. Returns how many keys were completed or dropped.
     /// Success is lock-free (one CAS per key); only a failure takes the policy lock. Keys may be
     /// `BlockKey`s or probes borrowed from the caller (`KeyProbe`).
-    pub fn complete_store<Q>(&self, keys: &[Q], success: bool) -> usize
-    where
-        Q: Hash + Equivalent<BlockKey>,
-    {
+    pub fn complete_store<K: ChainKey>(&self, keys: &[K], success: bool) -> usize {
         let guard = Guard::new();
         let mut done = 0;
         if success {
+            // A chain prepared in one call sits in ascending slots: the slot after the previous
+            // key's is compared first, and a key is hashed only when that misses. Either way the
+            // CAS is on the (slot, generation) that held the key, so a slot reused meanwhile is
+            // left alone.
+            let mut prev: Option<u32> = None;
             for k in keys {
-                if let Some(r) = self.map.peek(k, &guard) {
-                    done += usize::from(self.state(r.slot).mark_ready(r.generation));
+                let found = match prev.and_then(|p| self.probe_after_at(p, &k.key_ref())) {
+                    Some((slot, _, generation)) => Some((slot, generation)),
+                    None => self.map.peek(&k.probe(), &guard).map(|r| (r.slot, r.generation)),
+                };
+                if let Some((slot, generation)) = found {
+                    done += usize::from(self.state(slot).mark_ready(generation));
                 }
+                prev = found.map(|(slot, _)| slot);
             }
             self.stats.stores_completed.fetch_add(done as u64, Ordering::Relaxed);
             return done;
         }
         let mut inner = self.inner.lock();
         for k in keys {
-            let Some(r) = self.map.peek(k, &guard).copied() else { continue };
+            let Some(r) = self.map.peek(&k.probe(), &guard).copied() else { continue };
             if self.state(r.slot).abandon_write(r.generation) {
                 let key = self.detach(&mut inner, r.slot);
                 inner.policy.remove(&Resident::of(r.slot, &key));

@@ -50,6 +50,7 @@ impl SlotKeys {
 
     /// Whether `slot`'s record holds `probe`'s key, read racily: only meaningful inside
     /// `probe_slot`'s generation check.
+    #[inline(always)]
     fn matches(&self, slot: u32, probe: &KeyRef<'_>) -> bool {
         let record = self.record(slot);
         probe.matches_words(|i| record[i].load(Ordering::Relaxed))
@@ -70,16 +71,16 @@ pub fn occupy_slot(state: &EntryState, keys: &SlotKeys, slot: u32, key: &BlockKe
     state.occupy(new_state)
 }
 
-/// The state of `slot`'s block if it is `probe`'s, or None (not this key, a vacant slot, or the
-/// slot changed while it was read). Lock-free; never reports a key the slot does not hold in
-/// the generation whose state it returns.
-#[inline]
-pub fn probe_slot(state: &EntryState, keys: &SlotKeys, slot: u32, probe: &KeyRef<'_>) -> Option<BlockState> {
+/// The state and generation of `slot`'s block if it is `probe`'s, or None (not this key, a
+/// vacant slot, or the slot changed while it was read). Lock-free; never reports a key the slot
+/// does not hold in the generation it returns.
+#[inline(always)]
+pub fn probe_slot(state: &EntryState, keys: &SlotKeys, slot: u32, probe: &KeyRef<'_>) -> Option<(BlockState, u32)> {
     let (before, _, generation) = state.load_with_generation();
     if before == BlockState::Evicting || !keys.matches(slot, probe) {
         return None;
     }
     fence(Ordering::Acquire);
     let (after, _, again) = state.load_with_generation();
-    (again == generation && after != BlockState::Evicting).then_some(after)
+    (again == generation && after != BlockState::Evicting).then_some((after, generation))
 }

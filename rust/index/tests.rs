@@ -31,7 +31,7 @@ fn store_lookup_and_prefix_semantics() {
     assert_eq!(ix.lookup_prefix(&keys(0..6)), 4);
     assert_eq!(ix.lookup_prefix(&[k(0), k(9), k(1)]), 1);
     let again = ix.prepare_store(&keys(2..6), InsertHint::default()).unwrap();
-    assert_eq!(again.already_present, vec![k(2), k(3)]);
+    assert_eq!(again.already_present(&keys(2..6)), vec![k(2), k(3)]);
     assert_eq!(again.to_write.len(), 2);
 }
 
@@ -183,7 +183,7 @@ fn a_batch_never_evicts_its_own_keys() {
     store(&ix, &keys(0..3)); // LRU order: 2, 1, 0 (tail first)
                              // 2 is the least recent, but it is part of this batch: the victim must be 1.
     let out = ix.prepare_store(&[k(2), k(7)], InsertHint::default()).unwrap();
-    assert_eq!(out.already_present, vec![k(2)]);
+    assert_eq!(out.already_present(&[k(2), k(7)]), vec![k(2)]);
     assert_eq!(out.evicted.iter().map(|(k, _)| *k).collect::<Vec<_>>(), vec![k(1)]);
     // With only batch keys evictable, the store is refused.
     let ix = index(1, PolicyKind::Lru);
@@ -327,8 +327,36 @@ fn repeated_keys_count_once_in_short_and_long_batches() {
         batch.push(k(n / 2));
         let out = ix.prepare_store(&batch, InsertHint::default()).unwrap();
         assert_eq!(out.to_write.len(), n as usize, "n={n}");
-        assert_eq!(out.already_present.len(), n as usize + 1, "n={n}");
+        assert_eq!(out.already_present_pos.len(), n as usize + 1, "n={n}");
         assert_eq!(out.to_write_pos, (0..n as usize).collect::<Vec<_>>());
         assert_eq!(ix.len(), n as usize);
     }
+}
+
+#[test]
+fn chained_compares_in_stores_and_completions_agree_with_the_map() {
+    // Stores recognise present keys, and completions find keys, by comparing the slot after the
+    // previous key's first; this mixes chains so that slot often holds another key.
+    let ix = index(16, PolicyKind::Lru);
+    store(&ix, &keys(0..4));
+    store(&ix, &keys(10..14));
+    let batch = [k(0), k(10), k(1), k(2), k(11), k(50), k(3), k(51), k(50)];
+    let out = ix.prepare_store(&batch, InsertHint::default()).unwrap();
+    assert_eq!(out.already_present_pos, vec![0, 1, 2, 3, 4, 6, 8], "the repeat of 50 is present");
+    assert_eq!(out.to_write_pos, vec![5, 7]);
+    assert_eq!(out.already_present(&batch), vec![k(0), k(10), k(1), k(2), k(11), k(3), k(50)]);
+    // k(0) is ready already, k(99) absent: only the two new keys complete, in any order.
+    assert_eq!(ix.complete_store(&[k(0), k(51), k(99), k(50)], true), 2);
+    assert_eq!(ix.lookup_prefix(&[k(50), k(51)]), 2);
+
+    // A completion walking a chain whose next key failed and whose slot went to another store
+    // must not complete that other store.
+    let (x, y, z) = (k(20), k(21), k(22));
+    ix.prepare_store(&[x, y], InsertHint::default()).unwrap();
+    assert_eq!(ix.complete_store(&[y], false), 1);
+    ix.prepare_store(&[z], InsertHint::default()).unwrap();
+    assert_eq!(ix.complete_store(&[x, y], true), 1, "only x: y is gone");
+    assert_eq!(ix.state_of(&z).map(|(s, _, _)| s), Some(BlockState::Writing));
+    assert_eq!(ix.complete_store(&[x, z], true), 1);
+    assert_eq!(ix.lookup_prefix(&[x, z]), 2);
 }

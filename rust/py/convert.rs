@@ -50,25 +50,26 @@ pub unsafe fn exact_bytes_probe<'a>(obj: *mut ffi::PyObject) -> Option<KeyProbe<
 }
 
 /// The keys of `obj` if it is an exact `list` of exact `bytes` keys (the common case), borrowed
-/// from the list's items; None for anything else, which the caller then converts the general
-/// way (that way also makes the errors).
+/// from the list's items and not hashed (the index hashes a key only when a chained compare
+/// misses); None for anything else, which the caller then converts the general way (that way
+/// also makes the errors).
 ///
 /// # Safety
-/// Attached for as long as the probes are used, without running Python code meanwhile (so the
+/// Attached for as long as the keys are used, without running Python code meanwhile (so the
 /// list and its items cannot change).
-pub unsafe fn exact_bytes_probes<'a>(obj: &Bound<'_, PyAny>) -> Option<Vec<KeyProbe<'a>>> {
+pub unsafe fn exact_bytes_keys<'a>(obj: &Bound<'_, PyAny>) -> Option<Vec<KeyRef<'a>>> {
     let list = obj.as_ptr();
     unsafe {
         if ffi::Py_TYPE(list) != ptr::addr_of_mut!(ffi::PyList_Type) {
             return None;
         }
         let len = ffi::PyList_Size(list).max(0);
-        let mut probes = Vec::with_capacity(len as usize);
+        let mut keys = Vec::with_capacity(len as usize);
         for i in 0..len {
             // PyList_GetItem is in range (the list cannot change: no Python code runs here).
-            probes.push(exact_bytes_probe(ffi::PyList_GetItem(list, i))?);
+            keys.push(exact_bytes_key(ffi::PyList_GetItem(list, i))?);
         }
-        Some(probes)
+        Some(keys)
     }
 }
 
@@ -105,8 +106,8 @@ pub fn keys_from_py(obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockKey>> {
         return Err(invalid("keys", "expected a sequence of keys, got a single key"));
     }
     // SAFETY: attached; the probes are used at once, running no Python code.
-    if let Some(probes) = unsafe { exact_bytes_probes(obj) } {
-        return Ok(probes.iter().map(KeyProbe::to_key).collect());
+    if let Some(keys) = unsafe { exact_bytes_keys(obj) } {
+        return Ok(keys.iter().map(|k| k.hashed().to_key()).collect());
     }
     if let Ok(list) = obj.cast::<PyList>() {
         return collect_keys(list.len(), list.iter().map(Ok));

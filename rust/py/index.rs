@@ -5,7 +5,7 @@
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use super::convert::{as_list, exact_bytes_probes, key_from_py, key_to_py, keys_from_py, keys_to_py, probe_from_py};
+use super::convert::{as_list, exact_bytes_keys, key_from_py, key_to_py, keys_from_py, keys_to_py, probe_from_py};
 use super::errors::invalid;
 use super::host_pool::HostPool;
 use crate::admission::AdmissionRule;
@@ -236,16 +236,27 @@ impl BlockIndex {
         let hint = hint(priority, duration_s)?;
         // Hand back the caller's own key objects (by position) rather than new ones.
         let seq = as_list(keys)?;
-        let core_keys = keys_from_py(seq.as_any())?;
         // Like lookups, a short batch keeps the GIL: releasing and re-taking it costs more than
-        // placing a request's chain. But it never waits for the index's mutex with the GIL held
-        // (another writer may hold the mutex for long, e.g. a clear(), and every Python thread
-        // would stall meanwhile): when the mutex is taken, it releases the GIL and waits.
-        let quick =
-            if core_keys.len() < LONG_WALK_KEYS { self.inner.try_prepare_store(&core_keys, hint) } else { None };
+        // placing a request's chain. Its keys are borrowed from the list when they are all
+        // exact bytes (the index then hashes only keys it does not find by a chained compare).
+        // But it never waits for the index's mutex with the GIL held (another writer may hold
+        // the mutex for long, e.g. a clear(), and every Python thread would stall meanwhile):
+        // when the mutex is taken, it releases the GIL and waits, with keys of its own.
+        let quick = if seq.len() < LONG_WALK_KEYS {
+            // SAFETY: attached; nothing runs Python code while the borrowed keys are used.
+            match unsafe { exact_bytes_keys(seq.as_any()) } {
+                Some(borrowed) => self.inner.try_prepare_store(&borrowed, hint),
+                None => self.inner.try_prepare_store(&keys_from_py(seq.as_any())?, hint),
+            }
+        } else {
+            None
+        };
         let out = match quick {
             Some(out) => out?,
-            None => py.detach(|| self.inner.prepare_store(&core_keys, hint))?,
+            None => {
+                let core_keys = keys_from_py(seq.as_any())?;
+                py.detach(|| self.inner.prepare_store(&core_keys, hint))?
+            }
         };
         let pick = |pos: &[usize]| -> PyResult<Py<PyList>> {
             Ok(PyList::new(py, pos.iter().map(|&p| seq.get_item(p)).collect::<PyResult<Vec<_>>>()?)?.unbind())
@@ -265,11 +276,12 @@ impl BlockIndex {
     #[pyo3(signature = (keys, success=true))]
     fn complete_store(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, success: bool) -> PyResult<usize> {
         // A successful completion is lock-free: a short list of it is walked with the GIL held,
-        // its items borrowed (they stay alive since no Python code runs meanwhile).
+        // its items borrowed (they stay alive since no Python code runs meanwhile) and hashed only
+        // where a chained compare misses.
         if success {
             // SAFETY: attached; nothing below runs Python code while the probes are used.
-            if let Some(probes) = unsafe { exact_bytes_probes(keys) }.filter(|p| p.len() < LONG_WALK_KEYS) {
-                return Ok(self.inner.complete_store(&probes, true));
+            if let Some(borrowed) = unsafe { exact_bytes_keys(keys) }.filter(|k| k.len() < LONG_WALK_KEYS) {
+                return Ok(self.inner.complete_store(&borrowed, true));
             }
         }
         // Otherwise (a failure, which takes the index's mutex; other key types; invalid keys,
