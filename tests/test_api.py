@@ -3,6 +3,8 @@ the host pool, single-key and batch forms, and thread safety with the GIL releas
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -119,6 +121,13 @@ def test_pool_copy_spans_moves_exactly_the_spans_and_checks_every_one_first():
         pool.copy_spans(b"x" * 20, np.array([[0, 0, 1]], dtype=np.int64), into_pool=False)
     with pytest.raises(kv.InvalidArgumentError, match="C-contiguous"):
         pool.copy_spans(out[::2], np.array([[0, 0, 1]], dtype=np.int64), into_pool=True)
+
+
+def test_importing_the_index_does_not_import_numpy():
+    # HostTier (numpy) loads on first use; the index alone stays light to import.
+    code = "import sys, kvtier_rs; assert 'numpy' not in sys.modules; kvtier_rs.HostTier; assert 'numpy' in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert "HostTier" in dir(kv)
 
 
 def test_host_tier_round_trip_and_eviction():

@@ -5,6 +5,8 @@ the host pool; this package is the typed Python face over it. Dependency directi
 engine adapters -> this facade -> the Rust core.
 """
 
+from typing import TYPE_CHECKING
+
 from kvtier_rs._core import (
     DEFAULT_PRIORITY,
     MAX_KEY_BYTES,
@@ -20,7 +22,9 @@ from kvtier_rs._core import (
     version,
 )
 from kvtier_rs.config import TierConfig
-from kvtier_rs.host_tier import HostTier
+
+if TYPE_CHECKING:
+    from kvtier_rs.host_tier import HostTier
 
 __all__ = [
     "DEFAULT_PRIORITY",
@@ -40,3 +44,18 @@ __all__ = [
 ]
 
 __version__ = version()
+
+
+def __getattr__(name: str) -> object:
+    # HostTier needs numpy: it is imported on first use, so that `import kvtier_rs` for the index
+    # alone (a scheduler, the benchmarks) pays neither numpy's import (~0.25 s here) nor the CPU
+    # its BLAS threads spin at start-up (~0.1 s, measured on the 2-core dev VM).
+    if name == "HostTier":
+        from kvtier_rs.host_tier import HostTier
+
+        return HostTier
+    raise AttributeError(f"module 'kvtier_rs' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
