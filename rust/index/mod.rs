@@ -104,6 +104,8 @@ impl AbsentKeys {
             }
         } else {
             if self.many.is_empty() {
+                // Sized for the rest of the batch at once (growing it rehashed every key).
+                self.many.reserve(self.batch_len - pos + self.keys.len());
                 self.many.extend(self.keys.iter().map(|(k, _)| *k));
             }
             if !self.many.insert(key) {
