@@ -239,3 +239,39 @@ fn a_chained_read_across_two_writers() {
         assert_eq!(probe(&state, &keys, &ks.0), None);
     });
 }
+
+/// A completion walking a chain (`TierIndex::complete_store`) compares the slot's key record and
+/// marks the block ready at the generation that compare returned, while a writer fails that
+/// store and puts another key's block, being written, in the slot. The completion may make the
+/// old block ready before the failure (then the failure does not happen) but must never make
+/// the new key's block ready.
+#[test]
+fn a_chained_completion_never_completes_the_next_block_in_the_slot() {
+    let ks = old_new_torn();
+    loom::model(move || {
+        let (state, keys, first) = slot_holding(&ks.0, BlockState::Writing);
+        let (s2, k2, new) = (state.clone(), keys.clone(), ks.1);
+        let writer = thread::spawn(move || {
+            if s2.abandon_write(first) {
+                Some(occupy_slot(&s2, &k2, 0, &new, BlockState::Writing))
+            } else {
+                None
+            }
+        });
+        let completed = probe_slot(&state, &keys, 0, &ks.0.as_probe().key_ref())
+            .is_some_and(|(_, generation)| state.mark_ready(generation));
+        let reused = writer.join().unwrap();
+        match reused {
+            // The failure won: whatever the completion saw, the new block is still being written.
+            Some(second) => {
+                assert!(!completed, "the failed store was reported completed");
+                assert_eq!(state.load_with_generation(), (BlockState::Writing, 0, second));
+            }
+            // The completion won: the old block is ready and the writer found nothing to fail.
+            None => {
+                assert!(completed);
+                assert_eq!(state.load_with_generation(), (BlockState::Ready, 0, first));
+            }
+        }
+    });
+}

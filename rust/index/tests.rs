@@ -350,11 +350,13 @@ fn chained_compares_in_stores_and_completions_agree_with_the_map() {
     assert_eq!(ix.lookup_prefix(&[k(50), k(51)]), 2);
 
     // A completion walking a chain whose next key failed and whose slot went to another store
-    // must not complete that other store.
+    // must not complete that other store (two slots: x takes 0, y 1, and z reuses y's).
+    let ix = index(2, PolicyKind::Lru);
     let (x, y, z) = (k(20), k(21), k(22));
     ix.prepare_store(&[x, y], InsertHint::default()).unwrap();
     assert_eq!(ix.complete_store(&[y], false), 1);
-    ix.prepare_store(&[z], InsertHint::default()).unwrap();
+    let reuse = ix.prepare_store(&[z], InsertHint::default()).unwrap();
+    assert_eq!(reuse.to_write, vec![(z, ix.state_of(&x).unwrap().2 + 1)], "z must sit in the slot after x");
     assert_eq!(ix.complete_store(&[x, y], true), 1, "only x: y is gone");
     assert_eq!(ix.state_of(&z).map(|(s, _, _)| s), Some(BlockState::Writing));
     assert_eq!(ix.complete_store(&[x, z], true), 1);

@@ -57,7 +57,7 @@ pub unsafe fn exact_bytes_probe<'a>(obj: *mut ffi::PyObject) -> Option<KeyProbe<
 /// # Safety
 /// Attached for as long as the keys are used, without running Python code meanwhile (so the
 /// list and its items cannot change).
-pub unsafe fn exact_bytes_keys<'a>(obj: &Bound<'_, PyAny>) -> Option<Vec<KeyRef<'a>>> {
+pub unsafe fn exact_bytes_keys<'a>(obj: &'a Bound<'_, PyAny>) -> Option<Vec<KeyRef<'a>>> {
     let list = obj.as_ptr();
     unsafe {
         if ffi::Py_TYPE(list) != ptr::addr_of_mut!(ffi::PyList_Type) {

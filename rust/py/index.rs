@@ -242,11 +242,12 @@ impl BlockIndex {
         // But it never waits for the index's mutex with the GIL held (another writer may hold
         // the mutex for long, e.g. a clear(), and every Python thread would stall meanwhile):
         // when the mutex is taken, it releases the GIL and waits, with keys of its own.
+        let mut owned = None;
         let quick = if seq.len() < LONG_WALK_KEYS {
             // SAFETY: attached; nothing runs Python code while the borrowed keys are used.
             match unsafe { exact_bytes_keys(seq.as_any()) } {
                 Some(borrowed) => self.inner.try_prepare_store(&borrowed, hint),
-                None => self.inner.try_prepare_store(&keys_from_py(seq.as_any())?, hint),
+                None => self.inner.try_prepare_store(owned.insert(keys_from_py(seq.as_any())?), hint),
             }
         } else {
             None
@@ -254,7 +255,10 @@ impl BlockIndex {
         let out = match quick {
             Some(out) => out?,
             None => {
-                let core_keys = keys_from_py(seq.as_any())?;
+                let core_keys = match owned {
+                    Some(keys) => keys,
+                    None => keys_from_py(seq.as_any())?,
+                };
                 py.detach(|| self.inner.prepare_store(&core_keys, hint))?
             }
         };
