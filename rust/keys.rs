@@ -6,7 +6,8 @@
 //! - A key is a tagged value: `Int` or `Bytes`. The tag takes part in equality, so the integer 7
 //!   and the byte string b"\x07" are different keys.
 //! - Bytes keys keep every byte and their length (1..=64); equality compares the full content,
-//!   never a hash of it. Hashing is used only to pick a map bucket, so a hash collision costs a
+//!   never a hash of it. Hashing only places keys: the index keys its map by hash and confirms
+//!   every candidate against the full key (`index::key_map`), so a hash collision costs a
 //!   comparison, never a wrong block.
 //! - Integers are kept as i128, which holds both signed and unsigned 64-bit engine hashes
 //!   without wrapping (u64::MAX and -1 stay different keys).
@@ -126,6 +127,13 @@ impl BlockKey {
             Kind::Int => KeyValue::Int(i128::from_le_bytes(self.buf[..16].try_into().expect("16 bytes"))),
             Kind::Bytes => KeyValue::Bytes(self.as_bytes()),
         }
+    }
+
+    /// A bytes key given an arbitrary hash, so that tests can make distinct keys collide.
+    #[cfg(test)]
+    pub(crate) fn with_forced_hash(b: &[u8], hash: u64) -> Self {
+        Self::check_bytes(b).expect("a valid key");
+        Self::with_hash(Kind::Bytes, b, hash)
     }
 
     /// The 64-bit hash computed at construction (places the key in maps; never identity).
@@ -312,6 +320,12 @@ impl<'a> KeyProbe<'a> {
 
     pub fn int(v: i128) -> Self {
         KeyRef::int(v).hashed()
+    }
+
+    /// The hash `BlockKey::hash64` gives the same key.
+    #[inline(always)]
+    pub fn hash64(&self) -> u64 {
+        self.hash
     }
 
     /// The key without its hash.

@@ -30,6 +30,7 @@
 //! touches tail-first, so every policy ranks the head as more recent and evicts the tail first.
 
 mod entry_state;
+mod key_map;
 mod slot_key;
 mod stats;
 
@@ -39,7 +40,9 @@ use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
-use scc::{Equivalent, Guard};
+use scc::Guard;
+
+use key_map::{KeyMap, SlotRef};
 
 pub use entry_state::{BlockState, EntryState};
 pub use slot_key::{occupy_slot, probe_slot, SlotKeys};
@@ -48,21 +51,13 @@ pub use stats::{IndexStats, StatsSnapshot};
 use crate::admission::{Admission, AdmissionRule};
 use crate::clock::Clock;
 use crate::error::{KvError, KvResult};
-use crate::keys::{BlockKey, ChainKey, KeyRef};
+use crate::keys::{BlockKey, ChainKey, KeyProbe, KeyRef};
 use crate::policy::{EvictionPolicy, InsertHint, PolicyKey, PolicyKind, DEFAULT_PRIORITY, MAX_PRIORITY};
 use crate::slots::SlotAllocator;
 
-/// Where a key's block lives: its slot and the slot's generation when the block took it.
-#[derive(Clone, Copy, Debug)]
-struct SlotRef {
-    slot: u32,
-    generation: u32,
-}
-
-/// Keys carry a well-mixed 64-bit hash computed once (`BlockKey::hash64`); the map uses it as
-/// it is instead of hashing it again on every probe, insert and removal.
+/// Keys carry a well-mixed 64-bit hash computed once (`BlockKey::hash64`); sets of keys use it
+/// as it is instead of hashing it again.
 type KeyHasher = nohash_hasher::BuildNoHashHasher<BlockKey>;
-type Map = scc::HashIndex<BlockKey, SlotRef, KeyHasher>;
 
 /// A key's block as one consistent read: its slot and entry, and the state and pins read with
 /// the generation check.
@@ -238,7 +233,7 @@ struct Inner {
 }
 
 pub struct TierIndex {
-    map: Map,
+    map: KeyMap,
     states: Box<[EntryState]>,
     /// Each slot's key (see `slot_key`): writers read a victim's key here to remove it from the
     /// map; readers walking a chain compare the next slot's key instead of probing the map.
@@ -274,7 +269,7 @@ impl TierIndex {
         }
         let clock = if config.manual_clock { Clock::manual() } else { Clock::monotonic() };
         Ok(TierIndex {
-            map: Map::with_capacity_and_hasher(config.capacity, KeyHasher::default()),
+            map: KeyMap::with_capacity(config.capacity),
             states: (0..config.capacity).map(|_| EntryState::vacant()).collect(),
             slot_keys: SlotKeys::new(config.capacity),
             entries: (0..config.capacity).map(|_| BlockEntry::vacant()).collect(),
@@ -330,7 +325,7 @@ impl TierIndex {
         let key = self.slot_keys.read(slot);
         // Only this slot's entry: a map entry for the key pointing elsewhere would be a bug, and
         // removing it would orphan that slot.
-        let removed = self.map.remove_if_sync(&key, |r| r.slot == slot);
+        let removed = self.map.remove(&key, slot);
         assert!(removed, "slot {slot}'s key was not mapped to it");
         key
     }
@@ -338,13 +333,25 @@ impl TierIndex {
     /// The key's slot, entry, state and pins, if its block is still the one the map points at.
     /// State and pins come from the same load that checked the generation: a second load could
     /// already describe the slot's next block.
-    fn resolve<'g, Q>(&'g self, key: &Q, guard: &'g Guard) -> Option<Resolved<'g>>
-    where
-        Q: Hash + Equivalent<BlockKey> + ?Sized,
-    {
-        let r = *self.map.peek(key, guard)?;
+    fn resolve<'g>(&'g self, key: &KeyProbe<'_>, guard: &'g Guard) -> Option<Resolved<'g>> {
+        let r = self.find(key, guard)?;
         let (state, pins, generation) = self.state(r.slot).load_with_generation();
         (generation == r.generation).then_some(Resolved { slot: r.slot, entry: self.entry(r.slot), state, pins })
+    }
+
+    /// Where `key`'s block is, if it is resident: the map's candidate for its hash if that
+    /// slot's record holds `key` in the candidate's generation, else the keys whose hash
+    /// collided (`key_map`). Lock-free. A candidate whose slot is vacant or reused counts as
+    /// absent; under the index's mutex every candidate is current.
+    #[inline(always)]
+    fn find(&self, key: &KeyProbe<'_>, guard: &Guard) -> Option<SlotRef> {
+        if let Some(r) = self.map.candidate(key.hash64(), guard) {
+            let holds = probe_slot(self.state(r.slot), &self.slot_keys, r.slot, &key.key_ref());
+            if holds.is_some_and(|(_, generation)| generation == r.generation) {
+                return Some(r);
+            }
+        }
+        self.map.collided(key, guard)
     }
 
     // ---- lock-free reads -------------------------------------------------------------------
@@ -411,7 +418,7 @@ impl TierIndex {
             return (state == BlockState::Ready).then_some(slot);
         }
         // Only now is the key hashed (if it was not already).
-        let r = *self.map.peek(&key.probe(), guard)?;
+        let r = self.find(&key.probe(), guard)?;
         self.state(r.slot).is_ready_at(r.generation).then_some(r.slot)
     }
 
@@ -424,24 +431,24 @@ impl TierIndex {
     /// State, pins and slot of one key.
     pub fn state_of(&self, key: &BlockKey) -> Option<(BlockState, u32, u32)> {
         let guard = Guard::new();
-        self.resolve(key, &guard).map(|r| (r.state, r.pins, r.slot))
+        self.resolve(&key.as_probe(), &guard).map(|r| (r.state, r.pins, r.slot))
     }
 
     /// Run `f` on the entry of `key`. The entry's fields describe `key`'s block only while the
     /// caller holds a pin or an in-flight store on it (otherwise the slot may be reused).
     pub fn with_entry<R>(&self, key: &BlockKey, f: impl FnOnce(&BlockEntry) -> R) -> Option<R> {
         let guard = Guard::new();
-        self.resolve(key, &guard).map(|r| f(r.entry))
+        self.resolve(&key.as_probe(), &guard).map(|r| f(r.entry))
     }
 
-    /// All keys with their state, pins and slot (a snapshot, for status and tests).
+    /// All keys with their state, pins and slot, in slot order (a snapshot, for status and
+    /// tests). Takes the index's mutex, under which the slot records are stable.
     pub fn snapshot(&self) -> Vec<(BlockKey, BlockState, u32, u32)> {
-        let guard = Guard::new();
-        self.map
-            .iter(&guard)
-            .filter_map(|(k, r)| {
-                let (s, p, generation) = self.state(r.slot).load_with_generation();
-                (generation == r.generation).then_some((*k, s, p, r.slot))
+        let _inner = self.inner.lock();
+        (0..self.capacity() as u32)
+            .filter_map(|slot| {
+                let (s, p) = self.state(slot).load();
+                (s != BlockState::Evicting).then(|| (self.slot_keys.read(slot), s, p, slot))
             })
             .collect()
     }
@@ -500,7 +507,7 @@ impl TierIndex {
                 Some((slot, _)) => Ok(slot),
                 None => {
                     let probe = k.probe();
-                    self.map.peek(&probe, &guard).map(|r| r.slot).ok_or(probe)
+                    self.find(&probe, &guard).map(|r| r.slot).ok_or(probe)
                 }
             };
             prev = found.ok();
@@ -576,8 +583,8 @@ impl TierIndex {
 
     /// Make an occupied slot's block findable: map entry, policy entry.
     fn publish(&self, inner: &mut Inner, key: BlockKey, slot: u32, generation: u32, hint: InsertHint, now: u64) {
-        let inserted = self.map.insert_sync(key, SlotRef { slot, generation }).is_ok();
-        assert!(inserted, "a key was inserted twice");
+        debug_assert!(self.find(&key.as_probe(), &Guard::new()).is_none(), "a key was inserted twice");
+        self.map.insert(&key, SlotRef { slot, generation });
         inner.policy.insert(&Resident::of(slot, &key), hint, now);
     }
 
@@ -592,7 +599,7 @@ impl TierIndex {
         let now = self.clock.now_ns();
         let mut inner = self.inner.lock();
         let guard = Guard::new();
-        if self.map.peek(&key, &guard).is_some() {
+        if self.find(&key.as_probe(), &guard).is_some() {
             return Err(KvError::invalid("key", format!("{key:?} recovered twice")));
         }
         // Under the lock a slot holds a block exactly when its state is not Evicting (claims and
@@ -621,7 +628,7 @@ impl TierIndex {
             for k in keys {
                 let found = match prev.and_then(|p| self.probe_after_at(p, &k.key_ref())) {
                     Some((slot, _, generation)) => Some((slot, generation)),
-                    None => self.map.peek(&k.probe(), &guard).map(|r| (r.slot, r.generation)),
+                    None => self.find(&k.probe(), &guard).map(|r| (r.slot, r.generation)),
                 };
                 if let Some((slot, generation)) = found {
                     done += usize::from(self.state(slot).mark_ready(generation));
@@ -633,7 +640,7 @@ impl TierIndex {
         }
         let mut inner = self.inner.lock();
         for k in keys {
-            let Some(r) = self.map.peek(&k.probe(), &guard).copied() else { continue };
+            let Some(r) = self.find(&k.probe(), &guard) else { continue };
             if self.state(r.slot).abandon_write(r.generation) {
                 let key = self.detach(&mut inner, r.slot);
                 inner.policy.remove(&Resident::of(r.slot, &key));
@@ -652,8 +659,8 @@ impl TierIndex {
         let guard = Guard::new();
         let mut pinned: Vec<SlotRef> = Vec::with_capacity(keys.len());
         for k in keys {
-            match self.map.peek(k, &guard).filter(|r| self.state(r.slot).try_pin(r.generation).is_some()) {
-                Some(r) => pinned.push(*r),
+            match self.find(&k.as_probe(), &guard).filter(|r| self.state(r.slot).try_pin(r.generation).is_some()) {
+                Some(r) => pinned.push(r),
                 None => {
                     for r in &pinned {
                         self.state(r.slot).unpin(r.generation).expect("pinned above");
@@ -678,7 +685,7 @@ impl TierIndex {
             *wanted.entry(k).or_insert(0) += 1;
         }
         for (k, n) in &wanted {
-            let ok = self.resolve(*k, &guard).is_some_and(|r| r.pins >= *n);
+            let ok = self.resolve(&k.as_probe(), &guard).is_some_and(|r| r.pins >= *n);
             if !ok {
                 return Err(KvError::NotPinned(format!("{k:?}")));
             }
@@ -686,7 +693,7 @@ impl TierIndex {
         for k in keys {
             // Cannot fail after the check above unless a caller unpins the same keys
             // concurrently (a double unpin): say so rather than hide it.
-            let dropped = self.map.peek(k, &guard).and_then(|r| self.state(r.slot).unpin(r.generation));
+            let dropped = self.find(&k.as_probe(), &guard).and_then(|r| self.state(r.slot).unpin(r.generation));
             if dropped.is_none() {
                 return Err(KvError::NotPinned(format!("{k:?} (unpinned concurrently)")));
             }
@@ -701,7 +708,7 @@ impl TierIndex {
         let mut inner = self.inner.lock();
         let guard = Guard::new();
         for k in keys.iter().rev() {
-            if let Some(r) = self.map.peek(k, &guard) {
+            if let Some(r) = self.find(&k.as_probe(), &guard) {
                 self.entry(r.slot).uses.fetch_add(1, Ordering::Relaxed);
                 inner.policy.touch(&Resident::of(r.slot, k), now);
             }
@@ -728,7 +735,7 @@ impl TierIndex {
         let guard = Guard::new();
         let mut removed = Vec::new();
         for k in keys {
-            let Some(r) = self.map.peek(k, &guard).copied() else { continue };
+            let Some(r) = self.find(&k.as_probe(), &guard) else { continue };
             if self.state(r.slot).try_claim(r.generation) {
                 inner.policy.remove(&Resident::of(r.slot, k));
                 self.detach(inner, r.slot);
