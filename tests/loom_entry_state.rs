@@ -140,6 +140,19 @@ fn slot_holding(key: &BlockKey, state: BlockState) -> (Arc<EntryState>, Arc<Slot
     (entry, keys, generation)
 }
 
+/// A slot holding the old key of `ks` in `state`, and a thread running `write` on it (with the
+/// block's generation and the new key), started.
+fn writer_on_a_slot_holding<R: Send + 'static>(
+    ks: &(BlockKey, BlockKey, [u8; 16]),
+    state: BlockState,
+    write: impl FnOnce(&EntryState, &SlotKeys, u32, &BlockKey) -> R + Send + 'static,
+) -> (Arc<EntryState>, Arc<SlotKeys>, u32, thread::JoinHandle<R>) {
+    let (entry, keys, first) = slot_holding(&ks.0, state);
+    let (e2, k2, new) = (entry.clone(), keys.clone(), ks.1);
+    let writer = thread::spawn(move || write(&e2, &k2, first, &new));
+    (entry, keys, first, writer)
+}
+
 fn probe(state: &EntryState, keys: &SlotKeys, key: &BlockKey) -> Option<BlockState> {
     probe_slot(state, keys, 0, &key.as_probe().key_ref()).map(|(s, _)| s)
 }
@@ -165,12 +178,10 @@ fn read_while_the_slot_changes_hands(
 fn a_chained_read_never_sees_a_key_the_slot_does_not_hold() {
     let ks = old_new_torn();
     loom::model(move || {
-        let (state, keys, first) = slot_holding(&ks.0, BlockState::Ready);
-        let (s2, k2, new) = (state.clone(), keys.clone(), ks.1);
-        let writer = thread::spawn(move || {
-            assert!(s2.try_claim(first));
-            let second = occupy_slot(&s2, &k2, 0, &new, BlockState::Writing);
-            assert!(s2.mark_ready(second));
+        let (state, keys, _, writer) = writer_on_a_slot_holding(&ks, BlockState::Ready, |state, keys, first, new| {
+            assert!(state.try_claim(first));
+            let second = occupy_slot(state, keys, 0, new, BlockState::Writing);
+            assert!(state.mark_ready(second));
         });
         read_while_the_slot_changes_hands(&state, &keys, &ks, &[BlockState::Writing, BlockState::Ready]);
         writer.join().unwrap();
@@ -249,15 +260,10 @@ fn a_chained_read_across_two_writers() {
 fn a_chained_completion_never_completes_the_next_block_in_the_slot() {
     let ks = old_new_torn();
     loom::model(move || {
-        let (state, keys, first) = slot_holding(&ks.0, BlockState::Writing);
-        let (s2, k2, new) = (state.clone(), keys.clone(), ks.1);
-        let writer = thread::spawn(move || {
-            if s2.abandon_write(first) {
-                Some(occupy_slot(&s2, &k2, 0, &new, BlockState::Writing))
-            } else {
-                None
-            }
-        });
+        let (state, keys, first, writer) =
+            writer_on_a_slot_holding(&ks, BlockState::Writing, |state, keys, first, new| {
+                state.abandon_write(first).then(|| occupy_slot(state, keys, 0, new, BlockState::Writing))
+            });
         let completed = probe_slot(&state, &keys, 0, &ks.0.as_probe().key_ref())
             .is_some_and(|(_, generation)| state.mark_ready(generation));
         let reused = writer.join().unwrap();
