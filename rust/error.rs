@@ -27,6 +27,10 @@ pub enum KvError {
     /// A tier was used after close().
     #[error("closed: {0}")]
     Closed(String),
+    /// The index failed on an internal error (a bug) and answers misses from then on; the
+    /// reason says what failed (see `index::failure`).
+    #[error("index disabled after an internal error: {0}")]
+    Failed(String),
 }
 
 impl KvError {

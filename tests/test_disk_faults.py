@@ -19,7 +19,7 @@ import uuid
 import pytest
 from _disk_util import BLOCK, ENGINES, Host, make_tier, payload, read, require_engine, stride, write
 
-from kvtier_rs._core import DiskTier
+from kvtier_rs._core import DiskTier, IndexFailedError
 
 
 @pytest.fixture(params=ENGINES)
@@ -369,3 +369,26 @@ def test_no_call_blocks_while_io_is_queued(tmp_path, engine):
         assert sorted(results[0].ok_keys) == keys
         assert results[0].bytes == 16 * BLOCK
         assert tier.poll() == []
+
+
+def test_a_panic_in_the_tier_index_disables_it_until_a_restart(tmp_path, engine):
+    host = Host(8)
+    with make_tier(tmp_path, engine, blocks=4) as tier:
+        write(tier, host, [1, 2, 3, 4])
+        tier._inject_fault("store_panic")
+        # The write that must evict panics inside the index: raised as an ordinary KvTierError.
+        with pytest.raises(IndexFailedError, match="injected fault"):
+            write(tier, host, [5, 6], first_slot=4)
+        assert tier.stats()["failed"] == 1
+        assert tier.lookup_prefix([1, 2, 3, 4]) == 0
+        assert read(tier, host, [1, 2]) == {}, "a failed index reads nothing"
+        with pytest.raises(IndexFailedError):
+            write(tier, host, [7], first_slot=4)
+        assert tier.remove([3]) == []
+    # Nothing of the failure is on disk: reopening rebuilds the index from the slot headers.
+    # The store that panicked wrote nothing, so even the two blocks it evicted are still
+    # intact in their slots and come back; `read` checks every byte.
+    with make_tier(tmp_path, engine, blocks=4) as tier:
+        assert tier.stats()["failed"] == 0
+        assert set(read(tier, host, [1, 2, 3, 4])) == {1, 2, 3, 4}
+        still_serving(tier, host)

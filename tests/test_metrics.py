@@ -391,6 +391,35 @@ def test_refusal_series(tmp_path, case):
     _MOVED.update(tr.moved)
 
 
+def test_index_failure_series(tmp_path):
+    """An index that disables itself after an internal error (a panic injected mid-store) shows
+    as kvtier_index_failed 1 for its tier only, while the data path keeps serving."""
+    t = Tiers(tmp_path, "failure", cpu_blocks=8, disk_blocks=8)
+    o = t.orch
+    with exporter(o) as srv:
+        tr = Tracker(srv.url)
+        t.offload(keys("a", 8))
+        tr.step()
+        # The disk tier first: the next write-through must evict, and panics doing so.
+        t.disk._inject_fault("store_panic")
+        t.offload(keys("b", 2), first_block=8)
+        x = tr.step()
+        assert tr.now("kvtier_index_failed", tier="disk") == 1
+        assert d(x, "kvtier_index_failed", tier="cpu") == 0
+        # The write that panicked, then every later one, is dropped (counted), not raised.
+        assert o.stats()["tiers"]["disk"]["writes"]["dropped_index_failed"] == 2
+        t.offload(keys("c", 2), first_block=10)
+        assert o.stats()["tiers"]["disk"]["writes"]["dropped_index_failed"] == 4
+        assert o.plan(keys("c", 2)).cpu_hits == 2, "the CPU tier serves on"
+        # Then the CPU tier's own index.
+        t.host.index._inject_fault("store_panic")
+        t.offload(keys("e", 8), first_block=12)
+        x = tr.step()
+        assert tr.now("kvtier_index_failed", tier="cpu") == 1
+        assert o.plan(keys("c", 2)).misses == 2
+    _MOVED.update(tr.moved)
+
+
 _MOVED: set[str] = set()
 
 

@@ -119,6 +119,19 @@ def test_failed_store_frees_its_slot():
     assert mg.prepare_store([key(2)], c).keys_to_store == [key(2)]
 
 
+def test_a_failed_index_turns_stores_away_and_answers_misses():
+    mg, c = mgr(2), ctx()
+    store(mg, [key(1), key(2)])
+    mg._cpu._inject_fault("store_panic")
+    # The store that panics (after evicting) and every later one: None, vLLM's "cannot store".
+    assert mg.prepare_store([key(3)], c) is None
+    assert mg.prepare_store([key(4)], c) is None
+    assert all(mg.lookup(key(i), c) is LookupResult.MISS for i in range(1, 5))
+    mg._last_report -= 10
+    gauges = mg.get_stats().data["data"]
+    assert gauges[m.PREFIX + "failed"][("cpu",)] == 1
+
+
 def test_events_removal_before_store():
     mg = mgr(1)
     store(mg, [key(1)])

@@ -30,18 +30,20 @@
 //! touches tail-first, so every policy ranks the head as more recent and evicts the tail first.
 
 mod entry_state;
+mod failure;
 mod key_map;
 mod slot_key;
 mod stats;
 
 use std::collections::HashSet;
 use std::hash::{Hash, Hasher};
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
 use scc::Guard;
 
+use failure::{Failure, WriteLock};
 use key_map::{KeyHasher, KeyMap, SlotRef};
 
 pub use entry_state::{BlockState, EntryState};
@@ -238,6 +240,11 @@ pub struct TierIndex {
     inner: Mutex<Inner>,
     slots: Arc<SlotAllocator>,
     config: IndexConfig,
+    /// Set when a writer panicked: reads answer absent, writes are refused (`failure`).
+    failure: Failure,
+    /// Fault injection for tests: the next store that evicts panics right after its evictions,
+    /// as a bug there would (`inject_store_panic`).
+    panic_in_next_store: AtomicBool,
     clock: Clock,
     stats: IndexStats,
 }
@@ -275,6 +282,8 @@ impl TierIndex {
             }),
             slots,
             config,
+            failure: Failure::default(),
+            panic_in_next_store: AtomicBool::new(false),
             clock,
             stats: IndexStats::default(),
         })
@@ -341,6 +350,9 @@ impl TierIndex {
     /// absent; under the index's mutex every candidate is current.
     #[inline(always)]
     fn find(&self, key: &KeyProbe<'_>, guard: &Guard) -> Option<SlotRef> {
+        if self.failure.is_set() {
+            return None;
+        }
         if let Some(r) = self.map.candidate(key.hash64(), guard) {
             let holds = probe_slot(self.state(r.slot), &self.slot_keys, r.slot, &key.key_ref());
             if holds.is_some_and(|(_, generation)| generation == r.generation) {
@@ -395,7 +407,7 @@ impl TierIndex {
     /// see `slot_key::probe_slot`).
     #[inline(always)]
     fn probe_after(&self, prev: u32, key: &KeyRef<'_>) -> Option<(u32, BlockState, u32)> {
-        let next = prev.checked_add(1).filter(|&s| (s as usize) < self.config.capacity)?;
+        let next = prev.checked_add(1).filter(|&s| (s as usize) < self.config.capacity && !self.failure.is_set())?;
         probe_slot(self.state(next), &self.slot_keys, next, key).map(|(state, generation)| (next, state, generation))
     }
 
@@ -446,10 +458,31 @@ impl TierIndex {
         self.resolve(&key.as_probe(), &guard).map(|r| f(r.entry))
     }
 
+    /// The writers' lock (see `failure`): refused once the index has failed.
+    fn write(&self) -> KvResult<WriteLock<'_, Inner>> {
+        self.failure.lock(&self.inner)
+    }
+
+    /// Fail the index for `reason` (e.g. a panic the Python binding caught; see `failure`).
+    pub fn fail(&self, reason: impl Into<String>) {
+        self.failure.set(reason)
+    }
+
+    /// Why the index failed, if it has: from then on it answers misses and refuses stores.
+    pub fn failure(&self) -> Option<&str> {
+        self.failure.reason()
+    }
+
+    /// Test hook: the next store that has to evict panics midway, after its victims are gone
+    /// and before its own blocks are placed (the containment tests' realistic bug).
+    pub fn inject_store_panic(&self) {
+        self.panic_in_next_store.store(true, Ordering::Relaxed);
+    }
+
     /// All keys with their state, pins and slot, in slot order (a snapshot, for status and
     /// tests). Takes the index's mutex, under which the slot records are stable.
     pub fn snapshot(&self) -> Vec<(BlockKey, BlockState, u32, u32)> {
-        let _inner = self.inner.lock();
+        let Ok(_inner) = self.write() else { return Vec::new() };
         (0..self.capacity() as u32)
             .filter_map(|slot| {
                 let (s, p) = self.state(slot).load();
@@ -466,7 +499,7 @@ impl TierIndex {
     pub fn prepare_store<K: ChainKey>(&self, keys: &[K], hint: InsertHint) -> KvResult<StoreOutcome> {
         Self::check_hint(hint)?;
         let now = self.clock.now_ns();
-        self.prepare_store_locked(&mut self.inner.lock(), keys, hint, now)
+        self.prepare_store_locked(&mut *self.write()?, keys, hint, now)
     }
 
     /// `prepare_store` if the index's mutex is free right now, None if another writer holds it
@@ -476,8 +509,11 @@ impl TierIndex {
             return Some(Err(e));
         }
         let now = self.clock.now_ns();
-        let mut inner = self.inner.try_lock()?;
-        Some(self.prepare_store_locked(&mut inner, keys, hint, now))
+        Some(
+            self.failure
+                .try_lock(&self.inner)?
+                .and_then(|mut inner| self.prepare_store_locked(&mut inner, keys, hint, now)),
+        )
     }
 
     fn check_hint(hint: InsertHint) -> KvResult<()> {
@@ -559,6 +595,9 @@ impl TierIndex {
                 out.evicted.push((key, v.slot));
             }
             self.stats.evictions.fetch_add(out.evicted.len() as u64, Ordering::Relaxed);
+            if self.panic_in_next_store.swap(false, Ordering::Relaxed) {
+                panic!("injected fault: a store panicked after evicting {} block(s)", out.evicted.len());
+            }
         }
 
         // Slots in ascending order along the chain: a chain stored in one call then sits in
@@ -595,7 +634,7 @@ impl TierIndex {
             return Err(KvError::invalid("slot", format!("slot {slot} out of range 0..{}", self.config.capacity)));
         }
         let now = self.clock.now_ns();
-        let mut inner = self.inner.lock();
+        let mut inner = self.write()?;
         let guard = Guard::new();
         if self.find(&key.as_probe(), &guard).is_some() {
             return Err(KvError::invalid("key", format!("{key:?} recovered twice")));
@@ -632,7 +671,7 @@ impl TierIndex {
             self.stats.stores_completed.fetch_add(done as u64, Ordering::Relaxed);
             return done;
         }
-        let mut inner = self.inner.lock();
+        let Ok(mut inner) = self.write() else { return 0 };
         for k in keys {
             let Some(r) = self.find(&k.probe(), &guard) else { continue };
             if self.state(r.slot).abandon_write(r.generation) {
@@ -649,7 +688,7 @@ impl TierIndex {
     /// Pin every key for a load and return their slots. All-or-nothing: if any key is not
     /// ready, nothing is pinned and `NotReady` names it.
     pub fn pin_for_load(&self, keys: &[BlockKey]) -> KvResult<Vec<u32>> {
-        let _inner = self.inner.lock();
+        let _inner = self.write()?;
         let guard = Guard::new();
         let mut pinned: Vec<SlotRef> = Vec::with_capacity(keys.len());
         for k in keys {
@@ -671,6 +710,11 @@ impl TierIndex {
     /// Drop one pin from each key. Lock-free. Errors (and drops no pin at all) if any key holds
     /// no pin, since that would mean a caller unpinned twice.
     pub fn unpin(&self, keys: &[BlockKey]) -> KvResult<()> {
+        if self.failure.is_set() {
+            // Nothing is written after a failure, so a pinned slot's bytes stay as they were:
+            // the pin has nothing left to protect.
+            return Ok(());
+        }
         let guard = Guard::new();
         // A key may appear several times (one pin each), so check pins against occurrences.
         let mut wanted: std::collections::HashMap<&BlockKey, u32, foldhash::fast::RandomState> =
@@ -699,7 +743,7 @@ impl TierIndex {
     /// Record a use of each resident key (policy recency/frequency), tail-first.
     pub fn touch(&self, keys: &[BlockKey]) {
         let now = self.clock.now_ns();
-        let mut inner = self.inner.lock();
+        let Ok(mut inner) = self.write() else { return };
         let guard = Guard::new();
         for k in keys.iter().rev() {
             if let Some(r) = self.find(&k.as_probe(), &guard) {
@@ -712,7 +756,7 @@ impl TierIndex {
 
     /// Count a use toward admission without storing (e.g. a hit served by another tier).
     pub fn record_use(&self, keys: &[BlockKey]) {
-        let mut inner = self.inner.lock();
+        let Ok(mut inner) = self.write() else { return };
         for k in keys {
             inner.admission.record_use(k);
         }
@@ -721,7 +765,7 @@ impl TierIndex {
     /// Remove ready, unpinned blocks. Pinned or in-flight blocks are left alone. Returns the
     /// removed keys with their freed slots.
     pub fn remove(&self, keys: &[BlockKey]) -> Vec<(BlockKey, u32)> {
-        let mut inner = self.inner.lock();
+        let Ok(mut inner) = self.write() else { return Vec::new() };
         self.remove_locked(&mut inner, keys)
     }
 
@@ -743,7 +787,7 @@ impl TierIndex {
 
     /// Remove every block that is not pinned or being written. Returns how many were removed.
     pub fn clear(&self) -> usize {
-        let mut inner = self.inner.lock();
+        let Ok(mut inner) = self.write() else { return 0 };
         let keys: Vec<BlockKey> = (0..self.capacity() as u32)
             .filter(|&slot| self.state(slot).load().0 != BlockState::Evicting)
             .map(|slot| self.slot_keys.read(slot))
@@ -764,7 +808,9 @@ impl TierIndex {
             pinned += u64::from(p > 0);
             writing += u64::from(s == BlockState::Writing);
         }
-        self.stats.snapshot(self.capacity(), self.len(), pinned, writing)
+        let mut snap = self.stats.snapshot(self.capacity(), self.len(), pinned, writing);
+        snap.failed = u64::from(self.failure.is_set());
+        snap
     }
 
     /// Number of blocks the policy tracks as resident (must always equal `len`).

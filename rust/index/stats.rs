@@ -65,6 +65,7 @@ impl IndexStats {
             unpins: self.unpins.load(Relaxed),
             touches: self.touches.load(Relaxed),
             removals: self.removals.load(Relaxed),
+            failed: 0,
         }
     }
 }
@@ -90,11 +91,13 @@ pub struct StatsSnapshot {
     pub unpins: u64,
     pub touches: u64,
     pub removals: u64,
+    /// 1 once the index has failed (see `index::failure`), else 0.
+    pub failed: u64,
 }
 
 impl StatsSnapshot {
     /// (name, value) pairs in a fixed order: the one list the Python layer and metrics read.
-    pub fn fields(&self) -> [(&'static str, u64); 19] {
+    pub fn fields(&self) -> [(&'static str, u64); 20] {
         [
             ("capacity_blocks", self.capacity_blocks),
             ("resident_blocks", self.resident_blocks),
@@ -115,6 +118,7 @@ impl StatsSnapshot {
             ("unpins", self.unpins),
             ("touches", self.touches),
             ("removals", self.removals),
+            ("failed", self.failed),
         ]
     }
 }

@@ -434,3 +434,57 @@ fn random_stores_and_removals_of_colliding_keys_match_a_set() {
     }
     assert!(most_collided >= 2, "the test never made keys collide");
 }
+
+/// Every operation of an index that has failed: reads miss, stores and pins are refused, the
+/// other writes change nothing, stats say so.
+fn assert_failed_closed(ix: &TierIndex, resident: &[BlockKey]) {
+    assert!(ix.failure().is_some());
+    assert_eq!(ix.lookup_prefix(resident), 0, "a failed index answers misses");
+    assert!(resident.iter().all(|key| ix.lookup_state(key).is_none() && ix.state_of(key).is_none()));
+    assert_eq!(ix.contains_ready(resident), vec![false; resident.len()]);
+    assert!(matches!(ix.prepare_store(&[k(1000)], InsertHint::default()), Err(KvError::Failed(_))));
+    assert!(matches!(ix.try_prepare_store(&[k(1000)], InsertHint::default()), Some(Err(KvError::Failed(_)))));
+    assert!(matches!(ix.pin_for_load(resident), Err(KvError::Failed(_))));
+    assert_eq!(ix.complete_store(resident, true), 0);
+    assert_eq!(ix.complete_store(resident, false), 0);
+    assert!(ix.remove(resident).is_empty());
+    assert_eq!(ix.clear(), 0);
+    ix.unpin(resident).unwrap();
+    assert!(ix.snapshot().is_empty());
+    assert_eq!(ix.stats().failed, 1);
+}
+
+#[test]
+fn a_writer_that_panics_on_a_broken_invariant_fails_the_index_closed() {
+    let ix = index(4, PolicyKind::Lru);
+    store(&ix, &keys(0..4));
+    assert_eq!(ix.stats().failed, 0);
+    // Break the "non-vacant slot => mapped" invariant behind the index's back (a bug
+    // elsewhere would), then make a store evict that slot: its detach panics.
+    let victim_slot = ix.state_of(&k(3)).unwrap().2;
+    assert!(ix.map.remove(&k(3), victim_slot));
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        ix.prepare_store(&[k(10)], InsertHint::default()).ok();
+    }));
+    assert!(panicked.is_err(), "the store should have hit the broken invariant");
+    assert!(ix.failure().unwrap().contains("panicked"), "{:?}", ix.failure());
+    assert_failed_closed(&ix, &keys(0..3));
+}
+
+#[test]
+fn an_injected_store_panic_fails_the_index_and_keeps_the_reason_given() {
+    let ix = index(4, PolicyKind::Arc);
+    store(&ix, &keys(0..4));
+    ix.inject_store_panic();
+    store(&ix, &[]); // a store that evicts nothing leaves the fault armed
+    assert!(ix.failure().is_none());
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        ix.prepare_store(&keys(10..12), InsertHint::default()).ok();
+    }));
+    assert!(panicked.is_err());
+    // The Python binding catches the panic and records its message; the first reason stays.
+    ix.fail("panic: injected fault");
+    ix.fail("a later reason");
+    assert_eq!(ix.failure(), Some("panic: injected fault"));
+    assert_failed_closed(&ix, &keys(0..2));
+}

@@ -10,7 +10,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use super::convert::{keys_from_py, keys_to_py};
-use super::errors::invalid;
+use super::errors::{contain, invalid};
 use super::host_pool::HostPool;
 use super::index::positive;
 use crate::admission::AdmissionRule;
@@ -134,6 +134,14 @@ pub struct PyDiskTier {
     inner: disk::DiskTier,
     policy: &'static str,
     admission: String,
+}
+
+impl PyDiskTier {
+    /// `errors::contain` for the tier's index: a panic in `f` disables the index (the tier then
+    /// misses and refuses writes) and raises IndexFailedError.
+    fn contain<T>(&self, f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
+        contain(self.inner.index(), f)
+    }
 }
 
 #[pymethods]
@@ -293,7 +301,7 @@ impl PyDiskTier {
             duration_ns: seconds("duration_s", duration_s)?.map(|d| d.as_nanos() as u64),
         };
         let host: Arc<dyn HostMemory> = Arc::new(PoolRef(pool.clone().unbind()));
-        let t = py.detach(|| self.inner.submit_write(&keys, &slots, host, hint))?;
+        let t = self.contain(|| Ok(py.detach(|| self.inner.submit_write(&keys, &slots, host, hint))?))?;
         Ok(DiskWriteTicket {
             job_id: t.job_id,
             keys: keys_to_py(py, t.keys)?.unbind(),
@@ -316,18 +324,18 @@ impl PyDiskTier {
         let keys = keys_from_py(keys)?;
         let slots = slots_from_py(slots)?;
         let host: Arc<dyn HostMemory> = Arc::new(PoolRef(pool.clone().unbind()));
-        Ok(py.detach(|| self.inner.submit_read(&keys, &slots, host))?)
+        self.contain(|| Ok(py.detach(|| self.inner.submit_read(&keys, &slots, host))?))
     }
 
     /// Results of every job finished since the last call (each returned once). Never blocks.
     fn poll(&self, py: Python<'_>) -> PyResult<Vec<DiskJobResult>> {
-        let done = py.detach(|| self.inner.poll());
+        let done = self.contain(|| Ok(py.detach(|| self.inner.poll())))?;
         done.into_iter().map(|r| result_to_py(py, r)).collect()
     }
 
     /// The result of `job_id` if it finished, else None. Never blocks.
     fn try_take(&self, py: Python<'_>, job_id: u64) -> PyResult<Option<DiskJobResult>> {
-        match self.inner.try_take(job_id)? {
+        match self.contain(|| Ok(self.inner.try_take(job_id)?))? {
             Some(r) => Ok(Some(result_to_py(py, r)?)),
             None => Ok(None),
         }
@@ -338,7 +346,7 @@ impl PyDiskTier {
     #[pyo3(signature = (job_id, timeout=None))]
     fn wait(&self, py: Python<'_>, job_id: u64, timeout: Option<f64>) -> PyResult<Option<DiskJobResult>> {
         let t = seconds("timeout", timeout)?;
-        match py.detach(|| self.inner.wait(job_id, t))? {
+        match self.contain(|| Ok(py.detach(|| self.inner.wait(job_id, t))?))? {
             Some(r) => Ok(Some(result_to_py(py, r)?)),
             None => Ok(None),
         }
@@ -359,30 +367,30 @@ impl PyDiskTier {
     /// Length of the longest prefix of `keys` on disk.
     fn lookup_prefix(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
         let keys = keys_from_py(keys)?;
-        Ok(py.detach(|| self.inner.lookup_prefix(&keys))?)
+        self.contain(|| Ok(py.detach(|| self.inner.lookup_prefix(&keys))?))
     }
 
     fn contains(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
         let keys = keys_from_py(keys)?;
-        Ok(py.detach(|| self.inner.contains(&keys))?)
+        self.contain(|| Ok(py.detach(|| self.inner.contains(&keys))?))
     }
 
     /// Record a use of blocks on disk (eviction order).
     fn touch(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<()> {
         let keys = keys_from_py(keys)?;
-        Ok(py.detach(|| self.inner.touch(&keys))?)
+        self.contain(|| Ok(py.detach(|| self.inner.touch(&keys))?))
     }
 
     /// Count uses toward disk admission without writing (e.g. hits served by the CPU tier).
     fn record_use(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<()> {
         let keys = keys_from_py(keys)?;
-        Ok(py.detach(|| self.inner.record_use(&keys))?)
+        self.contain(|| Ok(py.detach(|| self.inner.record_use(&keys))?))
     }
 
     /// Drop ready, unread blocks; returns the keys removed.
     fn remove<'py>(&self, py: Python<'py>, keys: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
         let keys = keys_from_py(keys)?;
-        let removed = py.detach(|| self.inner.remove(&keys))?;
+        let removed = self.contain(|| Ok(py.detach(|| self.inner.remove(&keys))?))?;
         keys_to_py(py, removed)
     }
 
@@ -412,16 +420,24 @@ impl PyDiskTier {
     }
 
     /// Test hook: make the next `count` block writes ("enospc", "eio_write") or reads
-    /// ("eio_read") fail at the I/O layer; None clears it.
+    /// ("eio_read") fail at the I/O layer; None clears it. "store_panic": the next write that
+    /// evicts panics inside the tier's index (which must then disable itself).
     #[pyo3(signature = (kind, count=1))]
     fn _inject_fault(&self, kind: Option<&str>, count: u32) -> PyResult<()> {
         let fault = match kind {
             None => None,
+            Some("store_panic") => {
+                self.inner.index().inject_store_panic();
+                return Ok(());
+            }
             Some("enospc") => Some(Fault::WriteErrno(libc::ENOSPC)),
             Some("eio_write") => Some(Fault::WriteErrno(libc::EIO)),
             Some("eio_read") => Some(Fault::ReadErrno(libc::EIO)),
             Some(other) => {
-                return Err(invalid("kind", format!("{other:?}: expected \"enospc\", \"eio_write\" or \"eio_read\"")))
+                return Err(invalid(
+                    "kind",
+                    format!("{other:?}: expected \"enospc\", \"eio_write\", \"eio_read\" or \"store_panic\""),
+                ))
             }
         };
         self.inner.inject_fault(fault, count);

@@ -1,10 +1,14 @@
 //! Python exceptions, all under `KvTierError`, and the mapping from the core's error type.
 
+use std::any::Any;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
-use pyo3::PyErr;
+use pyo3::{PyErr, PyResult};
 
 use crate::error::KvError;
+use crate::index::TierIndex;
 
 create_exception!(kvtier_rs._core, KvTierError, PyException, "Base class of every kvtier error.");
 create_exception!(
@@ -34,6 +38,12 @@ create_exception!(
     "The disk tier's directory is already open in this or another process."
 );
 create_exception!(kvtier_rs._core, ClosedError, KvTierError, "The tier was used after close().");
+create_exception!(
+    kvtier_rs._core,
+    IndexFailedError,
+    KvTierError,
+    "The index hit an internal error (a bug) and is disabled: lookups miss, stores are refused."
+);
 
 impl From<KvError> for PyErr {
     fn from(e: KvError) -> PyErr {
@@ -46,10 +56,34 @@ impl From<KvError> for PyErr {
             KvError::Io { .. } => DiskIoError::new_err(msg),
             KvError::Locked(_) => DirectoryLockedError::new_err(msg),
             KvError::Closed(_) => ClosedError::new_err(msg),
+            KvError::Failed(_) => IndexFailedError::new_err(msg),
         }
     }
 }
 
 pub fn invalid(arg: &'static str, reason: impl Into<String>) -> PyErr {
     KvError::invalid(arg, reason).into()
+}
+
+/// Run one call into `index`. A panic in it (always a bug) fails the index (`index::failure`:
+/// lookups miss, stores are refused from then on) and is raised as IndexFailedError, an
+/// ordinary KvTierError that the engine adapters treat as a miss. pyo3 would raise its
+/// PanicException instead, a BaseException that passes through an engine's `except Exception`
+/// and stops the engine.
+pub fn contain<T>(index: &TierIndex, f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|payload| Err(failed_by_panic(index, payload.as_ref())))
+}
+
+/// Fail `index` for a caught panic; the error to raise for it.
+pub fn failed_by_panic(index: &TierIndex, payload: &(dyn Any + Send)) -> PyErr {
+    index.fail(format!("panic: {}", panic_message(payload)));
+    KvError::Failed(index.failure().unwrap_or("panic").to_string()).into()
+}
+
+fn panic_message(payload: &(dyn Any + Send)) -> &str {
+    payload
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("(no message)")
 }

@@ -14,8 +14,8 @@
 //! invalid keys, long batches) is handed to the ordinary pyo3 implementation in
 //! `index.rs`, through a normal attached `Python` token, so results, counters and error
 //! messages are the same whichever path ran. The fast path runs no Python code, creates no
-//! Python object and cannot fail except by panicking, which is caught and raised as
-//! `PanicException`, never unwound into the interpreter.
+//! Python object and cannot fail except by panicking, which is caught (never unwound into the
+//! interpreter), disables the index and is raised as `IndexFailedError`.
 
 use std::ffi::CStr;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -27,6 +27,7 @@ use pyo3::types::PyType;
 use pyo3::Borrowed;
 
 use super::convert::exact_bytes_key;
+use super::errors::failed_by_panic;
 use super::index::{BlockIndex, LONG_WALK_KEYS};
 use crate::index::BlockState;
 
@@ -54,12 +55,14 @@ unsafe fn py_bool(v: bool) -> *mut ffi::PyObject {
     unsafe { new_ref(if v { ffi::Py_True() } else { ffi::Py_False() }) }
 }
 
-/// Run the fast path; `None` from it, or a panic, goes to `slow`, which runs attached through
-/// pyo3 (so errors and panics become Python exceptions exactly as for any pyo3 method).
+/// Run the fast path; `None` from it goes to `slow`, which runs attached through pyo3 (so
+/// errors become Python exceptions exactly as for any pyo3 method). A panic in either fails the
+/// index and raises IndexFailedError, as in the pyo3 methods (`errors::contain`).
 ///
 /// # Safety
 /// Called by the interpreter with the GIL held.
 unsafe fn dispatch(
+    ix: &BlockIndex,
     fast: impl FnOnce() -> Option<*mut ffi::PyObject>,
     slow: impl FnOnce(Python<'_>) -> PyResult<Py<PyAny>>,
 ) -> *mut ffi::PyObject {
@@ -70,8 +73,8 @@ unsafe fn dispatch(
     };
     Python::attach(|py| {
         let result = match panicked {
-            Some(payload) => Err(panic_error(payload)),
-            None => catch_unwind(AssertUnwindSafe(|| slow(py))).unwrap_or_else(|payload| Err(panic_error(payload))),
+            Some(payload) => Err(failed_by_panic(ix.inner(), payload.as_ref())),
+            None => ix.contain(|| slow(py)),
         };
         match result {
             Ok(obj) => obj.into_ptr(),
@@ -81,16 +84,6 @@ unsafe fn dispatch(
             }
         }
     })
-}
-
-/// A caught panic as the exception pyo3 raises for one.
-fn panic_error(payload: Box<dyn std::any::Any + Send>) -> PyErr {
-    let msg = payload
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| payload.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "panic in kvtier_rs".to_string());
-    pyo3::panic::PanicException::new_err(msg)
 }
 
 /// Borrow the arguments of a slow-path call as pyo3 objects.
@@ -106,6 +99,7 @@ unsafe extern "C" fn lookup_one(slf: *mut ffi::PyObject, key: *mut ffi::PyObject
     unsafe {
         let ix = index(slf);
         dispatch(
+            ix,
             || exact_bytes_key(key).map(|probe| py_bool(ix.inner().lookup_state(&probe) == Some(BlockState::Ready))),
             |py| Ok(ix.lookup_one_impl(&arg(py, key))?.into_pyobject(py)?.to_owned().into_any().unbind()),
         )
@@ -123,6 +117,7 @@ unsafe extern "C" fn lookup_result(
         let ix = index(slf);
         let key = if (1..=2).contains(&nargs) { Some(*args) } else { None };
         dispatch(
+            ix,
             || {
                 let probe = exact_bytes_key(key?)?;
                 let results = ix.lookup_results()?;
@@ -145,6 +140,7 @@ unsafe extern "C" fn lookup_prefix(slf: *mut ffi::PyObject, keys: *mut ffi::PyOb
     unsafe {
         let ix = index(slf);
         dispatch(
+            ix,
             || {
                 if ffi::Py_TYPE(keys) != ptr::addr_of_mut!(ffi::PyList_Type) {
                     return None;

@@ -6,7 +6,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use super::convert::{as_list, exact_bytes_keys, key_from_py, key_to_py, keys_from_py, keys_to_py, probe_from_py};
-use super::errors::invalid;
+use super::errors::{contain, invalid};
 use super::host_pool::HostPool;
 use crate::admission::AdmissionRule;
 use crate::error::KvError;
@@ -95,6 +95,11 @@ impl BlockIndex {
         &self.inner
     }
 
+    /// `errors::contain` for this index: a panic in `f` disables it and raises IndexFailedError.
+    pub(crate) fn contain<T>(&self, f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
+        contain(&self.inner, f)
+    }
+
     pub(crate) fn lookup_results(&self) -> Option<&[Py<PyAny>; 3]> {
         self.lookup_results.get()
     }
@@ -117,6 +122,66 @@ impl BlockIndex {
         let results =
             self.lookup_results.get().ok_or_else(|| invalid("lookup_results", "call set_lookup_results() first"))?;
         Ok(results[self.result_index(&probe_from_py(key)?)].clone_ref(py))
+    }
+
+    /// `prepare_store`'s call into the core (see `prepare_store` for the GIL and mutex rules).
+    fn prepare_store_core(
+        &self,
+        py: Python<'_>,
+        seq: &Bound<'_, PyList>,
+        hint: InsertHint,
+    ) -> PyResult<crate::index::StoreOutcome> {
+        // Like lookups, a short batch keeps the GIL: releasing and re-taking it costs more than
+        // placing a request's chain. Its keys are borrowed from the list when they are all
+        // exact bytes (the index then hashes only keys it does not find by a chained compare).
+        // But it never waits for the index's mutex with the GIL held (another writer may hold
+        // the mutex for long, e.g. a clear(), and every Python thread would stall meanwhile):
+        // when the mutex is taken, it releases the GIL and waits, with keys of its own.
+        let mut owned = None;
+        let quick = if seq.len() < LONG_WALK_KEYS {
+            // SAFETY: attached; nothing runs Python code while the borrowed keys are used.
+            match unsafe { exact_bytes_keys(seq.as_any()) } {
+                Some(borrowed) => self.inner.try_prepare_store(&borrowed, hint),
+                None => self.inner.try_prepare_store(owned.insert(keys_from_py(seq.as_any())?), hint),
+            }
+        } else {
+            None
+        };
+        match quick {
+            Some(out) => Ok(out?),
+            None => {
+                let core_keys = match owned {
+                    Some(keys) => keys,
+                    None => keys_from_py(seq.as_any())?,
+                };
+                Ok(py.detach(|| self.inner.prepare_store(&core_keys, hint))?)
+            }
+        }
+    }
+
+    /// `complete_store`'s call into the core.
+    fn complete_store_core(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, success: bool) -> PyResult<usize> {
+        // A successful completion is lock-free: a short list of it is walked with the GIL held,
+        // its items borrowed (they stay alive since no Python code runs meanwhile) and hashed only
+        // where a chained compare misses.
+        if success {
+            // SAFETY: attached; nothing below runs Python code while the probes are used.
+            if let Some(borrowed) = unsafe { exact_bytes_keys(keys) }.filter(|k| k.len() < LONG_WALK_KEYS) {
+                return Ok(self.inner.complete_store(&borrowed, true));
+            }
+        }
+        // Otherwise (a failure, which takes the index's mutex; other key types; invalid keys,
+        // whose errors come from `probe_from_py`) probes borrow each bytes key in place and
+        // `items` keeps the (immutable) objects alive, also while the GIL is released.
+        let items: Vec<Bound<'_, PyAny>> = as_list(keys)?.iter().collect();
+        let mut probes = Vec::with_capacity(items.len());
+        for item in &items {
+            probes.push(probe_from_py(item)?);
+        }
+        if success && probes.len() < LONG_WALK_KEYS {
+            return Ok(self.inner.complete_store(&probes, true));
+        }
+        Ok(py.detach(|| self.inner.complete_store(&probes, success)))
     }
 
     /// Length of the longest prefix of `keys` whose blocks are ready.
@@ -206,6 +271,11 @@ impl BlockIndex {
     fn __len__(&self) -> usize {
         self.inner.len()
     }
+    /// Why the index was disabled (an internal error: it then misses and refuses stores), or None.
+    #[getter]
+    fn failure(&self) -> Option<&str> {
+        self.inner.failure()
+    }
     fn __repr__(&self) -> String {
         format!(
             "BlockIndex(tier={:?}, capacity={}, policy={:?}, admission={:?}, resident={})",
@@ -220,7 +290,7 @@ impl BlockIndex {
     /// Whether each key is ready (no prefix semantics).
     fn contains(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
         let keys = keys_from_py(keys)?;
-        Ok(py.detach(|| self.inner.contains_ready(&keys)))
+        self.contain(|| Ok(py.detach(|| self.inner.contains_ready(&keys))))
     }
 
     /// Reserve slots for the new blocks among `keys` (a request's chain, head first), evicting
@@ -236,32 +306,7 @@ impl BlockIndex {
         let hint = hint(priority, duration_s)?;
         // Hand back the caller's own key objects (by position) rather than new ones.
         let seq = as_list(keys)?;
-        // Like lookups, a short batch keeps the GIL: releasing and re-taking it costs more than
-        // placing a request's chain. Its keys are borrowed from the list when they are all
-        // exact bytes (the index then hashes only keys it does not find by a chained compare).
-        // But it never waits for the index's mutex with the GIL held (another writer may hold
-        // the mutex for long, e.g. a clear(), and every Python thread would stall meanwhile):
-        // when the mutex is taken, it releases the GIL and waits, with keys of its own.
-        let mut owned = None;
-        let quick = if seq.len() < LONG_WALK_KEYS {
-            // SAFETY: attached; nothing runs Python code while the borrowed keys are used.
-            match unsafe { exact_bytes_keys(seq.as_any()) } {
-                Some(borrowed) => self.inner.try_prepare_store(&borrowed, hint),
-                None => self.inner.try_prepare_store(owned.insert(keys_from_py(seq.as_any())?), hint),
-            }
-        } else {
-            None
-        };
-        let out = match quick {
-            Some(out) => out?,
-            None => {
-                let core_keys = match owned {
-                    Some(keys) => keys,
-                    None => keys_from_py(seq.as_any())?,
-                };
-                py.detach(|| self.inner.prepare_store(&core_keys, hint))?
-            }
-        };
+        let out = self.contain(|| self.prepare_store_core(py, &seq, hint))?;
         let pick = |pos: &[usize]| -> PyResult<Py<PyList>> {
             Ok(PyList::new(py, pos.iter().map(|&p| seq.get_item(p)).collect::<PyResult<Vec<_>>>()?)?.unbind())
         };
@@ -279,64 +324,48 @@ impl BlockIndex {
     /// Finish stores; failure drops the blocks and frees their slots. Returns how many changed.
     #[pyo3(signature = (keys, success=true))]
     fn complete_store(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, success: bool) -> PyResult<usize> {
-        // A successful completion is lock-free: a short list of it is walked with the GIL held,
-        // its items borrowed (they stay alive since no Python code runs meanwhile) and hashed only
-        // where a chained compare misses.
-        if success {
-            // SAFETY: attached; nothing below runs Python code while the probes are used.
-            if let Some(borrowed) = unsafe { exact_bytes_keys(keys) }.filter(|k| k.len() < LONG_WALK_KEYS) {
-                return Ok(self.inner.complete_store(&borrowed, true));
-            }
-        }
-        // Otherwise (a failure, which takes the index's mutex; other key types; invalid keys,
-        // whose errors come from `probe_from_py`) probes borrow each bytes key in place and
-        // `items` keeps the (immutable) objects alive, also while the GIL is released.
-        let items: Vec<Bound<'_, PyAny>> = as_list(keys)?.iter().collect();
-        let mut probes = Vec::with_capacity(items.len());
-        for item in &items {
-            probes.push(probe_from_py(item)?);
-        }
-        if success && probes.len() < LONG_WALK_KEYS {
-            return Ok(self.inner.complete_store(&probes, true));
-        }
-        Ok(py.detach(|| self.inner.complete_store(&probes, success)))
+        self.contain(|| self.complete_store_core(py, keys, success))
     }
 
     /// Pin all keys for a load and return their slots; all-or-nothing (NotReadyError).
     fn pin_for_load(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
         let keys = keys_from_py(keys)?;
-        Ok(py.detach(|| self.inner.pin_for_load(&keys))?)
+        self.contain(|| Ok(py.detach(|| self.inner.pin_for_load(&keys))?))
     }
 
     fn unpin(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<()> {
         let keys = keys_from_py(keys)?;
-        Ok(py.detach(|| self.inner.unpin(&keys))?)
+        self.contain(|| Ok(py.detach(|| self.inner.unpin(&keys))?))
     }
 
     /// Record a use of each resident key (applied tail-first: the head stays the most recent).
     fn touch(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<()> {
         let keys = keys_from_py(keys)?;
-        py.detach(|| self.inner.touch(&keys));
-        Ok(())
+        self.contain(|| {
+            py.detach(|| self.inner.touch(&keys));
+            Ok(())
+        })
     }
 
     /// Count uses toward the admission rule without storing.
     fn record_use(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<()> {
         let keys = keys_from_py(keys)?;
-        py.detach(|| self.inner.record_use(&keys));
-        Ok(())
+        self.contain(|| {
+            py.detach(|| self.inner.record_use(&keys));
+            Ok(())
+        })
     }
 
     /// Remove ready, unpinned blocks; returns the keys removed.
     fn remove<'py>(&self, py: Python<'py>, keys: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
         let keys = keys_from_py(keys)?;
-        let removed = py.detach(|| self.inner.remove(&keys));
+        let removed = self.contain(|| Ok(py.detach(|| self.inner.remove(&keys))))?;
         keys_to_py(py, removed.into_iter().map(|(k, _)| k))
     }
 
     /// Remove every block that is not pinned or being written; returns how many.
-    fn clear(&self, py: Python<'_>) -> usize {
-        py.detach(|| self.inner.clear())
+    fn clear(&self, py: Python<'_>) -> PyResult<usize> {
+        self.contain(|| Ok(py.detach(|| self.inner.clear())))
     }
 
     // ---- single-key forms ------------------------------------------------------------------
@@ -357,56 +386,74 @@ impl BlockIndex {
         priority: i64,
         duration_s: Option<f64>,
     ) -> PyResult<Option<u32>> {
-        let k = key_from_py(key)?;
-        let out = self.inner.prepare_store(std::slice::from_ref(&k), hint(priority, duration_s)?)?;
+        let (k, hint) = (key_from_py(key)?, hint(priority, duration_s)?);
+        let out = self.contain(|| Ok(self.inner.prepare_store(std::slice::from_ref(&k), hint)?))?;
         Ok(out.to_write.first().map(|(_, s)| *s))
     }
 
     #[pyo3(signature = (key, success=true))]
     fn complete_store_one(&self, key: &Bound<'_, PyAny>, success: bool) -> PyResult<bool> {
-        Ok(self.inner.complete_store(&[probe_from_py(key)?], success) == 1)
+        let probe = probe_from_py(key)?;
+        self.contain(|| Ok(self.inner.complete_store(&[probe], success) == 1))
     }
 
     fn pin_one(&self, key: &Bound<'_, PyAny>) -> PyResult<u32> {
         let k = key_from_py(key)?;
-        Ok(self.inner.pin_for_load(std::slice::from_ref(&k))?[0])
+        self.contain(|| Ok(self.inner.pin_for_load(std::slice::from_ref(&k))?[0]))
     }
 
     fn unpin_one(&self, key: &Bound<'_, PyAny>) -> PyResult<()> {
         let k = key_from_py(key)?;
-        Ok(self.inner.unpin(std::slice::from_ref(&k))?)
+        self.contain(|| Ok(self.inner.unpin(std::slice::from_ref(&k))?))
     }
 
     fn touch_one(&self, key: &Bound<'_, PyAny>) -> PyResult<()> {
         let k = key_from_py(key)?;
-        self.inner.touch(std::slice::from_ref(&k));
-        Ok(())
+        self.contain(|| {
+            self.inner.touch(std::slice::from_ref(&k));
+            Ok(())
+        })
     }
 
     fn remove_one(&self, key: &Bound<'_, PyAny>) -> PyResult<bool> {
         let k = key_from_py(key)?;
-        Ok(self.inner.remove(std::slice::from_ref(&k)).len() == 1)
+        self.contain(|| Ok(self.inner.remove(std::slice::from_ref(&k)).len() == 1))
     }
 
     /// (state, pins, slot) of one key, or None. State is "writing", "ready" or "evicting".
     fn state(&self, key: &Bound<'_, PyAny>) -> PyResult<Option<(&'static str, u32, u32)>> {
         let k = key_from_py(key)?;
-        Ok(self.inner.state_of(&k).map(|(s, p, slot)| (s.name(), p, slot)))
+        self.contain(|| Ok(self.inner.state_of(&k).map(|(s, p, slot)| (s.name(), p, slot))))
     }
 
     /// All resident keys as (key, state, pins, slot) tuples.
     fn entries<'py>(&self, py: Python<'py>) -> PyResult<Vec<EntryRow<'py>>> {
-        self.inner.snapshot().into_iter().map(|(k, s, p, slot)| Ok((key_to_py(py, &k)?, s.name(), p, slot))).collect()
+        self.contain(|| Ok(self.inner.snapshot()))?
+            .into_iter()
+            .map(|(k, s, p, slot)| Ok((key_to_py(py, &k)?, s.name(), p, slot)))
+            .collect()
     }
 
     /// Counters and gauges as a dict of ints (one consistent call for metrics scrapes).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let snap = py.detach(|| self.inner.stats());
+        let snap = self.contain(|| Ok(py.detach(|| self.inner.stats())))?;
         let d = PyDict::new(py);
         for (name, v) in snap.fields() {
             d.set_item(name, v)?;
         }
         Ok(d)
+    }
+
+    /// Test hook: `kind="store_panic"` makes the next store that evicts panic midway (after its
+    /// evictions), as a bug there would; the index must then disable itself.
+    fn _inject_fault(&self, kind: &str) -> PyResult<()> {
+        match kind {
+            "store_panic" => {
+                self.inner.inject_store_panic();
+                Ok(())
+            }
+            other => Err(invalid("kind", format!("{other:?}: expected \"store_panic\""))),
+        }
     }
 
     /// Move a manual clock forward (indexes built with manual_clock=True only).

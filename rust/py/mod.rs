@@ -21,7 +21,7 @@ mod core_module {
     #[pymodule_export]
     use super::disk::{io_uring_probe, DiskJobResult, DiskWriteTicket, PyDiskTier};
     #[pymodule_export]
-    use super::errors::{ClosedError, DirectoryLockedError, DiskIoError};
+    use super::errors::{ClosedError, DirectoryLockedError, DiskIoError, IndexFailedError};
     #[pymodule_export]
     use super::errors::{InvalidArgumentError, KvTierError, NoSpaceError, NotPinnedError, NotReadyError};
     #[pymodule_export]

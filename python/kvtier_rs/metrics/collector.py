@@ -97,6 +97,7 @@ class KvTierCollector(Collector):
         for key in ("capacity_bytes", "usage_bytes", "pinned_bytes"):
             v[f"kvtier_{key}"][(tier,)] = occ[key]
         v["kvtier_evictions"][(tier,)] = idx["evictions"]
+        v["kvtier_index_failed"][(tier,)] = idx["failed"]
         v["kvtier_refusals"][(tier, "store", "admission")] = idx["store_refused"]
         v["kvtier_stored_blocks"][(tier,)] = idx["stores_completed"]
 

@@ -102,6 +102,13 @@ SERIES: tuple[Series, ...] = (
     ),
     Series("kvtier_evictions", "counter", "Blocks evicted from each tier to make room.", ("tier",), _by(TIERS)),
     Series(
+        "kvtier_index_failed",
+        "gauge",
+        "1 once the tier's index disabled itself after an internal error (it then misses and refuses stores).",
+        ("tier",),
+        _by(TIERS),
+    ),
+    Series(
         "kvtier_transferred_bytes",
         "counter",
         "Bytes moved over each tier's link: cpu = device<->host copies, disk = host<->disk I/O "

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier_rs._core import NoSpaceError, NotReadyError
+from kvtier_rs._core import IndexFailedError, NoSpaceError, NotReadyError
 from kvtier_rs.events import EventStream
 from kvtier_rs.host_tier import HostTier, Key
 from kvtier_rs.orchestrator.latency import LatencyRecorder
@@ -40,6 +40,7 @@ class StagerCounters:
     writes_refused: int = 0  # disk admission or disk full
     writes_dropped_backlog: int = 0
     writes_dropped_evicted: int = 0
+    writes_dropped_index_failed: int = 0  # the disk tier's index disabled itself (internal error)
     promotions_submitted: int = 0
     promotion_blocks_ok: int = 0
     promotion_blocks_failed: int = 0  # checksum/key mismatch, short read, I/O error
@@ -81,12 +82,18 @@ class DiskStager:
             return 0
         try:
             slots = self.host.index.pin_for_load(keys)
-        except NotReadyError:
-            # Evicted from the CPU tier before we got to it: nothing to copy from.
+        except (NotReadyError, IndexFailedError):
+            # Evicted from the CPU tier before we got to it (or its index failed): nothing to
+            # copy from.
             self.counters.writes_dropped_evicted += len(keys)
             return 0
         try:
             ticket = self.disk.submit_write(keys, self.host.pool, slots, priority=priority, duration_s=duration_s)
+        except IndexFailedError:
+            # The disk tier stores nothing any more (its lookups miss): the CPU tier serves on.
+            self.host.index.unpin(keys)
+            self.counters.writes_dropped_index_failed += len(keys)
+            return 0
         except Exception:
             self.host.index.unpin(keys)
             raise
@@ -109,7 +116,7 @@ class DiskStager:
         keys = list(keys)
         try:
             out = self.host.index.prepare_store(keys)
-        except NoSpaceError:
+        except (NoSpaceError, IndexFailedError):
             self.counters.promotions_no_cpu_space += 1
             return None
         if self.events is not None:

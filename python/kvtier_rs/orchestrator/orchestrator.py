@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier_rs._core import InvalidArgumentError, NoSpaceError, NotReadyError
+from kvtier_rs._core import IndexFailedError, InvalidArgumentError, NoSpaceError, NotReadyError
 from kvtier_rs.events import EventStream
 from kvtier_rs.host_tier import HostTier, Key
 from kvtier_rs.orchestrator.cost import CostModel
@@ -192,6 +192,11 @@ class TierOrchestrator:
         except NoSpaceError:
             self.counts["cpu_store_no_space_blocks"] += len(keys)
             return OffloadTicket(None, [], [], [], [], no_space=True)
+        except IndexFailedError:
+            # The CPU index disabled itself (an internal error): it stores nothing any more and
+            # its lookups miss, so the engine keeps serving by recomputing.
+            self.counts["cpu_store_index_failed_blocks"] += len(keys)
+            return OffloadTicket(None, [], [], [], [])
         ticket = OffloadTicket(None, list(out.keys), list(out.skipped), list(out.refused), list(out.evicted))
         self.counts["cpu_store_refused"] += len(out.refused)
         if self.events is not None:
@@ -286,8 +291,8 @@ class TierOrchestrator:
             ld.cpu.keys = rest[: plan.load_cpu]
             try:
                 slots = self.host.index.pin_for_load(ld.cpu.keys)
-            except NotReadyError:
-                # Evicted between plan and load: everything is recomputed.
+            except (NotReadyError, IndexFailedError):
+                # Evicted (or the index failed) between plan and load: everything is recomputed.
                 ld.cpu.failed = True
                 ld.cpu.keys = []
             else:
@@ -401,7 +406,7 @@ class TierOrchestrator:
             return
         try:
             slots = self.host.index.pin_for_load(ld.disk.keys)
-        except NotReadyError:
+        except (NotReadyError, IndexFailedError):
             ld.disk.keys = []
             self._maybe_finish(ld)
             return
@@ -462,6 +467,7 @@ class TierOrchestrator:
                 "stored": c["cpu_stored_blocks"],
                 "store_failed": c["cpu_store_failed_blocks"],
                 "store_no_space": c["cpu_store_no_space_blocks"],
+                "store_index_failed": c["cpu_store_index_failed_blocks"],
                 "refused": {r: c[f"cpu_refused_{r}_blocks"] for r in REFUSAL_REASONS},
                 "load_latency": self.latency["cpu_load"].percentiles(),
                 "store_latency": self.latency["cpu_store"].percentiles(),
@@ -496,6 +502,7 @@ class TierOrchestrator:
                     "refused": sc.writes_refused,
                     "dropped_backlog": sc.writes_dropped_backlog,
                     "dropped_evicted": sc.writes_dropped_evicted,
+                    "dropped_index_failed": sc.writes_dropped_index_failed,
                 },
                 "promotion_blocks_failed": sc.promotion_blocks_failed,
                 "index": disk_index,

@@ -8,7 +8,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier_rs._core import InvalidArgumentError, KvTierError, NotReadyError
+from kvtier_rs._core import IndexFailedError, InvalidArgumentError, KvTierError, NotReadyError
 from kvtier_rs.integrations.trtllm import shared
 from kvtier_rs.integrations.trtllm.config import ConnectorOptions, load_options
 from kvtier_rs.integrations.trtllm.identity import HASH_MASK, block_identity
@@ -197,7 +197,7 @@ class SchedulerCore:
             cpu = r.load_keys[: plan.load_cpu]
             try:
                 orch.host.index.pin_for_load(cpu)
-            except NotReadyError:
+            except (NotReadyError, IndexFailedError):
                 r.load_keys = []
                 return 0, False
             r.pinned = cpu

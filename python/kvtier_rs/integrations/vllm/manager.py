@@ -36,7 +36,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvtier_rs._core import BlockIndex, InvalidArgumentError, NoSpaceError
+from kvtier_rs._core import BlockIndex, IndexFailedError, InvalidArgumentError, NoSpaceError
 from kvtier_rs.integrations.vllm import metrics as m
 
 _HIT = LookupResult.HIT
@@ -190,6 +190,10 @@ class KvtierOffloadingManager(OffloadingManager):
             out = self._cpu.prepare_store(keys)
         except NoSpaceError:
             self.counters.store_no_space += 1
+            return None
+        except IndexFailedError:
+            # The tier disabled itself (an internal error; its `failed` gauge says so): it
+            # stores nothing any more, and its lookups miss.
             return None
         to_store = out.keys
         evicted = out.evicted

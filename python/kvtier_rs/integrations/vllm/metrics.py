@@ -25,6 +25,7 @@ INDEX_GAUGES = {
     "capacity_blocks": "Chunk capacity of the tier.",
     "pinned_blocks": "Chunks pinned by in-flight reads.",
     "writing_blocks": "Chunks being written.",
+    "failed": "1 once the tier's index disabled itself after an internal error (it then misses and refuses stores).",
 }
 # Manager-level counters (no labels).
 MANAGER_COUNTERS = {
