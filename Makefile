@@ -55,6 +55,7 @@ bench: build
 	cargo bench --bench index
 	$(VPY) -m pytest benches -q
 	$(VPY) benches/bench_manager.py
+	$(VPY) benches/bench_memory.py
 	$(VPY) benches/bench_policies.py
 	$(VPY) benches/bench_plan.py
 

@@ -54,7 +54,7 @@ use crate::admission::{Admission, AdmissionRule};
 use crate::clock::Clock;
 use crate::error::{KvError, KvResult};
 use crate::keys::{BlockKey, ChainKey, KeyProbe, KeyRef};
-use crate::policy::{EvictionPolicy, InsertHint, PolicyKey, PolicyKind, DEFAULT_PRIORITY, MAX_PRIORITY};
+use crate::policy::{DenseId, EvictionPolicy, InsertHint, PolicyKey, PolicyKind, DEFAULT_PRIORITY, MAX_PRIORITY};
 use crate::slots::SlotAllocator;
 
 /// A key's block as one consistent read: its slot and entry, and the state and pins read with
@@ -144,9 +144,10 @@ impl BlockEntry {
     }
 }
 
-/// The policy's name for a resident block: its slot, plus its key's hash for ghost entries.
-/// Equality and hashing use the slot only (one block per slot at a time).
-#[derive(Clone, Copy, Debug)]
+/// The policy's name for a resident block: its slot (its dense id: the policy's lists sit in
+/// an array by slot), plus its key's hash for ghost entries. Equality and hashing use the slot
+/// only (one block per slot at a time).
+#[derive(Clone, Copy, Debug, Default)]
 struct Resident {
     slot: u32,
     key_hash: u64,
@@ -167,6 +168,11 @@ impl Eq for Resident {}
 impl Hash for Resident {
     fn hash<H: Hasher>(&self, state: &mut H) {
         state.write_u32(self.slot)
+    }
+}
+impl DenseId for Resident {
+    fn dense_id(&self) -> u32 {
+        self.slot
     }
 }
 impl PolicyKey for Resident {

@@ -16,16 +16,19 @@
 
 use hashlink::LinkedHashMap;
 
+use super::dense_lists::DenseLists;
 use super::{EvictionPolicy, InsertHint, PolicyKey, PolicyKind};
 
-type Map<K> = LinkedHashMap<K, (), foldhash::fast::RandomState>;
 type Ghosts = LinkedHashMap<u64, (), foldhash::fast::RandomState>;
+
+const T1: usize = 0;
+const T2: usize = 1;
 
 pub struct Arc<K: PolicyKey> {
     capacity: usize,
     p: usize,
-    t1: Map<K>,
-    t2: Map<K>,
+    /// T1 and T2, the resident lists (front = LRU end).
+    lists: DenseLists<K, 2>,
     b1: Ghosts,
     b2: Ghosts,
 }
@@ -35,8 +38,7 @@ impl<K: PolicyKey> Arc<K> {
         Arc {
             capacity: capacity.max(1),
             p: 0,
-            t1: Map::default(),
-            t2: Map::default(),
+            lists: DenseLists::with_ids(capacity),
             b1: Ghosts::default(),
             b2: Ghosts::default(),
         }
@@ -53,12 +55,13 @@ impl<K: PolicyKey> Arc<K> {
 
     fn trim_ghosts(&mut self) {
         let c = self.capacity;
-        while self.t1.len() + self.b1.len() > c && self.b1.pop_front().is_some() {}
-        while self.t1.len() + self.t2.len() + self.b1.len() + self.b2.len() > 2 * c && self.b2.pop_front().is_some() {}
+        let (t1, t2) = (self.lists.len(T1), self.lists.len(T2));
+        while t1 + self.b1.len() > c && self.b1.pop_front().is_some() {}
+        while t1 + t2 + self.b1.len() + self.b2.len() > 2 * c && self.b2.pop_front().is_some() {}
     }
 
-    fn first_evictable(list: &Map<K>, evictable: &mut dyn FnMut(&K) -> bool) -> Option<K> {
-        list.keys().find(|k| evictable(k)).cloned()
+    fn first_evictable(&self, list: usize, evictable: &mut dyn FnMut(&K) -> bool) -> Option<K> {
+        self.lists.keys(list).find(|k| evictable(k))
     }
 }
 
@@ -68,7 +71,7 @@ impl<K: PolicyKey> EvictionPolicy<K> for Arc<K> {
     }
 
     fn insert(&mut self, key: &K, _hint: InsertHint, _now_ns: u64) {
-        if self.t1.contains_key(key) || self.t2.contains_key(key) {
+        if self.lists.list_of(key).is_some() {
             return;
         }
         let ghost = key.ghost_id();
@@ -76,55 +79,47 @@ impl<K: PolicyKey> EvictionPolicy<K> for Arc<K> {
             let delta = (self.b2.len() / self.b1.len()).max(1);
             self.p = (self.p + delta).min(self.capacity);
             self.b1.remove(&ghost);
-            self.t2.insert(key.clone(), ());
+            self.lists.push_back(T2, *key, 0);
         } else if self.b2.contains_key(&ghost) {
             let delta = (self.b1.len() / self.b2.len()).max(1);
             self.p = self.p.saturating_sub(delta);
             self.b2.remove(&ghost);
-            self.t2.insert(key.clone(), ());
+            self.lists.push_back(T2, *key, 0);
         } else {
-            self.t1.insert(key.clone(), ());
+            self.lists.push_back(T1, *key, 0);
         }
         self.trim_ghosts();
     }
 
     fn touch(&mut self, key: &K, _now_ns: u64) {
-        if self.t1.remove(key).is_some() {
-            self.t2.insert(key.clone(), ());
-        } else {
-            self.t2.to_back(key);
+        // T1 -> MRU of T2; T2 -> MRU of T2.
+        if self.lists.unlink(key).is_some() {
+            self.lists.push_back(T2, *key, 0);
         }
     }
 
     fn remove(&mut self, key: &K) {
-        self.t1.remove(key);
-        self.t2.remove(key);
+        self.lists.unlink(key);
     }
 
     fn select_victims(&mut self, n: usize, _now_ns: u64, evictable: &mut dyn FnMut(&K) -> bool) -> Option<Vec<K>> {
         // Feasibility first, so that a failed call changes nothing.
-        let available = self.t1.keys().chain(self.t2.keys()).filter(|k| evictable(k)).take(n).count();
+        let available = self.lists.keys(T1).chain(self.lists.keys(T2)).filter(|k| evictable(k)).take(n).count();
         if available < n {
             return None;
         }
         let mut victims = Vec::with_capacity(n);
         while victims.len() < n {
-            let from_t1_first = self.t1.len() > self.p;
-            let pick = if from_t1_first {
-                Self::first_evictable(&self.t1, evictable)
-                    .map(|k| (k, true))
-                    .or_else(|| Self::first_evictable(&self.t2, evictable).map(|k| (k, false)))
-            } else {
-                Self::first_evictable(&self.t2, evictable)
-                    .map(|k| (k, false))
-                    .or_else(|| Self::first_evictable(&self.t1, evictable).map(|k| (k, true)))
-            };
-            let (key, was_t1) = pick.expect("feasibility was checked");
-            if was_t1 {
-                self.t1.remove(&key);
+            let (first, second) = if self.lists.len(T1) > self.p { (T1, T2) } else { (T2, T1) };
+            let pick = self
+                .first_evictable(first, evictable)
+                .map(|k| (k, first))
+                .or_else(|| self.first_evictable(second, evictable).map(|k| (k, second)));
+            let (key, list) = pick.expect("feasibility was checked");
+            self.lists.unlink(&key);
+            if list == T1 {
                 self.b1.insert(key.ghost_id(), ());
             } else {
-                self.t2.remove(&key);
                 self.b2.insert(key.ghost_id(), ());
             }
             self.trim_ghosts();
@@ -134,14 +129,13 @@ impl<K: PolicyKey> EvictionPolicy<K> for Arc<K> {
     }
 
     fn len(&self) -> usize {
-        self.t1.len() + self.t2.len()
+        self.lists.len(T1) + self.lists.len(T2)
     }
     fn contains(&self, key: &K) -> bool {
-        self.t1.contains_key(key) || self.t2.contains_key(key)
+        self.lists.list_of(key).is_some()
     }
     fn clear(&mut self) {
-        self.t1.clear();
-        self.t2.clear();
+        self.lists.clear();
         self.b1.clear();
         self.b2.clear();
         self.p = 0;

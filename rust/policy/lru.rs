@@ -1,22 +1,23 @@
-//! LRU and FIFO: one insertion-ordered map; LRU moves a key to the back on use, FIFO does not.
+//! LRU and FIFO: one list in insertion order; LRU moves a key to the back on use, FIFO does not.
 
-use hashlink::LinkedHashMap;
-
+use super::dense_lists::DenseLists;
 use super::{first_n_evictable, EvictionPolicy, InsertHint, PolicyKey, PolicyKind};
 
-type Map<K> = LinkedHashMap<K, (), foldhash::fast::RandomState>;
+const ORDER: usize = 0;
 
 pub struct Lru<K: PolicyKey> {
-    order: Map<K>, // front = next victim
+    order: DenseLists<K, 1>, // front = next victim
     refresh_on_touch: bool,
 }
 
 impl<K: PolicyKey> Lru<K> {
-    pub fn recency() -> Self {
-        Lru { order: Map::default(), refresh_on_touch: true }
+    /// LRU for a tier of `capacity` blocks.
+    pub fn recency(capacity: usize) -> Self {
+        Lru { order: DenseLists::with_ids(capacity), refresh_on_touch: true }
     }
-    pub fn fifo() -> Self {
-        Lru { order: Map::default(), refresh_on_touch: false }
+    /// FIFO for a tier of `capacity` blocks.
+    pub fn fifo(capacity: usize) -> Self {
+        Lru { order: DenseLists::with_ids(capacity), refresh_on_touch: false }
     }
 }
 
@@ -30,33 +31,35 @@ impl<K: PolicyKey> EvictionPolicy<K> for Lru<K> {
     }
 
     fn insert(&mut self, key: &K, _hint: InsertHint, _now_ns: u64) {
-        // `replace` leaves a resident key where it is: one probe instead of contains + insert.
-        self.order.replace(key.clone(), ());
+        // A resident key stays where it is.
+        if self.order.list_of(key).is_none() {
+            self.order.push_back(ORDER, *key, 0);
+        }
     }
 
     fn touch(&mut self, key: &K, _now_ns: u64) {
         if self.refresh_on_touch {
-            self.order.to_back(key);
+            self.order.move_to_back(key);
         }
     }
 
     fn remove(&mut self, key: &K) {
-        self.order.remove(key);
+        self.order.unlink(key);
     }
 
     fn select_victims(&mut self, n: usize, _now_ns: u64, evictable: &mut dyn FnMut(&K) -> bool) -> Option<Vec<K>> {
-        let victims = first_n_evictable(self.order.keys(), n, evictable)?;
+        let victims = first_n_evictable(self.order.keys(ORDER), n, evictable)?;
         for v in &victims {
-            self.order.remove(v);
+            self.order.unlink(v);
         }
         Some(victims)
     }
 
     fn len(&self) -> usize {
-        self.order.len()
+        self.order.len(ORDER)
     }
     fn contains(&self, key: &K) -> bool {
-        self.order.contains_key(key)
+        self.order.list_of(key).is_some()
     }
     fn clear(&mut self) {
         self.order.clear();

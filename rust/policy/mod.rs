@@ -14,6 +14,7 @@
 //!   so every policy sees the head as the more recent and evicts the tail first.
 
 mod arc;
+mod dense_lists;
 mod lru;
 mod priority;
 mod s3fifo;
@@ -21,6 +22,7 @@ mod s3fifo;
 use std::hash::Hash;
 
 pub use arc::Arc as ArcPolicy;
+pub use dense_lists::DenseId;
 pub use lru::Lru;
 pub use priority::{Priority, DEFAULT_PRIORITY, MAX_PRIORITY};
 pub use s3fifo::S3Fifo;
@@ -42,17 +44,23 @@ impl Default for InsertHint {
     }
 }
 
-/// What a policy orders. Resident keys are compared with `Eq`; ghost entries (ARC's B1/B2,
-/// S3-FIFO's ghost queue) remember a key after it left and are matched by `ghost_id`, so that a
-/// key type may name a resident by where it lives (the index uses slot numbers) while ghosts
-/// still follow the block's identity. Two keys sharing a ghost id can only mislead the
-/// policy's adaptation, never make the index confuse blocks.
-pub trait PolicyKey: Clone + Eq + Hash + Send + 'static {
+/// What a policy orders. Resident keys are named by where they live: `dense_id` (the index's
+/// slot, the planner's node id), unique among resident keys, is where the policy's lists keep
+/// them (`dense_lists`). Ghost entries (ARC's B1/B2, S3-FIFO's ghost queue) remember a key after
+/// it left and are matched by `ghost_id` instead, so they still follow the block's identity
+/// after its slot is reused. Two keys sharing a ghost id can only mislead the policy's
+/// adaptation, never make the index confuse blocks.
+pub trait PolicyKey: DenseId + Eq + Hash + Send + 'static {
     fn ghost_id(&self) -> u64;
 }
 
 macro_rules! integer_policy_keys {
     ($($t:ty),*) => {$(
+        impl DenseId for $t {
+            fn dense_id(&self) -> u32 {
+                u32::from(*self)
+            }
+        }
         impl PolicyKey for $t {
             fn ghost_id(&self) -> u64 {
                 u64::from(*self)
@@ -60,7 +68,7 @@ macro_rules! integer_policy_keys {
         }
     )*};
 }
-integer_policy_keys!(u8, u16, u32, u64);
+integer_policy_keys!(u8, u32);
 
 pub trait EvictionPolicy<K: PolicyKey>: Send {
     fn kind(&self) -> PolicyKind;
@@ -120,10 +128,10 @@ impl PolicyKind {
     /// Build a policy for a tier of `capacity` blocks (ARC and S3-FIFO size their queues from it).
     pub fn build<K: PolicyKey>(self, capacity: usize) -> Box<dyn EvictionPolicy<K>> {
         match self {
-            PolicyKind::Fifo => Box::new(Lru::fifo()),
-            PolicyKind::Lru => Box::new(Lru::recency()),
+            PolicyKind::Fifo => Box::new(Lru::fifo(capacity)),
+            PolicyKind::Lru => Box::new(Lru::recency(capacity)),
             PolicyKind::Arc => Box::new(ArcPolicy::new(capacity)),
-            PolicyKind::Priority => Box::new(Priority::new()),
+            PolicyKind::Priority => Box::new(Priority::with_ids(capacity)),
             PolicyKind::S3Fifo => Box::new(S3Fifo::new(capacity)),
         }
     }
@@ -131,8 +139,8 @@ impl PolicyKind {
 
 /// Scan `keys` in order and collect the first `n` that are evictable; None if fewer exist.
 /// Shared by the policies whose victim order is a plain scan of one ordered structure.
-pub(crate) fn first_n_evictable<'a, K: PolicyKey>(
-    keys: impl Iterator<Item = &'a K>,
+pub(crate) fn first_n_evictable<K: PolicyKey>(
+    keys: impl Iterator<Item = K>,
     n: usize,
     evictable: &mut dyn FnMut(&K) -> bool,
 ) -> Option<Vec<K>> {
@@ -141,8 +149,8 @@ pub(crate) fn first_n_evictable<'a, K: PolicyKey>(
     }
     let mut out = Vec::with_capacity(n);
     for k in keys {
-        if evictable(k) {
-            out.push(k.clone());
+        if evictable(&k) {
+            out.push(k);
             if out.len() == n {
                 return Some(out);
             }

@@ -19,47 +19,43 @@
 
 use hashlink::LinkedHashMap;
 
+use super::dense_lists::DenseLists;
 use super::{EvictionPolicy, InsertHint, PolicyKey, PolicyKind};
 
-type Queue<K> = LinkedHashMap<K, u8, foldhash::fast::RandomState>;
-
 const MAX_FREQ: u8 = 3;
+const SMALL: usize = 0;
+const MAIN: usize = 1;
 
 pub struct S3Fifo<K: PolicyKey> {
     capacity: usize,
-    small: Queue<K>,
-    main: Queue<K>,
+    /// S and M, each key with its use counter (front = oldest).
+    queues: DenseLists<K, 2>,
     ghost: LinkedHashMap<u64, (), foldhash::fast::RandomState>,
 }
 
 impl<K: PolicyKey> S3Fifo<K> {
     pub fn new(capacity: usize) -> Self {
-        S3Fifo {
-            capacity: capacity.max(1),
-            small: Queue::default(),
-            main: Queue::default(),
-            ghost: LinkedHashMap::default(),
-        }
+        S3Fifo { capacity: capacity.max(1), queues: DenseLists::with_ids(capacity), ghost: LinkedHashMap::default() }
     }
 
     fn small_target(&self) -> usize {
         (self.capacity / 10).max(1)
     }
 
-    fn first_evictable(q: &Queue<K>, evictable: &mut dyn FnMut(&K) -> bool) -> Option<(K, u8)> {
-        q.iter().find(|(k, _)| evictable(k)).map(|(k, f)| (k.clone(), *f))
+    fn first_evictable_main(&self, evictable: &mut dyn FnMut(&K) -> bool) -> Option<(K, u8)> {
+        self.queues.iter(MAIN).find(|(k, _)| evictable(k))
     }
 
     /// First key of S that an S step can act on: used (promote) or evictable (victim).
     fn first_actionable_small(&self, evictable: &mut dyn FnMut(&K) -> bool) -> Option<(K, u8)> {
-        self.small.iter().find(|(k, f)| **f >= 1 || evictable(k)).map(|(k, f)| (k.clone(), *f))
+        self.queues.iter(SMALL).find(|(k, f)| *f >= 1 || evictable(k))
     }
 
     /// One step on the small queue: returns a victim, or None when the key was promoted to M.
     fn step_small(&mut self, key: K, freq: u8) -> Option<K> {
-        self.small.remove(&key);
+        self.queues.unlink(&key);
         if freq >= 1 {
-            self.main.insert(key, 0);
+            self.queues.push_back(MAIN, key, 0);
             None
         } else {
             self.ghost.insert(key.ghost_id(), ());
@@ -71,12 +67,11 @@ impl<K: PolicyKey> S3Fifo<K> {
     }
 
     fn step_main(&mut self, key: K, freq: u8) -> Option<K> {
+        self.queues.unlink(&key);
         if freq >= 1 {
-            self.main.remove(&key);
-            self.main.insert(key, freq - 1);
+            self.queues.push_back(MAIN, key, freq - 1);
             None
         } else {
-            self.main.remove(&key);
             Some(key)
         }
     }
@@ -88,40 +83,38 @@ impl<K: PolicyKey> EvictionPolicy<K> for S3Fifo<K> {
     }
 
     fn insert(&mut self, key: &K, _hint: InsertHint, _now_ns: u64) {
-        if self.small.contains_key(key) || self.main.contains_key(key) {
+        if self.queues.list_of(key).is_some() {
             return;
         }
-        if self.ghost.remove(&key.ghost_id()).is_some() {
-            self.main.insert(key.clone(), 0);
-        } else {
-            self.small.insert(key.clone(), 0);
-        }
+        let queue = if self.ghost.remove(&key.ghost_id()).is_some() { MAIN } else { SMALL };
+        self.queues.push_back(queue, *key, 0);
     }
 
     fn touch(&mut self, key: &K, _now_ns: u64) {
-        if let Some(f) = self.small.get_mut(key).or_else(|| self.main.get_mut(key)) {
+        if let Some(f) = self.queues.aux_mut(key) {
             *f = (*f + 1).min(MAX_FREQ);
         }
     }
 
     fn remove(&mut self, key: &K) {
-        if self.small.remove(key).is_none() {
-            self.main.remove(key);
-        }
+        self.queues.unlink(key);
     }
 
     fn select_victims(&mut self, n: usize, _now_ns: u64, evictable: &mut dyn FnMut(&K) -> bool) -> Option<Vec<K>> {
-        let available = self.small.keys().chain(self.main.keys()).filter(|k| evictable(k)).take(n).count();
+        let available = self.queues.keys(SMALL).chain(self.queues.keys(MAIN)).filter(|k| evictable(k)).take(n).count();
         if available < n {
             return None;
         }
         let mut victims = Vec::with_capacity(n);
         while victims.len() < n {
-            let small_candidate =
-                if self.small.len() >= self.small_target() { self.first_actionable_small(evictable) } else { None };
+            let small_candidate = if self.queues.len(SMALL) >= self.small_target() {
+                self.first_actionable_small(evictable)
+            } else {
+                None
+            };
             let victim = if let Some((k, f)) = small_candidate {
                 self.step_small(k, f)
-            } else if let Some((k, f)) = Self::first_evictable(&self.main, evictable) {
+            } else if let Some((k, f)) = self.first_evictable_main(evictable) {
                 self.step_main(k, f)
             } else {
                 let (k, f) = self.first_actionable_small(evictable).expect("feasible");
@@ -133,14 +126,13 @@ impl<K: PolicyKey> EvictionPolicy<K> for S3Fifo<K> {
     }
 
     fn len(&self) -> usize {
-        self.small.len() + self.main.len()
+        self.queues.len(SMALL) + self.queues.len(MAIN)
     }
     fn contains(&self, key: &K) -> bool {
-        self.small.contains_key(key) || self.main.contains_key(key)
+        self.queues.list_of(key).is_some()
     }
     fn clear(&mut self) {
-        self.small.clear();
-        self.main.clear();
+        self.queues.clear();
         self.ghost.clear();
     }
 }

@@ -319,7 +319,7 @@ pub fn replay_one(
         return Err(KvError::invalid("capacity", "must be at least 1 block"));
     }
     Ok(match which {
-        // FIFO through the core's `Lru::fifo()` rescans every interior block at the queue's
+        // FIFO through the core's `Lru::fifo` rescans every interior block at the queue's
         // head on each eviction (they never move), which is quadratic on multi-turn traces;
         // `LeafFifo` keeps the same victim order with an index of leaves (checked equal to
         // the core policy by `leaf_fifo_equals_core_fifo`).

@@ -240,7 +240,7 @@ proptest! {
         }
     }
 
-    /// The indexed FIFO picks exactly the victims the core's `Lru::fifo()` picks through the
+    /// The indexed FIFO picks exactly the victims the core's `Lru::fifo` picks through the
     /// `evictable` predicate, in both modes and with admission.
     #[test]
     fn leaf_fifo_equals_core_fifo(ops in prop::collection::vec((0u8..255, 0u8..255, 0u8..255), 1..150),
