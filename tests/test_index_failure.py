@@ -20,11 +20,13 @@ def keys(prefix: str, n: int) -> list[bytes]:
 
 
 def failed_index() -> tuple[kv.BlockIndex, list[bytes]]:
-    """A full 4-block index whose next evicting store panicked; returns it and its keys."""
-    ix = kv.BlockIndex(4)
+    """A full 5-block index (4 ready blocks, one being written) whose next evicting store
+    panicked; returns it and its ready keys."""
+    ix = kv.BlockIndex(5)
     resident = keys("a", 4)
     ix.prepare_store(resident)
     ix.complete_store(resident)
+    ix.prepare_store([b"writing"])
     ix._inject_fault("store_panic")
     with pytest.raises(kv.IndexFailedError, match="injected fault"):
         ix.prepare_store(keys("b", 2))
@@ -44,11 +46,11 @@ def test_a_failed_index_misses_refuses_stores_and_pins_and_says_why():
     assert ix.lookup_prefix(resident) == 0
     assert not any(ix.lookup_one(k) for k in resident)
     ix.set_lookup_results("hit", "pending", "miss")
-    assert {ix.lookup_result(k) for k in resident} == {"miss"}
+    assert {ix.lookup_result(k) for k in resident + [b"writing"]} == {"miss"}
     assert ix.contains(resident) == [False] * 4
     assert ix.state(resident[0]) is None
     assert ix.entries() == []
-    # Stores and pins are refused with the reason; the other writes change nothing.
+    # Stores and pins are refused with the reason.
     for call in (
         lambda: ix.prepare_store(keys("c", 1)),
         lambda: ix.prepare_store_one(b"c"),
@@ -57,13 +59,17 @@ def test_a_failed_index_misses_refuses_stores_and_pins_and_says_why():
     ):
         with pytest.raises(kv.IndexFailedError, match="disabled after an internal error: panic: injected fault"):
             call()
-    assert ix.complete_store(resident) == 0
-    assert ix.complete_store(resident, False) == 0
+    # The block being written at the failure never becomes readable.
+    assert ix.complete_store([b"writing"]) == 0
+    assert ix.complete_store_one(b"writing") is False
+    assert ix.lookup_one(b"writing") is False
+    # The other writes change nothing and raise nothing (callers clean up through them).
     assert ix.remove(resident) == []
     assert ix.clear() == 0
     ix.unpin(resident)
     ix.touch(resident)
-    assert ix.lookup_prefix(resident) == 0
+    ix.record_use(resident)
+    assert ix.lookup_prefix(resident) == 0 and ix.stats()["failed"] == 1
 
 
 def test_a_healthy_index_reports_no_failure():

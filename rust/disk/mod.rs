@@ -881,18 +881,24 @@ impl Shared {
             let (me, job) = (self.clone(), job.clone());
             Box::new(move |res: Result<(), IoFailure>| {
                 let c = &me.counters;
+                // Index updates run contained (`TierIndex::contain`): a panic in one fails the
+                // index, and the job still finishes.
                 match res {
                     Ok(()) => {
                         let crc = ctx.crc.load(Ordering::Acquire);
-                        me.index.with_entry(&key, |e| e.checksum.store(crc, Ordering::Release));
-                        me.index.complete_store(&[key], true);
+                        let readable = me.index.contain(|| {
+                            me.index.with_entry(&key, |e| e.checksum.store(crc, Ordering::Release));
+                            me.index.complete_store(&[key], true) == 1
+                        });
                         let bytes = geo.slot_stride as u64;
                         c.blocks_written.fetch_add(1, Ordering::Relaxed);
                         c.bytes_written.fetch_add(bytes, Ordering::Relaxed);
-                        me.finish_one(&job, i, true, geo.block_bytes as u64);
+                        // Written but not readable (the index failed meanwhile): not an ok key.
+                        let ok = readable == Some(true);
+                        me.finish_one(&job, i, ok, if ok { geo.block_bytes as u64 } else { 0 });
                     }
                     Err(f) => {
-                        me.index.complete_store(&[key], false);
+                        me.index.contain(|| me.index.complete_store(&[key], false));
                         c.write_failures.fetch_add(1, Ordering::Relaxed);
                         // A short write on a sized file, ENOSPC or EDQUOT: the device is full.
                         if matches!(f.errno(), Some(libc::ENOSPC) | Some(libc::EDQUOT))
@@ -957,10 +963,10 @@ impl Shared {
                         _ => Err(&c.checksum_failures),
                     },
                 };
-                let _ = me.index.unpin(&[key]);
+                me.index.contain(|| me.index.unpin(&[key]));
                 match verdict {
                     Ok(()) => {
-                        me.index.touch(&[key]);
+                        me.index.contain(|| me.index.touch(&[key]));
                         c.blocks_read.fetch_add(1, Ordering::Relaxed);
                         c.bytes_read.fetch_add(geo.block_bytes as u64, Ordering::Relaxed);
                         me.finish_one(&job, i, true, geo.block_bytes as u64);
@@ -969,7 +975,7 @@ impl Shared {
                         // Never leave unverified bytes where the caller might use them.
                         payload.fill(0);
                         counter.fetch_add(1, Ordering::Relaxed);
-                        me.index.remove(&[key]);
+                        me.index.contain(|| me.index.remove(&[key]));
                         me.finish_one(&job, i, false, 0);
                     }
                 }

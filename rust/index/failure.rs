@@ -7,9 +7,14 @@
 //! unwinds, before the lock is released, and from then on every read answers "absent", stores
 //! and pins return `KvError::Failed`, and the other writes do nothing. A cache that answers
 //! misses keeps its engine serving (recomputing), and no block is served from state no
-//! invariant covers. The failure is terminal: the state cannot be trusted enough to repair, so
-//! a caller that wants the tier back builds a new index.
+//! invariant covers. No slot is handed out again, so a load pinned before the failure still
+//! reads intact bytes (stores prepared before it still write their own slots, which never
+//! become readable). Occupancy (`len`, the stats' resident/pinned/writing gauges) keeps its
+//! values, for diagnosis. The failure is terminal: the state cannot be trusted enough to
+//! repair, so a caller that wants the tier back builds a new index (over a new host pool: a
+//! pool's slots stay claimed by the index that took them) or reopens a disk tier.
 
+use std::any::Any;
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
@@ -18,7 +23,9 @@ use parking_lot::{Mutex, MutexGuard};
 
 use crate::error::{KvError, KvResult};
 
-/// Said when a writer panicked and nobody who caught the panic gave a better reason.
+/// The reason while none was given: a writer's guard marks the index failed as the panic
+/// unwinds, before whoever catches the panic (the Python binding, a disk I/O thread) can give
+/// its message.
 const WRITER_PANICKED: &str = "a writer panicked while holding the index lock";
 
 #[derive(Debug, Default)]
@@ -34,7 +41,8 @@ impl Failure {
         self.failed.load(Ordering::Acquire)
     }
 
-    /// Fail the index for `reason` (the first reason given is kept).
+    /// Fail the index for `reason`. The first reason given is kept; until one is, `reason()`
+    /// says WRITER_PANICKED.
     pub fn set(&self, reason: impl Into<String>) {
         let _ = self.reason.set(reason.into());
         self.failed.store(true, Ordering::Release);
@@ -71,6 +79,15 @@ impl Failure {
         let guard = mutex.try_lock()?;
         Some(self.check().map(|()| WriteLock { guard, failure: self }))
     }
+}
+
+/// A caught panic's message, for a failure reason.
+pub fn panic_message(payload: &(dyn Any + Send)) -> &str {
+    payload
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("(no message)")
 }
 
 /// The writers' mutex, held: dropped by a panic, it fails the index before it unlocks.

@@ -43,6 +43,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use scc::Guard;
 
+pub use failure::panic_message;
 use failure::{Failure, WriteLock};
 use key_map::{KeyHasher, KeyMap, SlotRef};
 
@@ -470,8 +471,25 @@ impl TierIndex {
     }
 
     /// Fail the index for `reason` (e.g. a panic the Python binding caught; see `failure`).
+    /// Takes the writers' mutex first, so that a writer in the middle of a change never sees
+    /// the index turn failed under it (its lookups would suddenly miss keys it holds). Never
+    /// call it holding that mutex.
     pub fn fail(&self, reason: impl Into<String>) {
+        let _writers = self.inner.lock();
         self.failure.set(reason)
+    }
+
+    /// Run `f`, an update of this index made where no caller can take a panic (a disk I/O
+    /// thread's completion): a panic in it (a bug) fails the index instead of killing the
+    /// thread with its job unfinished. None if it panicked.
+    pub fn contain<R>(&self, f: impl FnOnce() -> R) -> Option<R> {
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+            Ok(r) => Some(r),
+            Err(payload) => {
+                self.fail(format!("panic: {}", panic_message(payload.as_ref())));
+                None
+            }
+        }
     }
 
     /// Why the index failed, if it has: from then on it answers misses and refuses stores.
@@ -717,8 +735,8 @@ impl TierIndex {
     /// no pin, since that would mean a caller unpinned twice.
     pub fn unpin(&self, keys: &[BlockKey]) -> KvResult<()> {
         if self.failure.is_set() {
-            // Nothing is written after a failure, so a pinned slot's bytes stay as they were:
-            // the pin has nothing left to protect.
+            // No slot is handed out after a failure, so a pinned slot's bytes stay as they
+            // were: the pin has nothing left to protect.
             return Ok(());
         }
         let guard = Guard::new();
@@ -738,7 +756,7 @@ impl TierIndex {
             // Cannot fail after the check above unless a caller unpins the same keys
             // concurrently (a double unpin): say so rather than hide it.
             let dropped = self.find(&k.as_probe(), &guard).and_then(|r| self.state(r.slot).unpin(r.generation));
-            if dropped.is_none() {
+            if dropped.is_none() && !self.failure.is_set() {
                 return Err(KvError::NotPinned(format!("{k:?} (unpinned concurrently)")));
             }
         }

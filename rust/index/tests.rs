@@ -456,8 +456,10 @@ fn assert_failed_closed(ix: &TierIndex, resident: &[BlockKey]) {
 
 #[test]
 fn a_writer_that_panics_on_a_broken_invariant_fails_the_index_closed() {
-    let ix = index(4, PolicyKind::Lru);
+    let ix = index(5, PolicyKind::Lru);
     store(&ix, &keys(0..4));
+    // A block being written when the index fails: its completion must not make it readable.
+    ix.prepare_store(&[k(50)], InsertHint::default()).unwrap();
     assert_eq!(ix.stats().failed, 0);
     // Break the "non-vacant slot => mapped" invariant behind the index's back (a bug
     // elsewhere would), then make a store evict that slot: its detach panics.
@@ -468,7 +470,22 @@ fn a_writer_that_panics_on_a_broken_invariant_fails_the_index_closed() {
     }));
     assert!(panicked.is_err(), "the store should have hit the broken invariant");
     assert!(ix.failure().unwrap().contains("panicked"), "{:?}", ix.failure());
+    assert_eq!(ix.complete_store(&[k(50)], true), 0);
+    assert_eq!(ix.lookup_prefix(&[k(50)]), 0);
+    assert!(matches!(ix.pin_for_load(&[k(50)]), Err(KvError::Failed(_))));
     assert_failed_closed(&ix, &keys(0..3));
+}
+
+#[test]
+fn a_panic_in_a_contained_update_fails_the_index_with_its_message() {
+    let ix = index(4, PolicyKind::S3Fifo);
+    store(&ix, &keys(0..2));
+    assert_eq!(ix.contain(|| ix.lookup_prefix(&keys(0..2))), Some(2));
+    assert!(ix.failure().is_none());
+    let r: Option<()> = ix.contain(|| panic!("a bug on an I/O thread"));
+    assert!(r.is_none());
+    assert_eq!(ix.failure(), Some("panic: a bug on an I/O thread"));
+    assert_failed_closed(&ix, &keys(0..2));
 }
 
 #[test]

@@ -356,7 +356,7 @@ impl PyDiskTier {
     #[pyo3(signature = (timeout=None))]
     fn wait_idle(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
         let t = seconds("timeout", timeout)?;
-        Ok(py.detach(|| self.inner.wait_idle(t)))
+        self.contain(|| Ok(py.detach(|| self.inner.wait_idle(t))))
     }
 
     #[getter]
@@ -397,7 +397,7 @@ impl PyDiskTier {
     /// Counters (ints) plus `write_amplification` (bytes written per payload byte read back)
     /// and the engine and I/O mode names.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = py.detach(|| self.inner.stats());
+        let s = self.contain(|| Ok(py.detach(|| self.inner.stats())))?;
         let d = PyDict::new(py);
         let (mut written, mut read) = (0u64, 0u64);
         for (name, v) in s {
@@ -416,7 +416,7 @@ impl PyDiskTier {
 
     /// Finish queued I/O, sync the files and release the directory. Idempotent.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        Ok(py.detach(|| self.inner.close())?)
+        self.contain(|| Ok(py.detach(|| self.inner.close())?))
     }
 
     /// Test hook: make the next `count` block writes ("enospc", "eio_write") or reads

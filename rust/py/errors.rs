@@ -3,6 +3,8 @@
 use std::any::Any;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
+use crate::index::panic_message;
+
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::{PyErr, PyResult};
@@ -78,12 +80,4 @@ pub fn contain<T>(index: &TierIndex, f: impl FnOnce() -> PyResult<T>) -> PyResul
 pub fn failed_by_panic(index: &TierIndex, payload: &(dyn Any + Send)) -> PyErr {
     index.fail(format!("panic: {}", panic_message(payload)));
     KvError::Failed(index.failure().unwrap_or("panic").to_string()).into()
-}
-
-fn panic_message(payload: &(dyn Any + Send)) -> &str {
-    payload
-        .downcast_ref::<&str>()
-        .copied()
-        .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
-        .unwrap_or("(no message)")
 }

@@ -160,6 +160,8 @@ class DiskStager:
                 # block is dropped too (a chain with a hole cannot be used past the hole).
                 if prefix:
                     self.host.index.complete_store(keys[:prefix], True)
+                    if self.host.index.failure is not None:
+                        prefix = 0  # the CPU index failed meanwhile: nothing became readable
                 if prefix < len(keys):
                     self.host.index.complete_store(keys[prefix:], False)
                 self.counters.promotion_blocks_ok += prefix

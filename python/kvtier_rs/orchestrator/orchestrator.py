@@ -357,6 +357,10 @@ class TierOrchestrator:
             if not r.success:
                 self.counts["cpu_store_failed_blocks"] += len(keys)
                 return
+            if self.host.index.failure is not None:
+                # The index failed while the copy ran: the blocks never became readable.
+                self.counts["cpu_store_index_failed_blocks"] += len(keys)
+                return
             self.counts["cpu_stored_blocks"] += len(keys)
             if self.events is not None:
                 self.events.publish("stored", "cpu", keys)

@@ -29,7 +29,7 @@ from typing import Any
 
 from vllm.v1.kv_offload.base import LookupResult, Medium, OffloadingEvent
 
-from kvtier_rs._core import BlockIndex, DiskTier, HostPool
+from kvtier_rs._core import BlockIndex, DiskTier, HostPool, IndexFailedError
 from kvtier_rs.events import EventStream
 from kvtier_rs.integrations.vllm import metrics as m
 from kvtier_rs.integrations.vllm.options import KvtierOptions
@@ -181,8 +181,13 @@ class DiskLayer:
                 if self.cost is not None:
                     self.cost.observe("disk", done.bytes, done.seconds)
                 if res is not None and not res.finished and res.generation == self.generation:
-                    self.cpu.pin_for_load(ok)
-                    res.keys.update(ok)
+                    try:
+                        self.cpu.pin_for_load(ok)
+                    except IndexFailedError:
+                        # The CPU index disabled itself: the chunk is a miss, recomputed.
+                        self.promoted.difference_update(ok)
+                    else:
+                        res.keys.update(ok)
             # Checksum mismatch, short read, I/O error: never served. The stager dropped the CPU
             # slot; the next lookup is a MISS and the engine recomputes the chunk.
             self.counters.promotion_failures += len(done.keys) - done.ok_prefix

@@ -157,7 +157,9 @@ class KvtierOffloadingManager(OffloadingManager):
         self._dirty = True
         keys = list(keys)
         # All-or-nothing; vLLM passes only keys that just answered HIT, so a failure here is a
-        # broken contract and is raised (NotReadyError), like the in-tree manager's assert.
+        # broken contract and is raised (NotReadyError), like the in-tree manager's assert. So
+        # is IndexFailedError, if the index disabled itself between those lookups and this
+        # call: no spec could name valid bytes for keys the index no longer vouches for.
         slots = self._cpu.pin_for_load(keys)
         if self._lower is not None:
             # The load pin now protects promoted chunks; drop the promotion's reservation.

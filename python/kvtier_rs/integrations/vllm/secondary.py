@@ -42,7 +42,7 @@ from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from kvtier_rs._core import DiskTier, HostPool, InvalidArgumentError
+from kvtier_rs._core import DiskTier, HostPool, IndexFailedError, InvalidArgumentError
 from kvtier_rs.integrations.vllm import metrics as m
 from kvtier_rs.integrations.vllm.disk_layer import tier_dir
 from kvtier_rs.integrations.vllm.worker import KvtierWorker
@@ -127,7 +127,13 @@ class KvtierDiskTier(SecondaryTierManager):
         # vLLM keeps the rows pinned (ref_cnt + 1) until this job is reported: the disk tier
         # reads them in place. Keys already on disk are skipped by the disk tier itself.
         keys = list(job_metadata.keys)
-        ticket = self.disk.submit_write(keys, self.pool, np.asarray(job_metadata.chunk_ids).tolist())
+        try:
+            ticket = self.disk.submit_write(keys, self.pool, np.asarray(job_metadata.chunk_ids).tolist())
+        except IndexFailedError:
+            # The disk tier's index disabled itself (an internal error): it stores nothing any
+            # more and its lookups miss, so the blocks are simply not cascaded.
+            self._done.append(JobResult(job_metadata.job_id, success=True))
+            return
         if not ticket.keys:
             # Nothing new, or refused by admission / a full device: simply not cascaded.
             self._done.append(JobResult(job_metadata.job_id, success=True))
