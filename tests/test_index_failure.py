@@ -6,8 +6,11 @@ mid-store after the store's evictions (`_inject_fault("store_panic")`)."""
 
 from __future__ import annotations
 
+import hypothesis.strategies as st
 import pytest
 import torch
+from hypothesis import event, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import kvtier_rs as kv
 from kvtier_rs.metrics.collector import KvTierCollector
@@ -113,3 +116,102 @@ def test_the_data_path_keeps_serving_and_an_inflight_load_stays_byte_identical()
     assert cpu["index"]["failed"] == 1
     # ... and the scrape says the tier's index has failed.
     assert KvTierCollector(orch).snapshot()["kvtier_index_failed"] == {("cpu",): 1}
+
+
+def make_failure_machine(policy: str):
+    """Random stores (some left open), pins, unpins, completions and lookups, with the store
+    panic armed at a random point: it fires at the next store that evicts, whatever the
+    index holds then. From the failure on, every operation must keep the closed contract, and
+    no block may be readable again."""
+    chain_keys = st.lists(st.integers(0, 23), min_size=1, max_size=4)
+
+    class FailureMachine(RuleBasedStateMachine):
+        @initialize(capacity=st.sampled_from([2, 4, 8]))
+        def setup(self, capacity):
+            self.ix = kv.BlockIndex(capacity, policy=policy)
+            self.seen: set[int] = set()
+            self.open: list[list[int]] = []  # prepared, not completed
+            self.pins: list[list[int]] = []
+            self.failed = False
+
+        def _failed_now(self) -> bool:
+            if self.ix.failure is not None and not self.failed:
+                self.failed = True
+                event("the index failed")
+            return self.failed
+
+        @rule(keys=chain_keys, leave_open=st.booleans(), ok=st.booleans())
+        def store(self, keys, leave_open, ok):
+            was_failed = self.failed
+            try:
+                out = self.ix.prepare_store(keys)
+            except kv.NoSpaceError:
+                assert not was_failed
+                return
+            except kv.IndexFailedError:
+                assert self._failed_now(), "IndexFailedError from a healthy index"
+                return
+            assert not was_failed, "a failed index accepted a store"
+            self.seen.update(keys)
+            if leave_open:
+                self.open.append(list(out.keys))
+            else:
+                self.ix.complete_store(out.keys, ok)
+
+        @rule()
+        def arm(self):
+            self.ix._inject_fault("store_panic")
+
+        @rule(data=st.data())
+        def complete_open(self, data):
+            if not self.open:
+                return
+            keys = self.open.pop(data.draw(st.integers(0, len(self.open) - 1)))
+            done = self.ix.complete_store(keys, data.draw(st.booleans()))
+            if self.failed:
+                assert done == 0
+
+        @rule(keys=chain_keys)
+        def pin(self, keys):
+            try:
+                self.ix.pin_for_load(keys)
+            except kv.NotReadyError:
+                assert not self.failed
+                return
+            except kv.IndexFailedError:
+                assert self._failed_now()
+                return
+            assert not self.failed
+            self.pins.append(keys)
+
+        @rule()
+        def unpin(self):
+            if self.pins:
+                self.ix.unpin(self.pins.pop())  # never raises, failed or not
+
+        @rule(keys=chain_keys)
+        def touch_remove_clear(self, keys):
+            self.ix.touch(keys)
+            removed = self.ix.remove(keys)
+            cleared = self.ix.clear() if keys[0] == 0 else 0
+            if self.failed:
+                assert removed == [] and cleared == 0
+
+        @invariant()
+        def closed_once_failed(self):
+            if not hasattr(self, "ix") or not self._failed_now():
+                return
+            assert self.ix.stats()["failed"] == 1
+            assert self.ix.entries() == []
+            seen = sorted(self.seen)
+            assert not any(self.ix.lookup_one(k) for k in seen)
+            assert self.ix.lookup_prefix(seen) == 0
+            assert self.ix.contains(seen) == [False] * len(seen)
+
+    FailureMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+    return FailureMachine
+
+
+TestFailureLru = make_failure_machine("lru").TestCase
+TestFailureArc = make_failure_machine("arc").TestCase
+TestFailurePriority = make_failure_machine("priority").TestCase
