@@ -1,18 +1,54 @@
 //! Counters of one tier index. Relaxed atomics: each counter is exact, the snapshot is not a
 //! single instant across counters (good enough for metrics, and documented as such).
 
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::cell::Cell;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 
+use crossbeam_utils::CachePadded;
+
+/// Stripes of the lookup counters; threads take them round-robin.
+const STRIPES: usize = 16;
+
+/// The lookup counters of one stripe.
 #[derive(Debug, Default)]
-pub struct IndexStats {
-    pub lookups: AtomicU64,
+struct LookupCounts {
+    lookups: AtomicU64,
     /// One-key lookups that hit and that missed, counted apart so that the engines' per-key hot
     /// path pays one atomic add instead of three (each is a full barrier on x86, measurable at
     /// ~100 ns a lookup); folded into `lookups`, `lookup_keys` and `hit_blocks` by `snapshot`.
-    pub single_hits: AtomicU64,
-    pub single_misses: AtomicU64,
-    pub lookup_keys: AtomicU64,
-    pub hit_blocks: AtomicU64,
+    single_hits: AtomicU64,
+    single_misses: AtomicU64,
+    lookup_keys: AtomicU64,
+    hit_blocks: AtomicU64,
+}
+
+static NEXT_STRIPE: AtomicUsize = AtomicUsize::new(0);
+
+thread_local! {
+    static STRIPE: Cell<usize> = const { Cell::new(usize::MAX) };
+}
+
+/// This thread's stripe, assigned at its first lookup.
+#[inline]
+fn stripe() -> usize {
+    STRIPE.with(|s| match s.get() {
+        usize::MAX => {
+            let v = NEXT_STRIPE.fetch_add(1, Relaxed) % STRIPES;
+            s.set(v);
+            v
+        }
+        v => v,
+    })
+}
+
+#[derive(Debug, Default)]
+pub struct IndexStats {
+    /// Lookups are counted in the stripe of the thread that made them, each on a cache line of
+    /// its own: readers never wait on writers, and with one shared set of counters two reader
+    /// threads still pulled the same line back and forth on every call (criterion
+    /// `lookup_threads`: 2 threads 1.1-1.4x one thread's throughput, 1.6-1.7x without the
+    /// counters). Up to STRIPES threads each have a stripe to themselves.
+    lookup_stripes: [CachePadded<LookupCounts>; STRIPES],
     pub stores_prepared: AtomicU64,
     pub store_skipped: AtomicU64,
     pub store_refused: AtomicU64,
@@ -28,31 +64,42 @@ pub struct IndexStats {
 }
 
 impl IndexStats {
+    fn mine(&self) -> &LookupCounts {
+        &self.lookup_stripes[stripe()]
+    }
+
     pub fn record_single_lookup(&self, hit: bool) {
+        let c = self.mine();
         if hit {
-            self.single_hits.fetch_add(1, Relaxed);
+            c.single_hits.fetch_add(1, Relaxed);
         } else {
-            self.single_misses.fetch_add(1, Relaxed);
+            c.single_misses.fetch_add(1, Relaxed);
         }
     }
 
     pub fn record_lookup(&self, keys: usize, hits: usize) {
-        self.lookups.fetch_add(1, Relaxed);
-        self.lookup_keys.fetch_add(keys as u64, Relaxed);
-        self.hit_blocks.fetch_add(hits as u64, Relaxed);
+        let c = self.mine();
+        c.lookups.fetch_add(1, Relaxed);
+        c.lookup_keys.fetch_add(keys as u64, Relaxed);
+        c.hit_blocks.fetch_add(hits as u64, Relaxed);
+    }
+
+    /// One lookup counter summed over the stripes.
+    fn lookup_sum(&self, counter: impl Fn(&LookupCounts) -> &AtomicU64) -> u64 {
+        self.lookup_stripes.iter().map(|c| counter(c).load(Relaxed)).sum()
     }
 
     pub fn snapshot(&self, capacity: usize, resident: usize, pinned: u64, writing: u64) -> StatsSnapshot {
-        let (single_hits, single_misses) = (self.single_hits.load(Relaxed), self.single_misses.load(Relaxed));
+        let (single_hits, single_misses) = (self.lookup_sum(|c| &c.single_hits), self.lookup_sum(|c| &c.single_misses));
         let singles = single_hits + single_misses;
         StatsSnapshot {
             capacity_blocks: capacity as u64,
             resident_blocks: resident as u64,
             pinned_blocks: pinned,
             writing_blocks: writing,
-            lookups: self.lookups.load(Relaxed) + singles,
-            lookup_keys: self.lookup_keys.load(Relaxed) + singles,
-            hit_blocks: self.hit_blocks.load(Relaxed) + single_hits,
+            lookups: self.lookup_sum(|c| &c.lookups) + singles,
+            lookup_keys: self.lookup_sum(|c| &c.lookup_keys) + singles,
+            hit_blocks: self.lookup_sum(|c| &c.hit_blocks) + single_hits,
             stores_prepared: self.stores_prepared.load(Relaxed),
             store_skipped: self.store_skipped.load(Relaxed),
             store_refused: self.store_refused.load(Relaxed),

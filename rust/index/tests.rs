@@ -505,3 +505,30 @@ fn an_injected_store_panic_fails_the_index_and_keeps_the_reason_given() {
     assert_eq!(ix.failure(), Some("panic: injected fault"));
     assert_failed_closed(&ix, &keys(0..2));
 }
+
+#[test]
+fn lookups_from_many_threads_are_all_counted() {
+    // More threads than stripes, so some share one: every lookup still counts exactly once.
+    let ix = Arc::new(index(64, PolicyKind::Lru));
+    store(&ix, &keys(0..8));
+    let threads: Vec<_> = (0..20)
+        .map(|t| {
+            let ix = ix.clone();
+            std::thread::spawn(move || {
+                for _ in 0..500 {
+                    assert_eq!(ix.lookup_prefix(&keys(0..8)), 8);
+                    assert_eq!(ix.lookup_state(&k(t % 8)), Some(BlockState::Ready));
+                    assert_eq!(ix.lookup_state(&k(100)), None);
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let s = ix.stats();
+    let (calls, singles) = (20 * 500, 20 * 500 * 2);
+    assert_eq!(s.lookups, calls + singles);
+    assert_eq!(s.lookup_keys, calls * 8 + singles);
+    assert_eq!(s.hit_blocks, calls * 8 + singles / 2);
+}
