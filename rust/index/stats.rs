@@ -47,7 +47,9 @@ pub struct IndexStats {
     /// its own: readers never wait on writers, and with one shared set of counters two reader
     /// threads still pulled the same line back and forth on every call (criterion
     /// `lookup_threads`: 2 threads 1.1-1.4x one thread's throughput, 1.6-1.7x without the
-    /// counters). Up to STRIPES threads each have a stripe to themselves.
+    /// counters). Stripes go to threads round-robin in the order they first look up, and are
+    /// never handed back: the first STRIPES such threads each have one to themselves, later
+    /// ones may share (a cost in speed only: the adds stay atomic).
     lookup_stripes: [CachePadded<LookupCounts>; STRIPES],
     pub stores_prepared: AtomicU64,
     pub store_skipped: AtomicU64,

@@ -34,11 +34,12 @@ pub struct Arc<K: PolicyKey> {
 }
 
 impl<K: PolicyKey> Arc<K> {
-    pub fn new(capacity: usize) -> Self {
+    /// ARC for `capacity` blocks, over keys whose dense ids are mostly below `ids`.
+    pub fn new(capacity: usize, ids: usize) -> Self {
         Arc {
             capacity: capacity.max(1),
             p: 0,
-            lists: DenseLists::with_ids(capacity),
+            lists: DenseLists::with_ids(ids),
             b1: Ghosts::default(),
             b2: Ghosts::default(),
         }

@@ -3,14 +3,15 @@
 //!
 //! This is what the LRU, FIFO, ARC and S3-FIFO policies order their resident keys with. It did
 //! the job of a linked hash map (hashlink's `LinkedHashMap`), which hashed the key on every
-//! operation and allocated a node per block: ~60 bytes a resident block and a hash lookup per
+//! operation and allocated a node per block: ~68 bytes a resident block and a hash lookup per
 //! insert, touch, removal and victim. Here a key's node sits at its dense id, so every
-//! operation is a few array accesses, and a block costs one node (32 bytes for the index's
-//! keys, 16 for the planner's). A node also holds one spare byte for the policy (S3-FIFO keeps
+//! operation is a few array accesses, and each id costs one node up front (32 bytes for the
+//! index's keys, one per slot; 16 for the planner's). A node also holds one spare byte for the policy (S3-FIFO keeps
 //! its use counter there).
 //!
-//! Dense ids must be unique among the keys listed at one time and should be small (the array
-//! grows to the largest id seen).
+//! Dense ids must be unique among the keys listed at one time, below u32::MAX, and should be
+//! small (the array grows to the largest id seen). Listing a key that is already listed is a
+//! caller bug, and panics rather than cut a list (the index then fails closed).
 
 const NIL: u32 = u32::MAX;
 const UNLISTED: u8 = u8::MAX;
@@ -78,7 +79,8 @@ impl<K: DenseId, const N: usize> DenseLists<K, N> {
         if i >= self.nodes.len() {
             self.nodes.resize((i + 1).max(self.nodes.len() * 2), Self::unlisted());
         }
-        debug_assert_eq!(self.nodes[i].list, UNLISTED, "key listed twice");
+        assert!(id != NIL, "dense id u32::MAX is reserved");
+        assert_eq!(self.nodes[i].list, UNLISTED, "key {id} listed twice");
         let ends = &mut self.ends[list];
         self.nodes[i] = Node { key, prev: ends.tail, next: NIL, list: list as u8, aux };
         match ends.tail {
@@ -122,7 +124,10 @@ impl<K: DenseId, const N: usize> DenseLists<K, N> {
     pub fn iter(&self, list: usize) -> impl Iterator<Item = (K, u8)> + '_ {
         let mut at = self.ends[list].head;
         std::iter::from_fn(move || {
-            let n = self.nodes.get(at as usize)?;
+            if at == NIL {
+                return None;
+            }
+            let n = &self.nodes[at as usize];
             at = n.next;
             Some((n.key, n.aux))
         })
@@ -165,6 +170,16 @@ mod tests {
             1 => (0u32..40, any::<u8>()).prop_map(|(k, a)| Op::SetAux(k, a)),
             1 => Just(Op::Clear),
         ]
+    }
+
+    #[test]
+    #[should_panic(expected = "listed twice")]
+    fn listing_a_listed_key_again_panics_instead_of_cutting_its_list() {
+        let mut lists: DenseLists<u32, 2> = DenseLists::with_ids(4);
+        for k in 0..3 {
+            lists.push_back(0, k, 0);
+        }
+        lists.push_back(1, 1, 0);
     }
 
     proptest! {

@@ -11,13 +11,13 @@ pub struct Lru<K: PolicyKey> {
 }
 
 impl<K: PolicyKey> Lru<K> {
-    /// LRU for a tier of `capacity` blocks.
-    pub fn recency(capacity: usize) -> Self {
-        Lru { order: DenseLists::with_ids(capacity), refresh_on_touch: true }
+    /// LRU over keys whose dense ids are mostly below `ids` (a tier's capacity).
+    pub fn recency(ids: usize) -> Self {
+        Lru { order: DenseLists::with_ids(ids), refresh_on_touch: true }
     }
-    /// FIFO for a tier of `capacity` blocks.
-    pub fn fifo(capacity: usize) -> Self {
-        Lru { order: DenseLists::with_ids(capacity), refresh_on_touch: false }
+    /// FIFO over keys whose dense ids are mostly below `ids`.
+    pub fn fifo(ids: usize) -> Self {
+        Lru { order: DenseLists::with_ids(ids), refresh_on_touch: false }
     }
 }
 

@@ -125,14 +125,22 @@ impl PolicyKind {
         }
     }
 
-    /// Build a policy for a tier of `capacity` blocks (ARC and S3-FIFO size their queues from it).
+    /// Build a policy for a tier of `capacity` blocks whose keys' dense ids are its slots
+    /// (ARC and S3-FIFO size their queues from it).
     pub fn build<K: PolicyKey>(self, capacity: usize) -> Box<dyn EvictionPolicy<K>> {
+        self.build_for_ids(capacity, capacity)
+    }
+
+    /// `build`, with the per-key arrays sized for dense ids below `ids` (they grow past it on
+    /// demand): the planner's ids number a trace's distinct blocks, which a swept capacity
+    /// may far exceed or fall far short of.
+    pub fn build_for_ids<K: PolicyKey>(self, capacity: usize, ids: usize) -> Box<dyn EvictionPolicy<K>> {
         match self {
-            PolicyKind::Fifo => Box::new(Lru::fifo(capacity)),
-            PolicyKind::Lru => Box::new(Lru::recency(capacity)),
-            PolicyKind::Arc => Box::new(ArcPolicy::new(capacity)),
-            PolicyKind::Priority => Box::new(Priority::with_ids(capacity)),
-            PolicyKind::S3Fifo => Box::new(S3Fifo::new(capacity)),
+            PolicyKind::Fifo => Box::new(Lru::fifo(ids)),
+            PolicyKind::Lru => Box::new(Lru::recency(ids)),
+            PolicyKind::Arc => Box::new(ArcPolicy::new(capacity, ids)),
+            PolicyKind::Priority => Box::new(Priority::with_ids(ids)),
+            PolicyKind::S3Fifo => Box::new(S3Fifo::new(capacity, ids)),
         }
     }
 }

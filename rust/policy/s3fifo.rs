@@ -34,8 +34,9 @@ pub struct S3Fifo<K: PolicyKey> {
 }
 
 impl<K: PolicyKey> S3Fifo<K> {
-    pub fn new(capacity: usize) -> Self {
-        S3Fifo { capacity: capacity.max(1), queues: DenseLists::with_ids(capacity), ghost: LinkedHashMap::default() }
+    /// S3-FIFO for `capacity` blocks, over keys whose dense ids are mostly below `ids`.
+    pub fn new(capacity: usize, ids: usize) -> Self {
+        S3Fifo { capacity: capacity.max(1), queues: DenseLists::with_ids(ids), ghost: LinkedHashMap::default() }
     }
 
     fn small_target(&self) -> usize {

@@ -157,7 +157,7 @@ fn priority_evicts_lowest_level_then_lru_and_durations_expire() {
 
 #[test]
 fn arc_moves_reused_keys_to_t2_and_adapts_on_ghost_hits() {
-    let mut a = ArcPolicy::<u32>::new(4);
+    let mut a = ArcPolicy::<u32>::new(4, 4);
     for k in 0..4 {
         a.insert(&k, InsertHint::default(), 0);
     }
@@ -171,7 +171,7 @@ fn arc_moves_reused_keys_to_t2_and_adapts_on_ghost_hits() {
 
 #[test]
 fn s3fifo_one_hit_wonders_leave_through_small_queue() {
-    let mut s = S3Fifo::<u32>::new(10);
+    let mut s = S3Fifo::<u32>::new(10, 10);
     for k in 0..10 {
         s.insert(&k, InsertHint::default(), 0);
     }

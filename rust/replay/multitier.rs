@@ -54,7 +54,7 @@ pub fn replay_tiers(trace: &Trace, specs: &[TierSpec], mode: Mode, warmup: f64) 
     }
     let mut caches: Vec<Cache> =
         specs.iter().map(|t| Cache::new(trace.n_keys(), t.capacity, mode, t.admission)).collect();
-    let mut policies: Vec<Online> = specs.iter().map(|t| Online::new(t.policy, t.capacity)).collect();
+    let mut policies: Vec<Online> = specs.iter().map(|t| Online::new(t.policy, t.capacity, trace.n_keys())).collect();
     let mut out = TiersResult {
         tiers: specs.iter().map(|t| TierResult { name: t.name.clone(), ..Default::default() }).collect(),
         ..Default::default()

@@ -221,8 +221,9 @@ pub(crate) struct Online {
 }
 
 impl Online {
-    pub(crate) fn new(kind: PolicyKind, capacity: usize) -> Self {
-        Online { policy: kind.build(capacity) }
+    /// `kind` for `capacity` blocks of a trace with `n_keys` distinct blocks (its node ids).
+    pub(crate) fn new(kind: PolicyKind, capacity: usize, n_keys: usize) -> Self {
+        Online { policy: kind.build_for_ids(capacity, capacity.min(n_keys)) }
     }
 }
 
@@ -329,7 +330,7 @@ pub fn replay_one(
         }
         Replayer::Policy(kind) => {
             let mut cache = Cache::new(trace.n_keys(), capacity, mode, admission);
-            run(trace, &mut cache, &mut Online::new(kind, capacity), warmup, progress, true)
+            run(trace, &mut cache, &mut Online::new(kind, capacity, trace.n_keys()), warmup, progress, true)
         }
         Replayer::Opt => {
             let mut cache = Cache::new(trace.n_keys(), capacity, mode, admission);

@@ -231,7 +231,7 @@ proptest! {
         let t = chained(&ops);
         let kind = ONLINE[k];
         let mut cache = prefix_tree::Cache::new(t.n_keys(), cap, Mode::Tree, AdmissionRule::Always);
-        let mut pol = prefix_tree::Online::new(kind, cap);
+        let mut pol = prefix_tree::Online::new(kind, cap, t.n_keys());
         for r in 0..t.n_requests() {
             for c in t.request(r).windows(2) {
                 prop_assert!(!cache.is_resident(c[1]) || cache.is_resident(c[0]));
@@ -250,7 +250,7 @@ proptest! {
         let adm = if uses == 1 { AdmissionRule::Always } else { AdmissionRule::AfterUses(uses) };
         let mut c1 = prefix_tree::Cache::new(t.n_keys(), cap, mode, adm);
         let mut c2 = prefix_tree::Cache::new(t.n_keys(), cap, mode, adm);
-        let mut core = prefix_tree::Online::new(PolicyKind::Fifo, cap);
+        let mut core = prefix_tree::Online::new(PolicyKind::Fifo, cap, t.n_keys());
         let mut fast = prefix_tree::LeafFifo::new(t.n_keys());
         for r in 0..t.n_requests() {
             prop_assert_eq!(c1.step(&mut core, &t, r), c2.step(&mut fast, &t, r), "request {}", r);
@@ -271,5 +271,18 @@ proptest! {
             let b = run(&t, which, cap + 1, mode);
             prop_assert!(a.hit_blocks <= b.hit_blocks, "{:?}: {} at {} > {} at {}", which, a.hit_blocks, cap, b.hit_blocks, cap + 1);
         }
+    }
+}
+
+#[test]
+fn a_capacity_far_above_the_traces_blocks_costs_only_what_the_trace_needs() {
+    // The policies' per-key arrays are sized by the trace's distinct blocks, not by the swept
+    // capacity (a 2^40-block sweep point would otherwise ask for terabytes up front).
+    let t = trace_of(&[vec![1, 2], vec![1, 3], vec![4], vec![1, 3], vec![1, 2]]);
+    for kind in [PolicyKind::Lru, PolicyKind::Arc, PolicyKind::S3Fifo, PolicyKind::Priority] {
+        let huge = run(&t, Replayer::Policy(kind), 1 << 40, Mode::Tree);
+        let ample = run(&t, Replayer::Policy(kind), 8, Mode::Tree);
+        assert_eq!((huge.hit_blocks, huge.evictions), (ample.hit_blocks, ample.evictions), "{kind:?}");
+        assert_eq!(huge.evictions, 0);
     }
 }
