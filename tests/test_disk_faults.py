@@ -392,3 +392,21 @@ def test_a_panic_in_the_tier_index_disables_it_until_a_restart(tmp_path, engine)
         assert tier.stats()["failed"] == 0
         assert set(read(tier, host, [1, 2, 3, 4])) == {1, 2, 3, 4}
         still_serving(tier, host)
+
+
+def test_a_panic_in_a_write_completion_fails_the_index_and_the_job_still_finishes(tmp_path, engine):
+    host = Host(8)
+    with make_tier(tmp_path, engine, blocks=8) as tier:
+        write(tier, host, [1, 2])
+        # The block lands on disk, then its completion panics on the I/O thread, inside the
+        # index update: contained there, so the thread lives and the job finishes, not ok.
+        tier._inject_fault("completion_panic", 1)
+        _, res = write(tier, host, [3], first_slot=2)
+        assert res is not None, "the job never finished"
+        assert (res.ok_keys, res.failed_keys) == ([], [3])
+        assert tier.wait_idle(timeout=30)
+        s = tier.stats()
+        assert s["failed"] == 1 and s["blocks_written"] == 3
+        assert tier.lookup_prefix([1, 2, 3]) == 0
+        with pytest.raises(IndexFailedError, match="a write's completion panicked"):
+            write(tier, host, [4], first_slot=3)

@@ -186,6 +186,9 @@ pub enum Fault {
     WriteErrno(i32),
     /// The next `count` block reads fail with this errno.
     ReadErrno(i32),
+    /// The next `count` block writes land, then their completion panics inside its index
+    /// update (a bug there): the index must fail closed and the job still finish.
+    CompletionPanic,
 }
 
 struct Shared {
@@ -731,14 +734,23 @@ impl Shared {
     }
 
     fn take_fault(&self, reading: bool) -> Option<i32> {
+        match self
+            .take_fault_if(|f| matches!((f, reading), (Fault::WriteErrno(_), false) | (Fault::ReadErrno(_), true)))?
+        {
+            Fault::WriteErrno(e) | Fault::ReadErrno(e) => Some(e),
+            Fault::CompletionPanic => None,
+        }
+    }
+
+    /// Use up one count of the injected fault if `wanted` accepts it.
+    fn take_fault_if(&self, wanted: impl Fn(Fault) -> bool) -> Option<Fault> {
         let mut f = self.fault.lock();
         let (fault, count) = (*f)?;
-        let errno = match (fault, reading) {
-            (Fault::WriteErrno(e), false) | (Fault::ReadErrno(e), true) => e,
-            _ => return None,
-        };
+        if !wanted(fault) {
+            return None;
+        }
         *f = if count > 1 { Some((fault, count - 1)) } else { None };
-        Some(errno)
+        Some(fault)
     }
 
     fn slab(&self, i: usize) -> Arc<SlabFile> {
@@ -887,6 +899,9 @@ impl Shared {
                     Ok(()) => {
                         let crc = ctx.crc.load(Ordering::Acquire);
                         let readable = me.index.contain(|| {
+                            if me.take_fault_if(|f| matches!(f, Fault::CompletionPanic)).is_some() {
+                                panic!("injected fault: a write's completion panicked");
+                            }
                             me.index.with_entry(&key, |e| e.checksum.store(crc, Ordering::Release));
                             me.index.complete_store(&[key], true) == 1
                         });

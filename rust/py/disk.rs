@@ -421,7 +421,8 @@ impl PyDiskTier {
 
     /// Test hook: make the next `count` block writes ("enospc", "eio_write") or reads
     /// ("eio_read") fail at the I/O layer; None clears it. "store_panic": the next write that
-    /// evicts panics inside the tier's index (which must then disable itself).
+    /// evicts panics inside the tier's index; "completion_panic": the next `count` writes land
+    /// and their completions panic on the I/O thread (either way the index must disable itself).
     #[pyo3(signature = (kind, count=1))]
     fn _inject_fault(&self, kind: Option<&str>, count: u32) -> PyResult<()> {
         let fault = match kind {
@@ -433,10 +434,11 @@ impl PyDiskTier {
             Some("enospc") => Some(Fault::WriteErrno(libc::ENOSPC)),
             Some("eio_write") => Some(Fault::WriteErrno(libc::EIO)),
             Some("eio_read") => Some(Fault::ReadErrno(libc::EIO)),
+            Some("completion_panic") => Some(Fault::CompletionPanic),
             Some(other) => {
                 return Err(invalid(
                     "kind",
-                    format!("{other:?}: expected \"enospc\", \"eio_write\", \"eio_read\" or \"store_panic\""),
+                    format!("{other:?}: expected \"enospc\", \"eio_write\", \"eio_read\", \"store_panic\" or \"completion_panic\""),
                 ))
             }
         };
