@@ -208,7 +208,3 @@ def markdown_table() -> str:
         labels = ", ".join(s.labelnames) or "-"
         rows.append(f"| `{s.exposed_name}` | {s.type} | {labels} | {s.help} |")
     return "\n".join(rows)
-
-
-if __name__ == "__main__":
-    print(markdown_table())
