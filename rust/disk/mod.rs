@@ -733,24 +733,21 @@ impl Shared {
         self.full_until_ns.store(until.max(1), Ordering::Release);
     }
 
+    /// The errno of an injected read or write fault, using up one count of it.
     fn take_fault(&self, reading: bool) -> Option<i32> {
-        match self
-            .take_fault_if(|f| matches!((f, reading), (Fault::WriteErrno(_), false) | (Fault::ReadErrno(_), true)))?
-        {
-            Fault::WriteErrno(e) | Fault::ReadErrno(e) => Some(e),
-            Fault::CompletionPanic => None,
-        }
+        self.take_fault_as(|f| match (f, reading) {
+            (Fault::WriteErrno(e), false) | (Fault::ReadErrno(e), true) => Some(e),
+            _ => None,
+        })
     }
 
-    /// Use up one count of the injected fault if `wanted` accepts it.
-    fn take_fault_if(&self, wanted: impl Fn(Fault) -> bool) -> Option<Fault> {
+    /// `pick`'s view of the injected fault, using up one count of it if `pick` takes it.
+    fn take_fault_as<R>(&self, pick: impl Fn(Fault) -> Option<R>) -> Option<R> {
         let mut f = self.fault.lock();
         let (fault, count) = (*f)?;
-        if !wanted(fault) {
-            return None;
-        }
+        let taken = pick(fault)?;
         *f = if count > 1 { Some((fault, count - 1)) } else { None };
-        Some(fault)
+        Some(taken)
     }
 
     fn slab(&self, i: usize) -> Arc<SlabFile> {
@@ -899,7 +896,7 @@ impl Shared {
                     Ok(()) => {
                         let crc = ctx.crc.load(Ordering::Acquire);
                         let readable = me.index.contain(|| {
-                            if me.take_fault_if(|f| matches!(f, Fault::CompletionPanic)).is_some() {
+                            if me.take_fault_as(|f| matches!(f, Fault::CompletionPanic).then_some(())).is_some() {
                                 panic!("injected fault: a write's completion panicked");
                             }
                             me.index.with_entry(&key, |e| e.checksum.store(crc, Ordering::Release));

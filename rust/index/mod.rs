@@ -43,8 +43,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use scc::Guard;
 
-pub use failure::panic_message;
-use failure::{Failure, WriteLock};
+use failure::{panic_message, Failure, WriteLock};
 use key_map::{KeyHasher, KeyMap, SlotRef};
 
 pub use entry_state::{BlockState, EntryState};
@@ -832,9 +831,7 @@ impl TierIndex {
             pinned += u64::from(p > 0);
             writing += u64::from(s == BlockState::Writing);
         }
-        let mut snap = self.stats.snapshot(self.capacity(), self.len(), pinned, writing);
-        snap.failed = u64::from(self.failure.is_set());
-        snap
+        self.stats.snapshot(self.capacity(), self.len(), pinned, writing, self.failure.is_set())
     }
 
     /// Number of blocks the policy tracks as resident (must always equal `len`).

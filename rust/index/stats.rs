@@ -91,7 +91,8 @@ impl IndexStats {
         self.lookup_stripes.iter().map(|c| counter(c).load(Relaxed)).sum()
     }
 
-    pub fn snapshot(&self, capacity: usize, resident: usize, pinned: u64, writing: u64) -> StatsSnapshot {
+    /// The counters, with the gauges the index reads itself (occupancy, whether it failed).
+    pub fn snapshot(&self, capacity: usize, resident: usize, pinned: u64, writing: u64, failed: bool) -> StatsSnapshot {
         let (single_hits, single_misses) = (self.lookup_sum(|c| &c.single_hits), self.lookup_sum(|c| &c.single_misses));
         let singles = single_hits + single_misses;
         StatsSnapshot {
@@ -114,7 +115,7 @@ impl IndexStats {
             unpins: self.unpins.load(Relaxed),
             touches: self.touches.load(Relaxed),
             removals: self.removals.load(Relaxed),
-            failed: 0,
+            failed: u64::from(failed),
         }
     }
 }

@@ -1,10 +1,5 @@
 //! Python exceptions, all under `KvTierError`, and the mapping from the core's error type.
 
-use std::any::Any;
-use std::panic::{catch_unwind, AssertUnwindSafe};
-
-use crate::index::panic_message;
-
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::{PyErr, PyResult};
@@ -73,11 +68,10 @@ pub fn invalid(arg: &'static str, reason: impl Into<String>) -> PyErr {
 /// PanicException instead, a BaseException that passes through an engine's `except Exception`
 /// and stops the engine.
 pub fn contain<T>(index: &TierIndex, f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
-    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|payload| Err(failed_by_panic(index, payload.as_ref())))
+    index.contain(f).unwrap_or_else(|| Err(failed_error(index)))
 }
 
-/// Fail `index` for a caught panic; the error to raise for it.
-pub fn failed_by_panic(index: &TierIndex, payload: &(dyn Any + Send)) -> PyErr {
-    index.fail(format!("panic: {}", panic_message(payload)));
+/// The error to raise once `index` has failed.
+pub fn failed_error(index: &TierIndex) -> PyErr {
     KvError::Failed(index.failure().unwrap_or("panic").to_string()).into()
 }

@@ -18,7 +18,6 @@
 //! interpreter), disables the index and is raised as `IndexFailedError`.
 
 use std::ffi::CStr;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr;
 
 use pyo3::ffi;
@@ -27,7 +26,7 @@ use pyo3::types::PyType;
 use pyo3::Borrowed;
 
 use super::convert::exact_bytes_key;
-use super::errors::failed_by_panic;
+use super::errors::failed_error;
 use super::index::{BlockIndex, LONG_WALK_KEYS};
 use crate::index::BlockState;
 
@@ -66,15 +65,14 @@ unsafe fn dispatch(
     fast: impl FnOnce() -> Option<*mut ffi::PyObject>,
     slow: impl FnOnce(Python<'_>) -> PyResult<Py<PyAny>>,
 ) -> *mut ffi::PyObject {
-    let panicked = match catch_unwind(AssertUnwindSafe(fast)) {
-        Ok(Some(result)) => return result,
-        Ok(None) => None,
-        Err(payload) => Some(payload),
-    };
+    let fast = ix.inner().contain(fast);
+    if let Some(Some(result)) = fast {
+        return result;
+    }
     Python::attach(|py| {
-        let result = match panicked {
-            Some(payload) => Err(failed_by_panic(ix.inner(), payload.as_ref())),
-            None => ix.contain(|| slow(py)),
+        let result = match fast {
+            None => Err(failed_error(ix.inner())),
+            Some(_) => ix.contain(|| slow(py)),
         };
         match result {
             Ok(obj) => obj.into_ptr(),

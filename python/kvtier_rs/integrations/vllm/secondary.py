@@ -130,12 +130,9 @@ class KvtierDiskTier(SecondaryTierManager):
         try:
             ticket = self.disk.submit_write(keys, self.pool, np.asarray(job_metadata.chunk_ids).tolist())
         except IndexFailedError:
-            # The disk tier's index disabled itself (an internal error): it stores nothing any
-            # more and its lookups miss, so the blocks are simply not cascaded.
-            self._done.append(JobResult(job_metadata.job_id, success=True))
-            return
-        if not ticket.keys:
-            # Nothing new, or refused by admission / a full device: simply not cascaded.
+            ticket = None  # the disk tier's index disabled itself: it stores nothing any more
+        if ticket is None or not ticket.keys:
+            # Nothing new, refused by admission / a full device, or a failed tier: not cascaded.
             self._done.append(JobResult(job_metadata.job_id, success=True))
             return
         self._jobs[ticket.job_id] = (job_metadata.job_id, list(ticket.keys), False)
