@@ -9,7 +9,7 @@ UV := $(VENV)/bin/uv
 STAMP := $(VENV)/.deps-stamp
 export PYO3_PYTHON := $(abspath $(VPY))
 
-.PHONY: demo test build venv rust-test loom py-test lint bench bench-disk bench-vllm clean
+.PHONY: demo test build venv rust-test loom py-test lint stubtest bench bench-disk bench-vllm clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -41,7 +41,7 @@ loom:
 py-test: build
 	$(VPY) -m pytest -q tests
 
-test: build vllm-env lint rust-test loom py-test
+test: build vllm-env lint stubtest rust-test loom py-test
 
 # Static checks, part of `make test` so CI keeps the tree clean.
 lint: venv
@@ -50,6 +50,11 @@ lint: venv
 	PYO3_PYTHON=$(PYO3_PYTHON) cargo clippy --features python --lib -- -D warnings
 	$(VENV)/bin/ruff check python tests benches examples
 	$(VENV)/bin/ruff format --check python tests benches examples
+
+# The type stub of the Rust module against the built module itself (names, parameters,
+# defaults); deliberate differences are listed, with reasons, in the allowlist.
+stubtest: build
+	$(VPY) -m mypy.stubtest --ignore-disjoint-bases --allowlist tests/stubtest_allowlist.txt kvtier_rs._core
 
 bench: build
 	cargo bench --bench index

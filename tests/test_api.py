@@ -141,6 +141,15 @@ def test_host_tier_round_trip_and_eviction():
         tier.read([2])
 
 
+def test_host_tier_store_checks_payloads_before_touching_the_index():
+    tier = kv.HostTier(kv.TierConfig(capacity_bytes=4 * 4096, block_bytes=4096, policy="lru"))
+    with pytest.raises(kv.InvalidArgumentError, match="payloads: 1 payloads for 2 keys"):
+        tier.store([0, 1], [bytes(4096)])
+    with pytest.raises(kv.InvalidArgumentError, match=r"payloads: the payload for key 1 is 10 bytes, blocks are 4096"):
+        tier.store([0, 1], [bytes(4096), bytes(10)])
+    assert len(tier.index) == 0 and tier.index.stats()["stores_prepared"] == 0, "bad input changed nothing"
+
+
 def test_single_key_forms_match_batch_semantics():
     ix = kv.BlockIndex(2, manual_clock=True)
     slot = ix.prepare_store_one(b"a")

@@ -372,3 +372,13 @@ def test_region_groups_land_in_order_and_report_readiness(tmp_path):
     assert all(torch.equal(ts[i][5 + j], want[j][i]) for i in range(3) for j in range(2))
     with pytest.raises(kv.InvalidArgumentError, match="regions"):
         orch.load([b"a"], [7], request_id="bad", region_groups=[[2, 1]])
+
+
+def test_disk_blocks_smaller_than_host_blocks_are_refused(tmp_path):
+    from kvtier_rs.orchestrator.disk_stager import DiskStager
+
+    host = kv.HostTier(kv.TierConfig(4 * 8192, 8192))
+    with DiskTier(str(tmp_path / "disk"), 16 * 4096, 4096, engine="pool") as disk:
+        expected = r"disk: its blocks \(4096 B\) are smaller than the host tier's \(8192 B\)"
+        with pytest.raises(kv.InvalidArgumentError, match=expected):
+            DiskStager(host, disk)

@@ -1,9 +1,45 @@
 """Type stubs for the Rust extension `kvtier_rs._core` (rust/py/)."""
 
 import os
-from collections.abc import Buffer, Iterable, Sequence
-from typing import Any, Literal
+import sys
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal, final
 
+if sys.version_info >= (3, 12):
+    from collections.abc import Buffer
+else:
+    from typing_extensions import Buffer
+
+__all__ = [
+    "DEFAULT_PRIORITY",
+    "MAX_KEY_BYTES",
+    "BlockIndex",
+    "ClosedError",
+    "DirectoryLockedError",
+    "DiskIoError",
+    "DiskJobResult",
+    "DiskTier",
+    "DiskWriteTicket",
+    "HostPool",
+    "IndexFailedError",
+    "InvalidArgumentError",
+    "KvTierError",
+    "NoSpaceError",
+    "NotPinnedError",
+    "NotReadyError",
+    "ReplayProgress",
+    "ReplayTrace",
+    "StoreOutcome",
+    "disk_status",
+    "io_uring_probe",
+    "parse_admission",
+    "policy_names",
+    "replay_sweep",
+    "replay_tiers",
+    "version",
+]
+
+# Typing aliases only (stubtest's allowlist names them): keys are engine digests or integers.
 Key = int | bytes
 State = Literal["writing", "ready", "evicting"]
 
@@ -21,10 +57,11 @@ class NotReadyError(KvTierError): ...
 class NotPinnedError(KvTierError): ...
 class IndexFailedError(KvTierError): ...  # internal error: the index now misses and refuses stores
 
+@final
 class HostPool:
     """Page-aligned host memory in fixed-size slots; supports the buffer protocol (writable)."""
 
-    def __init__(self, total_bytes: int, slot_bytes: int) -> None: ...
+    def __new__(cls, total_bytes: int, slot_bytes: int) -> HostPool: ...
     @staticmethod
     def wrap(buffer: Buffer, slot_bytes: int) -> HostPool:
         """A pool over `buffer`'s memory (writable, C-contiguous, page-aligned), in place."""
@@ -43,8 +80,10 @@ class HostPool:
         """Copy (pool_offset, buffer_offset, nbytes) int64 rows between the pool and `buffer`
         (C-contiguous), GIL released, every span bounds-checked first; returns bytes copied."""
     def __len__(self) -> int: ...
+    # The buffer protocol (PEP 688); at run time on 3.11 it exists only at the C level.
     def __buffer__(self, flags: int, /) -> memoryview: ...
 
+@final
 class StoreOutcome:
     keys: list[Key]
     slots: list[int]
@@ -53,9 +92,10 @@ class StoreOutcome:
     evicted: list[Key]
     evicted_slots: list[int]
 
+@final
 class BlockIndex:
-    def __init__(
-        self,
+    def __new__(
+        cls,
         capacity: int | None = None,
         *,
         policy: str = "lru",
@@ -64,7 +104,7 @@ class BlockIndex:
         pool: HostPool | None = None,
         manual_clock: bool = False,
         block_bytes: int = 0,
-    ) -> None: ...
+    ) -> BlockIndex: ...
     @property
     def capacity(self) -> int: ...
     @property
@@ -119,6 +159,7 @@ def disk_status(path: str | os.PathLike[str], *, verify: bool = False) -> dict[s
 def io_uring_probe() -> str | None:
     """None when io_uring works in this process, else the reason."""
 
+@final
 class DiskJobResult:
     job_id: int
     kind: str  # "read" | "write"
@@ -128,6 +169,7 @@ class DiskJobResult:
     bytes: int
     seconds: float
 
+@final
 class DiskWriteTicket:
     job_id: int
     keys: list[Key]
@@ -135,9 +177,10 @@ class DiskWriteTicket:
     refused: list[Key]
     evicted: list[Key]
 
+@final
 class DiskTier:
-    def __init__(
-        self,
+    def __new__(
+        cls,
         path: str | os.PathLike[str],
         capacity_bytes: int,
         block_bytes: int,
@@ -150,7 +193,7 @@ class DiskTier:
         direct: str = "auto",  # "auto" | "on" | "off"
         verify_on_open: bool = False,
         full_retry_s: float = 10.0,
-    ) -> None: ...
+    ) -> DiskTier: ...
     @property
     def path(self) -> str: ...
     @property
@@ -183,7 +226,7 @@ class DiskTier:
     def running_jobs(self) -> int: ...
     def __len__(self) -> int: ...
     def __enter__(self) -> DiskTier: ...
-    def __exit__(self, *exc: object) -> bool: ...
+    def __exit__(self, _t: object, _v: object, _tb: object) -> bool: ...
     def submit_write(
         self,
         keys: Sequence[Key],
@@ -209,17 +252,18 @@ class DiskTier:
 
 # ---- trace replay for the planner (rust/py/replay.rs) ----
 
+@final
 class ReplayTrace:
     """A request trace with keys remapped to dense ids, shared read-only by replays."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         offsets: Sequence[int],
         keys: Sequence[int],
         input_tokens: Sequence[int],
         timestamps_s: Sequence[float],
         block_size: int,
-    ) -> None: ...
+    ) -> ReplayTrace: ...
     @property
     def block_size(self) -> int: ...
     @property
@@ -232,6 +276,7 @@ class ReplayTrace:
     def total_tokens(self) -> int: ...
     def analyze(self, top: int = 10) -> dict[str, Any]: ...
 
+@final
 class ReplayProgress:
     """Requests served so far by a running sweep; poll `done` from another thread."""
 

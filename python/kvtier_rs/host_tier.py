@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier_rs._core import BlockIndex, HostPool, StoreOutcome
+from kvtier_rs._core import BlockIndex, HostPool, InvalidArgumentError, StoreOutcome
 from kvtier_rs.config import TierConfig
 
 Key = int | bytes
@@ -52,22 +52,27 @@ class HostTier:
         return torch.from_numpy(self.slot_array(slot))
 
     def store(self, keys: Sequence[Key], payloads: Sequence[bytes | np.ndarray], **hint: Any) -> StoreOutcome:
-        """Store whole blocks from host memory (a convenience path; engines write slots directly)."""
+        """Store whole blocks from host memory (a convenience path; engines write slots directly).
+        Payloads are checked before the index is asked for slots, so bad input changes nothing."""
         if len(keys) != len(payloads):
-            raise ValueError(f"{len(keys)} keys but {len(payloads)} payloads")
-        by_key = dict(zip(keys, payloads, strict=True))
+            raise InvalidArgumentError(f"payloads: {len(payloads)} payloads for {len(keys)} keys")
+        by_key = {}
+        for key, payload in zip(keys, payloads, strict=True):
+            data = np.frombuffer(payload, dtype=np.uint8) if isinstance(payload, bytes) else np.asarray(payload)
+            if data.nbytes != self._block_bytes:
+                raise InvalidArgumentError(
+                    f"payloads: the payload for key {key!r} is {data.nbytes} bytes, blocks are {self._block_bytes}"
+                )
+            by_key[key] = data
         out = self.index.prepare_store(list(keys), **hint)
         ok = []
         try:
             for key, slot in zip(out.keys, out.slots, strict=True):
-                data = np.frombuffer(by_key[key], dtype=np.uint8) if isinstance(by_key[key], bytes) else by_key[key]
-                view = self.slot_array(slot)
-                if data.nbytes != view.nbytes:
-                    raise ValueError(f"payload for key {key!r} is {data.nbytes} bytes, blocks are {view.nbytes}")
-                view[:] = data.reshape(-1).view(np.uint8)
+                self.slot_array(slot)[:] = by_key[key].reshape(-1).view(np.uint8)
                 ok.append(key)
         finally:
-            failed = [k for k in out.keys if k not in set(ok)]
+            done = set(ok)
+            failed = [k for k in out.keys if k not in done]
             if ok:
                 self.index.complete_store(ok, True)
             if failed:

@@ -17,7 +17,7 @@ use crate::admission::AdmissionRule;
 use crate::disk::io::{uring, EngineChoice};
 use crate::disk::slab::DirectMode;
 use crate::disk::{self, DiskConfig, Fault, HostMemory, JobKind, JobResult};
-use crate::policy::{InsertHint, PolicyKind, DEFAULT_PRIORITY, MAX_PRIORITY};
+use crate::policy::{InsertHint, PolicyKind, MAX_PRIORITY};
 
 /// A host pool seen by the core as `HostMemory`; holding it keeps the pool's memory alive.
 struct PoolRef(Py<HostPool>);
@@ -281,7 +281,7 @@ impl PyDiskTier {
     /// Queue writes of `keys` from `pool` slots `slots` (same order). Keys already on disk are
     /// skipped; keys the admission rule refuses (or all, while the device is full) are
     /// refused. Returns at once; the host slots must stay unchanged until the job is done.
-    #[pyo3(signature = (keys, pool, slots, *, priority=DEFAULT_PRIORITY as i64, duration_s=None))]
+    #[pyo3(signature = (keys, pool, slots, *, priority=35, duration_s=None))]
     fn submit_write(
         &self,
         py: Python<'_>,

@@ -12,7 +12,7 @@ use crate::admission::AdmissionRule;
 use crate::error::KvError;
 use crate::index::{BlockState, IndexConfig, TierIndex};
 use crate::keys::{BlockKey, ChainKey};
-use crate::policy::{InsertHint, PolicyKind, DEFAULT_PRIORITY, MAX_PRIORITY};
+use crate::policy::{InsertHint, PolicyKind, MAX_PRIORITY};
 
 /// (key, state, pins, slot) as `entries()` returns them.
 type EntryRow<'py> = (Bound<'py, PyAny>, &'static str, u32, u32);
@@ -295,7 +295,7 @@ impl BlockIndex {
 
     /// Reserve slots for the new blocks among `keys` (a request's chain, head first), evicting
     /// if needed. All-or-nothing: raises NoSpaceError and changes nothing when it cannot fit.
-    #[pyo3(signature = (keys, *, priority=DEFAULT_PRIORITY as i64, duration_s=None))]
+    #[pyo3(signature = (keys, *, priority=35, duration_s=None))]
     fn prepare_store(
         &self,
         py: Python<'_>,
@@ -379,7 +379,7 @@ impl BlockIndex {
     }
 
     /// Reserve a slot for one key: the slot, or None if it was present or refused.
-    #[pyo3(signature = (key, *, priority=DEFAULT_PRIORITY as i64, duration_s=None))]
+    #[pyo3(signature = (key, *, priority=35, duration_s=None))]
     fn prepare_store_one(
         &self,
         key: &Bound<'_, PyAny>,

@@ -62,5 +62,9 @@ mod core_module {
     }
 }
 
+// The methods taking a priority write its default as the literal 35 in their pyo3 signatures, so
+// that `help()` and `__text_signature__` show the value (pyo3 renders a constant as `...`).
+const _: () = assert!(crate::policy::DEFAULT_PRIORITY == 35, "update the `priority=35` defaults in rust/py");
+
 #[allow(unused_imports)]
 pub(crate) use convert::{key_to_py, keys_from_py};

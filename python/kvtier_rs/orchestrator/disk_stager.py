@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier_rs._core import IndexFailedError, NoSpaceError, NotReadyError
+from kvtier_rs._core import IndexFailedError, InvalidArgumentError, NoSpaceError, NotReadyError
 from kvtier_rs.events import EventStream
 from kvtier_rs.host_tier import HostTier, Key
 from kvtier_rs.orchestrator.latency import LatencyRecorder
@@ -54,7 +54,9 @@ class DiskStager:
         self, host: HostTier, disk: Any, *, max_write_backlog: int = 1024, events: EventStream | None = None
     ) -> None:
         if disk.block_bytes < host.block_bytes:
-            raise ValueError(f"disk blocks ({disk.block_bytes} B) are smaller than host blocks ({host.block_bytes} B)")
+            raise InvalidArgumentError(
+                f"disk: its blocks ({disk.block_bytes} B) are smaller than the host tier's ({host.block_bytes} B)"
+            )
         self.host = host
         self.disk = disk
         self.max_write_backlog = max_write_backlog
