@@ -175,6 +175,10 @@ def test_priority_bounds_and_durations_are_validated():
         ix.prepare_store([1], priority=101)
     with pytest.raises(kv.InvalidArgumentError, match="duration_s"):
         ix.prepare_store([1], priority=80, duration_s=-1.0)
+    with pytest.raises(kv.InvalidArgumentError, match="duration_s"):
+        ix.prepare_store([1], priority=80, duration_s=1e300)  # beyond the u64 nanosecond clock
+    with pytest.raises(kv.InvalidArgumentError, match="seconds"):
+        kv.BlockIndex(2, manual_clock=True).advance_clock(1e300)
 
 
 def test_pool_backs_only_one_index():

@@ -126,6 +126,8 @@ def test_write_amplification_is_counted(tmp_path):
         ({"admission": "uses:0"}, "admission"),
         ({"num_files": -1}, "num_files"),
         ({"full_retry_s": -1.0}, "full_retry_s"),
+        ({"full_retry_s": 1e300}, "full_retry_s"),  # beyond a Duration: refused, not a panic
+        ({"full_retry_s": float("nan")}, "full_retry_s"),
     ],
 )
 def test_bad_arguments_are_named(tmp_path, kwargs, arg):
@@ -156,6 +158,12 @@ def test_bad_call_arguments_are_named(tmp_path):
             tier.contains([1.5])
         with pytest.raises(InvalidArgumentError, match="`timeout`"):
             tier.wait(1, timeout=-1)
+        with pytest.raises(InvalidArgumentError, match="`timeout`: must be a number of seconds from 0 to 584 years"):
+            tier.wait(1, timeout=1e300)
+        with pytest.raises(InvalidArgumentError, match="`timeout`"):
+            tier.wait_idle(timeout=2e19)
+        with pytest.raises(InvalidArgumentError, match="`duration_s`"):
+            tier.submit_write([1], host.pool, [0], duration_s=1e300)
 
 
 def test_reopen_with_different_geometry_is_refused(tmp_path):

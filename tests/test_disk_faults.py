@@ -213,6 +213,45 @@ def test_real_enospc_on_a_full_filesystem(small_fs, engine):
         assert read(tier, host, sample) == {k: payload(k) for k in sample}
 
 
+@pytest.fixture
+def small_ext4(tmp_path):
+    """A 32 MiB ext4 filesystem on a loop device: unlike tmpfs, ext4 keeps what a fallocate
+    allocated before it ran out of space."""
+    img, mnt = tmp_path / "fs.img", tmp_path / "ext4"
+    mnt.mkdir()
+    with open(img, "wb") as f:
+        f.truncate(32 << 20)
+    steps = (["mkfs.ext4", "-q", "-F", str(img)], ["mount", "-o", "loop", str(img), str(mnt)])
+    for cmd in steps:
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True)
+        except FileNotFoundError as e:
+            pytest.skip(f"SKIPPED LOUDLY: cannot build a small ext4 filesystem here ({e})")
+        if r.returncode != 0:
+            why = f"{' '.join(cmd)}: {r.stderr.strip()}"
+            pytest.skip(f"SKIPPED LOUDLY: cannot build a small ext4 filesystem here: {why}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_tier_larger_than_the_free_space_leaves_the_space_free(small_ext4, engine):
+    def free_bytes() -> int:
+        st = os.statvfs(small_ext4)
+        return st.f_bavail * st.f_frsize
+
+    before = free_bytes()
+    host = Host(8)
+    # 256 MiB of slabs on a 32 MiB filesystem.
+    with make_tier(small_ext4 / "tier", engine, blocks=256 * (1 << 20) // stride(BLOCK)) as tier:
+        assert not tier.preallocated
+        assert any("free on its filesystem" in n for n in tier.notes), tier.notes
+        assert free_bytes() > before - (1 << 20), "opening the tier took the filesystem's free space"
+        _, res = write(tier, host, [1, 2])
+        assert read(tier, host, [1, 2]) == {1: payload(1), 2: payload(2)}, res
+
+
 def test_buffered_fallback_is_reported(tmp_path, engine):
     host = Host(4)
     with make_tier(tmp_path, engine, direct="off") as tier:

@@ -18,7 +18,7 @@ from kvtier_rs._core import InvalidArgumentError, KvTierError
 from kvtier_rs.integrations import trtllm
 from kvtier_rs.integrations.trtllm import identity
 from kvtier_rs.integrations.trtllm.config import parse_options
-from kvtier_rs.integrations.trtllm.metadata import KvtierConnectorMetadata, LoadSpec, SaveSpec
+from kvtier_rs.integrations.trtllm.metadata import KvtierConnectorMetadata, LoadSpec, SaveSpec, block_retention
 from kvtier_rs.transfer import CpuTransferEngine
 
 TPB = 4
@@ -150,6 +150,16 @@ def test_priorities_order_eviction_and_durations_expire(tmp_path, engines):
     r = Request(3, keep + [3])
     eng.step([r])
     assert eng.matched[3] == 0
+
+
+def test_a_duration_longer_than_the_index_counts_never_expires():
+    # timedelta.max (~2.7 million years) is beyond the index's u64 nanosecond clock: it is passed
+    # on as "no duration" (never falls back to 35), which the index accepts, not as a number it
+    # would refuse.
+    forever = Retention([TokenRange(0, None, 90, datetime.timedelta.max)])
+    assert block_retention(forever, 64, 16, 0) == (90, None)
+    ms = Retention([TokenRange(0, None, 90, 1500)])  # plain milliseconds
+    assert block_retention(ms, 64, 16, 0) == (90, 1.5)
 
 
 class GatedEngine(CpuTransferEngine):

@@ -8,7 +8,7 @@
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use super::io::FdOwner;
@@ -247,27 +247,57 @@ pub struct SlabOpen {
     pub prealloc_refusal: Option<String>,
 }
 
+/// Give `file` its full `bytes` of disk blocks (None), or make it that long but sparse and say
+/// why (Some). A full device then shows up as ENOSPC on writes, which the tier degrades on.
+///
+/// fallocate is only tried when the filesystem has room for the blocks the file still lacks:
+/// on ext4 a fallocate that runs out of space keeps the blocks it allocated before failing, so
+/// a tier larger than the free space took all of it at open and left other programs none. If
+/// it fails anyway (another writer took the room meanwhile), a slab that was empty is cut back
+/// to nothing before it is made sparse, which frees those blocks; a slab with blocks of its own
+/// (an earlier sparse open) keeps them, since they may hold the tier's data.
+fn preallocate(file: &File, path: &Path, bytes: u64) -> KvResult<Option<String>> {
+    let stat = |file: &File| file.metadata().map_err(|e| KvError::io("stat slab", path, &e));
+    let before = stat(file)?;
+    let missing = bytes.saturating_sub(before.blocks().saturating_mul(512));
+    let free = free_bytes(file).map_err(|e| KvError::io("statvfs slab", path, &e))?;
+    let refusal = if missing > free {
+        Some(format!("{missing} bytes to allocate, {free} free on its filesystem"))
+    } else {
+        // SAFETY: plain syscall on an fd we own.
+        let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, bytes as libc::off_t) };
+        if rc == 0 {
+            return Ok(None);
+        }
+        let err = std::io::Error::last_os_error();
+        if before.blocks() == 0 {
+            file.set_len(0).map_err(|e| KvError::io("size slab", path, &e))?;
+        }
+        Some(format!("fallocate: {err}"))
+    };
+    if stat(file)?.len() < bytes {
+        file.set_len(bytes).map_err(|e| KvError::io("size slab", path, &e))?;
+    }
+    Ok(refusal)
+}
+
+/// Bytes an unprivileged writer may still allocate on `file`'s filesystem.
+fn free_bytes(file: &File) -> std::io::Result<u64> {
+    // SAFETY: statvfs is plain old data; fstatvfs fills it for an fd we own.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::fstatvfs(file.as_raw_fd(), &mut st) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok((st.f_bavail as u64).saturating_mul(st.f_frsize as u64))
+}
+
 impl SlabFile {
     /// Open or create a slab, size it (fallocate, or a sparse file where the filesystem cannot
-    /// preallocate or is full) and pick direct or buffered I/O.
+    /// preallocate or has too little free space) and pick direct or buffered I/O.
     pub fn open(path: &Path, bytes: u64, mode: DirectMode) -> KvResult<SlabOpen> {
         let file = open_private(path, true).map_err(|e| KvError::io("open slab", path, &e))?;
         let _ = fs::set_permissions(path, fs::Permissions::from_mode(0o600));
-        let fd = file.as_raw_fd();
-        // SAFETY: plain syscall on an fd we own.
-        let rc = unsafe { libc::fallocate(fd, 0, 0, bytes as libc::off_t) };
-        let prealloc_refusal = if rc == 0 {
-            None
-        } else {
-            let err = std::io::Error::last_os_error();
-            // Unsupported (some network filesystems) or no room: fall back to a sparse file. A
-            // full device then shows up as ENOSPC on writes, which the tier degrades on.
-            let cur = file.metadata().map_err(|e| KvError::io("stat slab", path, &e))?.len();
-            if cur < bytes {
-                file.set_len(bytes).map_err(|e| KvError::io("size slab", path, &e))?;
-            }
-            Some(format!("fallocate: {err}"))
-        };
+        let prealloc_refusal = preallocate(&file, path, bytes)?;
         let mut direct_refusal = None;
         let mut slab =
             SlabFile { file, path: path.to_path_buf(), direct: false, preallocated: prealloc_refusal.is_none() };

@@ -3,6 +3,7 @@
 
 use std::ffi::c_char;
 use std::ptr;
+use std::time::Duration;
 
 use pyo3::ffi;
 use pyo3::prelude::*;
@@ -10,6 +11,7 @@ use pyo3::types::{PyBytes, PyInt, PyList, PyTuple};
 
 use super::errors::invalid;
 use crate::keys::{BlockKey, KeyProbe, KeyRef, KeyValue};
+use crate::policy::{InsertHint, MAX_PRIORITY};
 
 pub fn key_from_py(obj: &Bound<'_, PyAny>) -> PyResult<BlockKey> {
     probe_from_py(obj).map(|p| p.to_key())
@@ -152,4 +154,23 @@ pub fn as_list<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
     }
     let iter = obj.try_iter().map_err(|_| invalid("keys", "expected a sequence of int or bytes keys"))?;
     PyList::new(obj.py(), iter.collect::<PyResult<Vec<_>>>()?)
+}
+
+/// `value` seconds as a Duration. Timeouts, durations and the index clock count nanoseconds in a
+/// u64, so values from 0 up to 2^64 ns (about 584 years) are accepted; anything else (negative,
+/// NaN, infinite, larger) is refused naming `arg`, never a panic.
+pub fn seconds(arg: &'static str, value: f64) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(value)
+        .ok()
+        .filter(|d| d.as_nanos() <= u128::from(u64::MAX))
+        .ok_or_else(|| invalid(arg, format!("must be a number of seconds from 0 to 584 years, got {value}")))
+}
+
+/// A store's priority (0..=100) and optional duration (seconds) as the policies take them.
+pub fn insert_hint(priority: i64, duration_s: Option<f64>) -> PyResult<InsertHint> {
+    if !(0..=i64::from(MAX_PRIORITY)).contains(&priority) {
+        return Err(invalid("priority", format!("{priority} is outside 0..=100")));
+    }
+    let duration_ns = duration_s.map(|d| seconds("duration_s", d).map(|d| d.as_nanos() as u64)).transpose()?;
+    Ok(InsertHint { priority: priority as u8, duration_ns })
 }

@@ -9,7 +9,7 @@ use std::time::Duration;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use super::convert::{keys_from_py, keys_to_py};
+use super::convert::{self, keys_from_py, keys_to_py};
 use super::errors::{contain, invalid};
 use super::host_pool::HostPool;
 use super::index::positive;
@@ -17,7 +17,7 @@ use crate::admission::AdmissionRule;
 use crate::disk::io::{uring, EngineChoice};
 use crate::disk::slab::DirectMode;
 use crate::disk::{self, DiskConfig, Fault, HostMemory, JobKind, JobResult};
-use crate::policy::{InsertHint, PolicyKind, MAX_PRIORITY};
+use crate::policy::PolicyKind;
 
 /// A host pool seen by the core as `HostMemory`; holding it keeps the pool's memory alive.
 struct PoolRef(Py<HostPool>);
@@ -42,11 +42,7 @@ fn slots_from_py(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
 }
 
 fn seconds(arg: &'static str, v: Option<f64>) -> PyResult<Option<Duration>> {
-    match v {
-        None => Ok(None),
-        Some(s) if s.is_finite() && s >= 0.0 => Ok(Some(Duration::from_secs_f64(s))),
-        Some(s) => Err(invalid(arg, format!("must be a non-negative number of seconds, got {s}"))),
-    }
+    v.map(|s| convert::seconds(arg, s)).transpose()
 }
 
 /// Result of one disk job.
@@ -293,13 +289,7 @@ impl PyDiskTier {
     ) -> PyResult<DiskWriteTicket> {
         let keys = keys_from_py(keys)?;
         let slots = slots_from_py(slots)?;
-        if !(0..=i64::from(MAX_PRIORITY)).contains(&priority) {
-            return Err(invalid("priority", format!("{priority} is outside 0..=100")));
-        }
-        let hint = InsertHint {
-            priority: priority as u8,
-            duration_ns: seconds("duration_s", duration_s)?.map(|d| d.as_nanos() as u64),
-        };
+        let hint = convert::insert_hint(priority, duration_s)?;
         let host: Arc<dyn HostMemory> = Arc::new(PoolRef(pool.clone().unbind()));
         let t = self.contain(|| Ok(py.detach(|| self.inner.submit_write(&keys, &slots, host, hint))?))?;
         Ok(DiskWriteTicket {

@@ -5,14 +5,16 @@
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use super::convert::{as_list, exact_bytes_keys, key_from_py, key_to_py, keys_from_py, keys_to_py, probe_from_py};
+use super::convert::{
+    self, as_list, exact_bytes_keys, insert_hint, key_from_py, key_to_py, keys_from_py, keys_to_py, probe_from_py,
+};
 use super::errors::{contain, invalid};
 use super::host_pool::HostPool;
 use crate::admission::AdmissionRule;
 use crate::error::KvError;
 use crate::index::{BlockState, IndexConfig, TierIndex};
 use crate::keys::{BlockKey, ChainKey};
-use crate::policy::{InsertHint, PolicyKind, MAX_PRIORITY};
+use crate::policy::{InsertHint, PolicyKind};
 
 /// (key, state, pins, slot) as `entries()` returns them.
 type EntryRow<'py> = (Bound<'py, PyAny>, &'static str, u32, u32);
@@ -35,18 +37,6 @@ pub(crate) fn positive(arg: &'static str, v: i64) -> PyResult<usize> {
         return Err(invalid(arg, format!("must be positive, got {v}")));
     }
     Ok(v as usize)
-}
-
-fn hint(priority: i64, duration_s: Option<f64>) -> PyResult<InsertHint> {
-    if !(0..=i64::from(MAX_PRIORITY)).contains(&priority) {
-        return Err(invalid("priority", format!("{priority} is outside 0..=100")));
-    }
-    let duration_ns = match duration_s {
-        None => None,
-        Some(d) if d.is_finite() && d >= 0.0 => Some((d * 1e9) as u64),
-        Some(d) => return Err(invalid("duration_s", format!("must be a non-negative number of seconds, got {d}"))),
-    };
-    Ok(InsertHint { priority: priority as u8, duration_ns })
 }
 
 /// Outcome of `prepare_store`: which keys to write into which slots, and what happened to the rest.
@@ -303,7 +293,7 @@ impl BlockIndex {
         priority: i64,
         duration_s: Option<f64>,
     ) -> PyResult<StoreOutcome> {
-        let hint = hint(priority, duration_s)?;
+        let hint = insert_hint(priority, duration_s)?;
         // Hand back the caller's own key objects (by position) rather than new ones.
         let seq = as_list(keys)?;
         let out = self.contain(|| self.prepare_store_core(py, &seq, hint))?;
@@ -386,7 +376,7 @@ impl BlockIndex {
         priority: i64,
         duration_s: Option<f64>,
     ) -> PyResult<Option<u32>> {
-        let (k, hint) = (key_from_py(key)?, hint(priority, duration_s)?);
+        let (k, hint) = (key_from_py(key)?, insert_hint(priority, duration_s)?);
         let out = self.contain(|| Ok(self.inner.prepare_store(std::slice::from_ref(&k), hint)?))?;
         Ok(out.to_write.first().map(|(_, s)| *s))
     }
@@ -458,10 +448,8 @@ impl BlockIndex {
 
     /// Move a manual clock forward (indexes built with manual_clock=True only).
     fn advance_clock(&self, seconds: f64) -> PyResult<()> {
-        if !(seconds.is_finite() && seconds >= 0.0) {
-            return Err(invalid("seconds", format!("must be a non-negative number, got {seconds}")));
-        }
-        if !self.inner.clock().advance((seconds * 1e9) as u64) {
+        let ns = convert::seconds("seconds", seconds)?.as_nanos() as u64;
+        if !self.inner.clock().advance(ns) {
             return Err(KvError::invalid("manual_clock", "this index uses the monotonic clock").into());
         }
         Ok(())

@@ -85,12 +85,20 @@ def validate_metadata(meta: Any, num_blocks: int) -> KvtierConnectorMetadata:
 # ---- retention ------------------------------------------------------------------------------
 
 
+#: The longest duration the index takes (its clock counts nanoseconds in a u64: ~584 years).
+MAX_DURATION_S = 2**64 / 1e9
+
+
 def _ms_to_s(value: Any) -> float | None:
     if value is None:
         return None
     if hasattr(value, "total_seconds"):  # datetime.timedelta (the nanobind/pybind conversion)
-        return float(value.total_seconds())
-    return float(value) / 1000.0
+        seconds = float(value.total_seconds())
+    else:
+        seconds = float(value) / 1000.0
+    # A duration longer than the index can count (timedelta.max, say) never expires: the same
+    # as no duration, which is how the index is told so.
+    return None if seconds >= MAX_DURATION_S else seconds
 
 
 def block_retention(config: Any, prompt_len: int, tokens_per_block: int, block: int) -> tuple[int, float | None]:
