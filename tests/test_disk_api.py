@@ -213,6 +213,30 @@ def test_second_open_is_locked_in_process_and_across_processes(tmp_path):
     make_tier(tmp_path, "pool").close()
 
 
+def test_deleting_the_lock_file_does_not_let_a_second_tier_in(tmp_path):
+    # The directory itself is locked too: it cannot be deleted while it holds the tier's files.
+    tier = make_tier(tmp_path, "pool")
+    (tmp_path / "kvtier-disk.lock").unlink()
+    with pytest.raises(DirectoryLockedError, match="already open by another disk tier"):
+        make_tier(tmp_path, "pool")
+    tier.close()
+    make_tier(tmp_path, "pool").close()
+
+
+def test_slabs_without_metadata_are_started_afresh_and_said_so(tmp_path):
+    host = Host(2)
+    with make_tier(tmp_path, "pool") as tier:
+        write(tier, host, [1, 2])
+        assert not any("was missing" in n for n in tier.notes), "a new directory has nothing to discard"
+    (tmp_path / "kvtier-disk.meta").unlink()
+    with make_tier(tmp_path, "pool") as tier:
+        assert len(tier) == 0, "without its metadata the directory's id is unknown: blocks cannot be vouched for"
+        assert tier.stats()["recovery_discarded"] == 2
+        assert any("kvtier-disk.meta was missing" in n and "blocks discarded" in n for n in tier.notes), tier.notes
+        write(tier, host, [3])
+        assert read(tier, host, [3]) == {3: payload(3)}
+
+
 def test_permissions_and_fixed_file_names(tmp_path):
     d = tmp_path / "tier"
     host = Host(2)

@@ -30,6 +30,7 @@ pub mod status;
 mod tests;
 
 use std::collections::{HashMap, HashSet};
+use std::fs;
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -286,6 +287,23 @@ impl DiskTier {
         };
 
         let mut notes = Vec::new();
+        if meta.is_none() {
+            // The directory's id lives only in its metadata, so slabs left by an earlier tier
+            // cannot be told from another directory's: they are started afresh (their blocks are
+            // counted in recovery_discarded). Said here, since it loses every block they held.
+            let orphans = fs::read_dir(&cfg.dir)
+                .map(|entries| {
+                    entries.flatten().filter(|e| slab::is_slab_name(&e.file_name().to_string_lossy())).count()
+                })
+                .unwrap_or(0);
+            if orphans > 0 {
+                notes.push(format!(
+                    "{} was missing: {orphans} slab file(s) of an earlier tier were started afresh and \
+                     their blocks discarded",
+                    slab::META_NAME
+                ));
+            }
+        }
         let mut slabs = Vec::with_capacity(geo.num_files);
         for i in 0..geo.num_files {
             let opened = SlabFile::open(&cfg.dir.join(slab::slab_name(i)), geo.file_bytes(), cfg.direct)?;

@@ -24,6 +24,13 @@ pub fn slab_name(i: usize) -> String {
     format!("slab-{i:03}.kvt")
 }
 
+/// Whether `name` is one that `slab_name` gives.
+pub fn is_slab_name(name: &str) -> bool {
+    name.strip_prefix("slab-")
+        .and_then(|rest| rest.strip_suffix(".kvt"))
+        .is_some_and(|n| n.len() == 3 && n.bytes().all(|b| b.is_ascii_digit()))
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Geometry {
     pub block_bytes: usize,
@@ -115,33 +122,60 @@ fn open_private(path: &Path, create: bool) -> std::io::Result<File> {
 
 /// Exclusive advisory lock on the directory for the life of the tier (flock: released by the
 /// kernel if the process dies, so a crash never leaves the directory locked).
+///
+/// Two flocks: one on the directory itself, which cannot be deleted while it holds the tier's
+/// files, so deleting the lock file cannot let a second tier in; and one on the lock file, which
+/// records the holder's pid for the error message and `kvtier status`. Where a filesystem
+/// refuses flock on a directory, the lock file's flock alone guards it, as before.
 pub struct DirLock {
+    _dir: Option<File>,
     _file: File,
+}
+
+/// `flock(LOCK_EX | LOCK_NB)`: Ok(true) when taken, Ok(false) when another holder has it.
+fn try_flock(file: &File) -> std::io::Result<bool> {
+    // SAFETY: plain syscall on an fd we own.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+        return Ok(true);
+    }
+    let err = std::io::Error::last_os_error();
+    if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        Ok(false)
+    } else {
+        Err(err)
+    }
 }
 
 impl DirLock {
     pub fn acquire(dir: &Path) -> KvResult<Self> {
         let path = dir.join(LOCK_NAME);
-        let mut file = open_private(&path, true).map_err(|e| KvError::io("open lock file", &path, &e))?;
-        // SAFETY: plain syscall on an fd we own.
-        let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-        if rc != 0 {
-            let err = std::io::Error::last_os_error();
-            if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
-                let mut holder = String::new();
-                let _ = file.read_to_string(&mut holder);
-                let holder = holder.trim();
-                return Err(KvError::Locked(format!(
-                    "{} is already open by another disk tier{}",
-                    dir.display(),
-                    if holder.is_empty() { String::new() } else { format!(" (pid {holder})") }
-                )));
+        let locked = |pid_file: Option<&mut File>| {
+            let mut holder = String::new();
+            if let Some(f) = pid_file {
+                let _ = f.read_to_string(&mut holder);
             }
-            return Err(KvError::io("lock", &path, &err));
+            let holder = holder.trim();
+            KvError::Locked(format!(
+                "{} is already open by another disk tier{}",
+                dir.display(),
+                if holder.is_empty() { String::new() } else { format!(" (pid {holder})") }
+            ))
+        };
+        let dir_file = File::open(dir).map_err(|e| KvError::io("open", dir, &e))?;
+        let dir_lock = match try_flock(&dir_file) {
+            Ok(true) => Some(dir_file),
+            Ok(false) => return Err(locked(File::open(&path).ok().as_mut())),
+            Err(_) => None,
+        };
+        let mut file = open_private(&path, true).map_err(|e| KvError::io("open lock file", &path, &e))?;
+        match try_flock(&file) {
+            Ok(true) => {}
+            Ok(false) => return Err(locked(Some(&mut file))),
+            Err(e) => return Err(KvError::io("lock", &path, &e)),
         }
         let _ = file.set_len(0);
         let _ = write!(file, "{}", std::process::id());
-        Ok(DirLock { _file: file })
+        Ok(DirLock { _dir: dir_lock, _file: file })
     }
 }
 
