@@ -3,6 +3,7 @@ that name their argument, the directory lock, permissions, and stats."""
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import pwd
@@ -314,3 +315,19 @@ def test_stats_name_the_mode(tmp_path, engine):
         assert s["io_mode"] == tier.io_mode in ("direct", "buffered")
         assert s["capacity_blocks"] == 16
         assert s["preallocated"] == int(tier.preallocated)
+
+
+def test_the_adapters_opener_logs_what_the_tier_noted(tmp_path, caplog):
+    from kvtier_rs.disk_tier import open_disk_tier
+
+    host = Host(2)
+    root = tmp_path / "a" / "b"  # created, parents too
+    with make_tier(root, "pool") as tier:
+        write(tier, host, [1])
+    (root / "kvtier-disk.meta").unlink()
+    with caplog.at_level(logging.INFO, logger="kvtier_rs.disk"):
+        with open_disk_tier(root, 16 * stride(), BLOCK, engine="pool", admission="always") as tier:
+            assert len(tier) == 0
+    messages = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert ("INFO", f"kvtier disk tier {root}: 0 blocks recovered, 1 discarded; {tier.io_mode} I/O on pool") in messages
+    assert any(level == "WARNING" and "kvtier-disk.meta was missing" in m for level, m in messages), messages

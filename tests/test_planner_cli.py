@@ -110,3 +110,77 @@ def test_console_script_help_documents_semantics():
         "underfilled",
     ]:
         assert phrase in out
+
+
+def cli_fails(capsys, *argv: str) -> str:
+    """Run the `kvtier` entry point: it must exit with status 2 and a one-line error (argparse
+    prints its usage above it), never a traceback. Returns the error line."""
+    try:
+        rc, from_argparse = main(list(argv)), False
+    except SystemExit as e:  # argparse rejects an argument by exiting with status 2
+        rc, from_argparse = e.code, True
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, err
+    lines = err.splitlines()
+    assert from_argparse or len(lines) == 1, err
+    return lines[-1]
+
+
+@pytest.fixture
+def tiny_trace(tmp_path) -> Path:
+    p = tmp_path / "tiny.jsonl"
+    p.write_text('{"timestamp": 0, "input_length": 1000, "output_length": 10, "hash_ids": [1, 2]}\n')
+    return p
+
+
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["--capacities", "100000000000000000000"], ["--capacities", "1000000000000 (10^12)"]),
+        (["--gpu", "100000000000000000000blocks"], ["--gpu", "at most 1000000000000 (10^12) blocks"]),
+        (["--cpu", "99999999999999999999999TiB", "--bytes-per-token", "1"], ["--cpu", "(1 EiB)"]),
+        (["--cpu", "1" + "0" * 400 + "GiB", "--bytes-per-token", "1"], ["--cpu", "(1 EiB)"]),
+        (["--cpu", "1000TiB", "--bytes-per-token", "1", "--block-size", "1"], ["--cpu", "at most 1000000000000"]),
+        (["--bytes-per-token", str(10**40), "--cpu", "1GiB"], ["--bytes-per-token", "(1 GiB)"]),
+        (["--prefill-tps", "inf", "--bytes-per-token", "1000"], ["--prefill-tps", "positive finite"]),
+        (["--threads", "-1"], ["--threads", "between 0 (every core) and 1024", "got -1"]),
+        (["--top", "-1"], ["--top", "between 0 and 10000", "got -1"]),
+    ],
+)
+def test_plan_out_of_range_options_are_one_line_errors(tiny_trace, capsys, args, words):
+    err = cli_fails(capsys, "plan", str(tiny_trace), *args)
+    assert err.startswith("kvtier plan: error: ")
+    for w in words:
+        assert w in err
+
+
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["--rate", "nan"], ["argument --rate", "finite number > 0"]),
+        (["--mix", "chat=nan"], ["--mix", "share of chat", "finite"]),
+        (["--mix", "chat=inf"], ["--mix", "share of chat", "finite"]),
+        (["--mix", "chat=1e308,rag=1e308"], ["--mix", "add up to a finite number"]),
+        (["--zipf", "nan"], ["argument --zipf", "finite number >= 0 and <= 10"]),
+        (["--zipf", "1000"], ["argument --zipf", "finite number >= 0 and <= 10"]),
+        (["--mean-turns", "nan"], ["argument --mean-turns", "finite number >= 1"]),
+        (["--mean-turns", "inf"], ["argument --mean-turns", "finite number >= 1"]),
+        (["--think-time", "inf"], ["argument --think-time", "finite number > 0"]),
+        (["--think-time", "nan"], ["argument --think-time", "finite number > 0"]),
+    ],
+)
+def test_synth_non_finite_or_out_of_range_numbers_are_errors(tmp_path, capsys, args, words):
+    out = tmp_path / "t.jsonl"
+    err = cli_fails(capsys, "trace", "synth", "--out", str(out), "--requests", "50", *args)
+    assert err.startswith("kvtier trace")
+    for w in words:
+        assert w in err
+    assert not out.exists()
+
+
+def test_status_says_whether_the_dir_is_missing_or_not_a_directory(tmp_path, capsys):
+    missing = tmp_path / "nonexistent"
+    assert cli_fails(capsys, "status", "--dir", str(missing)).endswith(f"--dir {missing}: no such directory")
+    f = tmp_path / "file"
+    f.write_text("")
+    assert cli_fails(capsys, "status", "--dir", str(f)).endswith(f"--dir {f}: not a directory")

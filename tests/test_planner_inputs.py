@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from kvtier_rs.cli import main
 from kvtier_rs.planner.errors import PlanError, TraceError
 from kvtier_rs.planner.model import bytes_per_token_from_config, parse_size
 from kvtier_rs.planner.traces import chain_hash, detect_format, read_trace
@@ -225,3 +230,163 @@ def test_sizes():
             parse_size(bad, "--gpu")
     with pytest.raises(PlanError, match="needs --bytes-per-token"):
         parse_size("1GiB", "--gpu").blocks(None, "--gpu")
+
+
+REC = b'{"timestamp": 0, "input_length": 1000, "output_length": 10, "hash_ids": [1, 2]}\n'
+HUGE = 10**20
+
+
+def plan_fails(capsys, *argv: str) -> str:
+    """Run `kvtier plan ARGV` through the console script's entry point: it must exit with status 2
+    and one line on stderr, never a traceback. Returns that line."""
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1, err
+    return err
+
+
+@pytest.mark.parametrize(
+    "name,content,args,words",
+    [
+        (
+            "huge_input.jsonl",
+            b'{"timestamp": 0, "input_length": %d, "hash_ids": [1, 2]}\n' % HUGE,
+            [],
+            [":1: field 'input_length'", "<= 1000000000"],
+        ),
+        (
+            "huge_output.jsonl",
+            b'{"timestamp": 0, "input_length": 1000, "output_length": %d, "hash_ids": [1]}\n' % HUGE,
+            [],
+            [":1: field 'output_length'", "<= 1000000000"],
+        ),
+        # Each fits u64, but their sum would wrap: rejected per record, at parse time.
+        (
+            "u64_max.jsonl",
+            b'{"timestamp": 0, "input_length": %d, "hash_ids": [1]}\n' % (2**64 - 1) * 3,
+            [],
+            [":1: field 'input_length'", "<= 1000000000"],
+        ),
+        (
+            "huge_record_block_size.jsonl",
+            b'{"timestamp": 0, "input_length": 10, "hash_ids": [1], "block_size": %d}\n' % HUGE,
+            [],
+            [":1: field 'block_size'", "<= 1048576"],
+        ),
+        ("empty_list.json", b"[]\n", [], ["no conversations"]),
+        (
+            "tester_huge_block_size.json",
+            b'{"block_size": %d, "requests": [{"t": 0, "in": 10, "hash_ids": [1]}]}\n' % HUGE,
+            [],
+            ["field 'block_size'", "<= 1048576"],
+        ),
+        (
+            "tester_huge_in.json",
+            b'{"block_size": 16, "requests": [{"t": 0, "in": %d, "hash_ids": [1]}]}\n' % HUGE,
+            [],
+            ["requests[0]: field 'in'", "<= 1000000000"],
+        ),
+        ("not_utf8.jsonl", b"\xff\xfe\x00garbage\n", [], [":1: not valid UTF-8", "0xff"]),
+        ("bad_utf8_line2.jsonl", REC + b'{"timestamp": 5, "x": "\xff"}\n' + REC, [], [":2: not valid UTF-8"]),
+        (
+            "tester_not_utf8.json",
+            b'{"block_size": 16,\n "x": "\xff", "requests": []}\n',
+            ["--trace-format", "kvcache-tester"],
+            [":2: not valid UTF-8", "column 8"],
+        ),
+        ("corrupt.jsonl.gz", b"\x1f\x8bgarbagegarbage", [], ["corrupt gzip file"]),
+        ("truncated.jsonl.gz", gzip.compress(REC)[:30], [], ["truncated gzip file"]),
+        ("ok.jsonl", REC, ["--block-size", str(HUGE)], ["--block-size", "1048576"]),
+    ],
+)
+def test_bad_trace_file_is_a_one_line_error(tmp_path, capsys, name, content, args, words):
+    p = tmp_path / name
+    p.write_bytes(content)
+    err = plan_fails(capsys, str(p), *args)
+    for w in words:
+        assert w in err
+
+
+def test_directory_or_fifo_is_named_as_such(tmp_path, capsys):
+    assert "is a directory" in plan_fails(capsys, str(tmp_path))
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert "not a regular file" in plan_fails(capsys, str(fifo))
+
+
+def test_skip_bad_skips_non_utf8_and_out_of_range_lines(tmp_path, capsys):
+    p = tmp_path / "t.jsonl"
+    p.write_bytes(REC + b'{"x": "\xff"}\n' + b'{"timestamp": 1, "input_length": %d, "hash_ids": [1]}\n' % HUGE + REC)
+    args = ["plan", str(p), "--skip-bad", "--warmup", "0", "--capacities", "1", "--format", "json", "--no-progress"]
+    assert main(args) == 0
+    trace = json.loads(capsys.readouterr().out)["trace"]
+    assert (trace["requests"], trace["skipped_records"]) == (2, 2)
+    assert "t.jsonl:2: not valid UTF-8" in trace["skipped_examples"][0]
+    assert "t.jsonl:3: field 'input_length'" in trace["skipped_examples"][1]
+
+
+def test_detection_reads_a_first_line_longer_than_64k(tmp_path, capsys):
+    n = 16000  # a 256k-token prompt in 16-token blocks: a ~140 KB first line
+    rec = {"timestamp": 0, "input_length": n * 16, "hash_ids": list(range(10**6, 10**6 + n)), "block_size": 16}
+    p = write_lines(tmp_path / "long.jsonl", [{**rec, "timestamp": i} for i in range(3)])
+    assert len(p.read_text().split("\n", 1)[0]) > 1 << 16
+    assert detect_format(p) == "mooncake"
+    assert main(["plan", str(p), "--capacities", "100", "--format", "json", "--no-progress"]) == 0
+    trace = json.loads(capsys.readouterr().out)["trace"]
+    assert (trace["format"], trace["block_size"], trace["requests"]) == ("mooncake", 16, 3)
+
+
+def run_without_read_override(*argv: str) -> subprocess.CompletedProcess:
+    """`kvtier ARGV` in a child that mode bits apply to, even when the tests run as root."""
+    cmd = [sys.executable, "-m", "kvtier_rs.cli", *argv]
+    if os.geteuid() == 0:
+        if not shutil.which("setpriv"):
+            pytest.skip("running as root without setpriv: cannot make a file unreadable")
+        cmd = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", *cmd]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.stderr.startswith("setpriv:"):
+        pytest.skip(f"setpriv cannot drop capabilities here: {r.stderr.strip()}")
+    return r
+
+
+def test_unreadable_trace_and_model_config(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_bytes(REC)
+    conf = cfg(tmp_path, num_hidden_layers=2, num_attention_heads=4, hidden_size=256)
+    for unreadable, args in [(trace, [str(trace)]), (conf, [str(trace), "--model-config", str(conf)])]:
+        unreadable.chmod(0)
+        try:
+            r = run_without_read_override("plan", *args)
+        finally:
+            unreadable.chmod(0o644)
+        assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
+        assert f"{unreadable}: cannot read: Permission denied" in r.stderr
+
+
+@pytest.mark.parametrize(
+    "fields,words",
+    [
+        ({"torch_dtype": 5}, ["field 'torch_dtype'", "dtype name", "got 5"]),
+        ({"num_key_value_heads": -8}, ["field 'num_key_value_heads'", "positive integer", "got -8"]),
+        ({"head_dim": 0}, ["field 'head_dim'", "positive integer", "got 0"]),
+        ({"num_hidden_layers": "32"}, ["field 'num_hidden_layers'", "positive integer", "got '32'"]),
+        ({"hidden_size": 16}, ["'hidden_size' (16) is smaller than 'num_attention_heads' (32)"]),
+        ({"num_hidden_layers": 10**9}, ["KV bytes per token", "1073741824 (1 GiB)"]),
+        ({"kv_lora_rank": 0}, ["field 'kv_lora_rank'", "positive integer"]),
+    ],
+)
+def test_nonsensical_model_config_values_name_the_field(tmp_path, capsys, fields, words):
+    trace = tmp_path / "t.jsonl"
+    trace.write_bytes(REC)
+    conf = cfg(tmp_path, **{"num_hidden_layers": 32, "num_attention_heads": 32, "hidden_size": 4096, **fields})
+    err = plan_fails(capsys, str(trace), "--model-config", str(conf), "--cpu", "10GiB")
+    assert err.startswith(f"kvtier plan: error: --model-config: {conf}: ")
+    for w in words:
+        assert w in err
+
+
+def test_model_config_that_is_a_directory(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    trace.write_bytes(REC)
+    err = plan_fails(capsys, str(trace), "--model-config", str(tmp_path))
+    assert f"--model-config: {tmp_path}: cannot read: Is a directory" in err

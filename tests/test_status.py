@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from _disk_util import BLOCK, Host, make_tier, read, stride, write
+from _disk_util import BLOCK, Host, make_tier, payload, read, stride, write
 
 from kvtier_rs._core import DirectoryLockedError, DiskIoError, InvalidArgumentError, disk_status
 from kvtier_rs.cli import main
@@ -111,3 +111,91 @@ def test_missing_slab_is_named(tmp_path):
     with pytest.raises(DiskIoError, match="slab-001.kvt"):
         disk_status(root)
     assert not (root / "slab-001.kvt").exists()
+
+
+def set_meta(root, **fields) -> None:
+    path = root / "kvtier-disk.meta"
+    lines = path.read_text().splitlines()
+    path.write_text("".join(f"{k}={fields.get(k, v)}\n" for k, v in (line.split("=", 1) for line in lines)))
+
+
+@pytest.mark.parametrize(
+    ("fields", "why"),
+    [
+        ({"block_bytes": 10**15}, "block_bytes=1000000000000000 is outside"),
+        ({"block_bytes": 2**64 - 1}, "block_bytes=18446744073709551615 is outside"),
+        ({"num_files": 0}, "num_files=0 is outside"),
+        ({"slots_per_file": 10**12}, "slots_per_file=1000000000000 is outside"),
+    ],
+)
+def test_implausible_metadata_is_refused_by_status_and_open_alike(tmp_path, fields, why):
+    root = tmp_path / "t"
+    make_tier(root, "pool", blocks=4, num_files=2).close()
+    set_meta(root, **fields)
+    before = snapshot(root)
+    with pytest.raises(DiskIoError, match=f"damaged metadata \\(.*{why}"):
+        disk_status(root, verify=True)
+    assert snapshot(root) == before
+    with pytest.raises(DiskIoError, match=f"damaged metadata \\(.*{why}"):
+        make_tier(root, "pool", blocks=4)
+    after = snapshot(root)
+    # The tier took its lock (writing its pid into the lock file) before it read the metadata.
+    for files in (before, after):
+        del files["kvtier-disk.lock"]
+    assert after == before, "the tier refused without touching metadata or slabs"
+
+
+def test_slots_past_the_end_of_short_slabs_are_counted_not_read(tmp_path):
+    # Metadata claiming 100M slots a file over files of 4 slots: the scan reads only what the
+    # files hold (it used to read every claimed slot, which never finished).
+    root = tmp_path / "t"
+    host = Host(4)
+    with make_tier(root, "pool", blocks=8, num_files=2) as tier:
+        write(tier, host, [1, 2])
+    set_meta(root, slots_per_file=100_000_000)
+    s = disk_status(root)
+    assert s["capacity_blocks"] == 200_000_000 and s["blocks"] == 2
+    assert s["missing_slots"] == 200_000_000 - 8
+    assert s["blocks"] + s["free_slots"] + s["damaged_slots"] + s["stale_copies"] + s["missing_slots"] == 200_000_000
+
+
+def test_truncated_slab_status_agrees_with_a_reopen(tmp_path):
+    root = tmp_path / "t"
+    host = Host(8)
+    with make_tier(root, "pool", blocks=8, num_files=1) as tier:
+        write(tier, host, list(range(8)))
+    data = -(-BLOCK // 4096) * 4096
+    # Cut 200 bytes into slot 5's header page (its fields survive), dropping slots 6 and 7.
+    os.truncate(root / "slab-000.kvt", 5 * stride() + data + 200)
+    s = disk_status(root)
+    assert (s["blocks"], s["damaged_slots"], s["missing_slots"]) == (6, 0, 2)
+    with make_tier(root, "pool", blocks=8, num_files=1) as tier:
+        assert len(tier) == 6
+        assert read(tier, host, list(range(6))) == {k: payload(k) for k in range(6)}
+
+
+def test_a_slab_that_is_not_a_regular_file_is_refused_at_once(tmp_path):
+    root = tmp_path / "t"
+    make_tier(root, "pool", blocks=4, num_files=2).close()
+    os.remove(root / "slab-001.kvt")
+    os.mkfifo(root / "slab-001.kvt")  # opening it for reading would wait for a writer
+    with pytest.raises(DiskIoError, match="slab-001.kvt: not a regular file"):
+        disk_status(root)
+
+
+def test_an_open_tier_shows_as_open_after_its_lock_file_is_deleted(tmp_path, capsys):
+    root = tmp_path / "t"
+    with make_tier(root, "pool", blocks=4, num_files=1):
+        (root / "kvtier-disk.lock").unlink()
+        assert main(["status", "--dir", str(root)]) == 0
+        assert f"open by pid {os.getpid()}" in capsys.readouterr().out
+    assert main(["status", "--dir", str(root)]) == 0
+    assert "in use:          not open" in capsys.readouterr().out
+
+
+def test_status_text_reports_missing_slots(tmp_path, capsys):
+    root = tmp_path / "t"
+    make_tier(root, "pool", blocks=8, num_files=1).close()
+    os.truncate(root / "slab-000.kvt", 3 * stride())
+    assert main(["status", "--dir", str(root)]) == 0
+    assert "missing slots:   5 (past the end of slab files shorter" in capsys.readouterr().out

@@ -153,7 +153,7 @@ class ClosedError(KvTierError): ...  # the tier was used after close()
 def disk_status(path: str | os.PathLike[str], *, verify: bool = False) -> dict[str, Any]:
     """Read-only scan of a disk tier directory (no lock taken, nothing written): path,
     block_bytes, slot_stride, num_files, slots_per_file, capacity_blocks, dir_id, blocks, bytes,
-    free_slots, damaged_slots, stale_copies, min_generation, max_generation, last_generation,
+    free_slots, damaged_slots, stale_copies, missing_slots, min_generation, max_generation, last_generation,
     verified_payloads. DiskIoError when it is not a disk tier directory or a slab is missing."""
 
 def io_uring_probe() -> str | None:

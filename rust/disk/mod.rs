@@ -322,8 +322,8 @@ impl DiskTier {
         let rec = recovery::scan(&geo, &slabs, dir_id, cfg.verify_on_open);
         let total = geo.total_slots();
         let allocator = Arc::new(SlotAllocator::empty(total));
-        for s in &rec.free {
-            allocator.release(*s);
+        for s in rec.free.iter().copied().chain(rec.past_eof.iter().cloned().flatten()) {
+            allocator.release(s);
         }
         let index = TierIndex::with_slots(
             IndexConfig {

@@ -21,6 +21,10 @@ pub struct Recovered {
     /// Winning copies, oldest generation first (the order they re-enter the policy).
     pub entries: Vec<SlotHeader>,
     pub free: Vec<u32>,
+    /// Slots past the end of a slab file shorter than the geometry says, one range per such
+    /// file: free too, but not read and not listed one by one. Only a status scan meets them (a
+    /// tier sizes its slabs before it scans them); damaged metadata can claim billions.
+    pub past_eof: Vec<std::ops::Range<u32>>,
     /// Slots with a header that did not verify (torn, corrupt, foreign).
     pub discarded: u64,
     /// Older copies of a key that also lives in a newer slot.
@@ -28,6 +32,9 @@ pub struct Recovered {
     pub max_generation: u64,
 }
 
+/// Fill `buf` from `off`; false on an I/O error. Bytes past the end of the file read as zeros,
+/// as they do once a tier opens the slab (it sizes a short slab back up before this scan), so
+/// `kvtier status` on a truncated slab counts what a reopening tier would serve.
 fn pread_full(fd: i32, buf: &mut [u8], off: u64) -> bool {
     let mut done = 0;
     while done < buf.len() {
@@ -38,7 +45,11 @@ fn pread_full(fd: i32, buf: &mut [u8], off: u64) -> bool {
         if n < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
             continue;
         }
-        if n <= 0 {
+        if n == 0 {
+            buf[done..].fill(0);
+            return true;
+        }
+        if n < 0 {
             return false;
         }
         done += n as usize;
@@ -90,6 +101,16 @@ fn scan_slot(
 
 pub fn scan(geo: &Geometry, slabs: &[Arc<SlabFile>], dir_id: u64, verify_payload: bool) -> Recovered {
     let total = geo.total_slots();
+    // Per file, how many of its slots start before its end (a slot cut by the end reads as
+    // zeros from there, see `pread_full`). A file that cannot be stat'ed is read in full.
+    let present: Vec<usize> = slabs
+        .iter()
+        .map(|s| match s.file.metadata() {
+            Ok(m) => (m.len().div_ceil(geo.slot_stride as u64) as usize).min(geo.slots_per_file),
+            Err(_) => geo.slots_per_file,
+        })
+        .collect();
+    let present = &present;
     let threads = if verify_payload { 4 } else { 16 }.min(total.max(1));
     let chunk = total.div_ceil(threads);
     let parts: Vec<(Vec<SlotHeader>, Vec<u32>, u64)> = std::thread::scope(|s| {
@@ -100,6 +121,9 @@ pub fn scan(geo: &Geometry, slabs: &[Arc<SlabFile>], dir_id: u64, verify_payload
                     let (mut valid, mut free, mut bad) = (Vec::new(), Vec::new(), 0u64);
                     let end = ((t + 1) * chunk).min(total);
                     for slot in (t * chunk)..end {
+                        if slot % geo.slots_per_file >= present[slot / geo.slots_per_file] {
+                            continue;
+                        }
                         match scan_slot(geo, slabs, dir_id, slot as u32, verify_payload, &mut buf) {
                             SlotScan::Free => free.push(slot as u32),
                             SlotScan::Discarded => {
@@ -117,6 +141,12 @@ pub fn scan(geo: &Geometry, slabs: &[Arc<SlabFile>], dir_id: u64, verify_payload
     });
 
     let mut out = Recovered::default();
+    for (f, &n) in present.iter().enumerate() {
+        if n < geo.slots_per_file {
+            let first = (f * geo.slots_per_file) as u32;
+            out.past_eof.push(first + n as u32..first + geo.slots_per_file as u32);
+        }
+    }
     let mut best: HashMap<BlockKey, SlotHeader> = HashMap::new();
     for (valid, free, bad) in parts {
         out.free.extend(free);

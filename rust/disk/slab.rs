@@ -42,16 +42,22 @@ pub struct Geometry {
     pub num_files: usize,
 }
 
+/// Limits of a tier's geometry: checked for a new tier (`Geometry::new`) and for the metadata
+/// of an existing one (`Meta::load`).
+const MAX_BLOCK_BYTES: usize = 1 << 30;
+const MAX_FILES: usize = 999;
+const MAX_SLOTS: usize = u32::MAX as usize / 2;
+
 impl Geometry {
     pub fn new(capacity_bytes: u64, block_bytes: usize, num_files: usize) -> KvResult<Self> {
         if block_bytes == 0 {
             return Err(KvError::invalid("block_bytes", "must be positive"));
         }
-        if block_bytes > (1 << 30) {
+        if block_bytes > MAX_BLOCK_BYTES {
             return Err(KvError::invalid("block_bytes", format!("{block_bytes} is over the 1 GiB limit")));
         }
-        if num_files == 0 || num_files > 999 {
-            return Err(KvError::invalid("num_files", format!("must be in 1..=999, got {num_files}")));
+        if num_files == 0 || num_files > MAX_FILES {
+            return Err(KvError::invalid("num_files", format!("must be in 1..={MAX_FILES}, got {num_files}")));
         }
         let data_bytes = round_up_page(block_bytes);
         let slot_stride = data_bytes + HEADER_BYTES;
@@ -65,7 +71,7 @@ impl Geometry {
                 ),
             ));
         }
-        if total > u32::MAX as usize / 2 {
+        if total > MAX_SLOTS {
             return Err(KvError::invalid("capacity_bytes", "more than 2^31 slots"));
         }
         Ok(Geometry { block_bytes, data_bytes, slot_stride, slots_per_file: total / num_files, num_files })
@@ -195,6 +201,37 @@ impl Meta {
         )
     }
 
+    /// The slot geometry the metadata describes.
+    pub fn geometry(&self) -> Geometry {
+        let data_bytes = round_up_page(self.block_bytes);
+        Geometry {
+            block_bytes: self.block_bytes,
+            data_bytes,
+            slot_stride: data_bytes + HEADER_BYTES,
+            slots_per_file: self.slots_per_file,
+            num_files: self.num_files,
+        }
+    }
+
+    /// Why these values are not ones a tier could have written (the limits `Geometry::new`
+    /// puts on a new tier), if they are not.
+    fn implausible(&self) -> Option<String> {
+        if self.block_bytes == 0 || self.block_bytes > MAX_BLOCK_BYTES {
+            return Some(format!("block_bytes={} is outside 1..={MAX_BLOCK_BYTES}", self.block_bytes));
+        }
+        if self.num_files == 0 || self.num_files > MAX_FILES {
+            return Some(format!("num_files={} is outside 1..={MAX_FILES}", self.num_files));
+        }
+        let slots = self.slots_per_file.saturating_mul(self.num_files);
+        if self.slots_per_file == 0 || slots > MAX_SLOTS {
+            return Some(format!(
+                "{} file(s) of slots_per_file={} is outside 1..={MAX_SLOTS} slots",
+                self.num_files, self.slots_per_file
+            ));
+        }
+        None
+    }
+
     /// Parse the metadata text; never evaluates anything, only integers by name.
     fn parse(text: &str) -> Option<Meta> {
         let get = |name: &str| -> Option<u64> {
@@ -211,17 +248,28 @@ impl Meta {
         })
     }
 
+    /// The directory's metadata, None when it has none. Refuses (naming the file) one that is
+    /// not a regular file, not in kvtier's format, or describes a geometry no tier writes: a
+    /// tier opening the directory or a status scan would otherwise act on nonsense sizes.
     pub fn load(dir: &Path) -> KvResult<Option<Meta>> {
         let path = dir.join(META_NAME);
-        match fs::read_to_string(&path) {
-            Ok(t) => Meta::parse(&t).map(Some).ok_or_else(|| KvError::Io {
-                op: "read",
-                path: path.display().to_string(),
-                detail: "not a kvtier disk-tier metadata file (unknown format); refusing to touch this directory"
-                    .into(),
-            }),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-            Err(e) => Err(KvError::io("read", &path, &e)),
+        let refuse = |detail: String| KvError::Io {
+            op: "read",
+            path: path.display().to_string(),
+            detail: format!("{detail}; refusing to touch this directory"),
+        };
+        match fs::metadata(&path) {
+            Ok(m) if !m.is_file() => return Err(refuse("not a regular file".into())),
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(KvError::io("read", &path, &e)),
+        }
+        let text = fs::read_to_string(&path).map_err(|e| KvError::io("read", &path, &e))?;
+        let meta =
+            Meta::parse(&text).ok_or_else(|| refuse("not a kvtier disk-tier metadata file (unknown format)".into()))?;
+        match meta.implausible() {
+            Some(why) => Err(refuse(format!("damaged metadata ({why})"))),
+            None => Ok(Some(meta)),
         }
     }
 

@@ -18,9 +18,8 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::sync::Arc;
 
-use super::layout::{round_up_page, HEADER_BYTES};
 use super::recovery;
-use super::slab::{slab_name, Geometry, Meta, SlabFile, META_NAME};
+use super::slab::{slab_name, Meta, SlabFile, META_NAME};
 use crate::error::{KvError, KvResult};
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -42,6 +41,9 @@ pub struct DiskStatus {
     pub damaged_slots: u64,
     /// Older copies of keys that also live in a newer slot (reused on the next open).
     pub stale_copies: u64,
+    /// Slots past the end of slab files shorter than the metadata says (truncated slabs, or
+    /// damaged metadata): whatever they held is gone; a reopening tier starts them empty.
+    pub missing_slots: u64,
     /// Lowest and highest generation among the blocks held (0 and 0 when empty), and the
     /// highest generation seen in any valid header (the next open continues after it).
     pub min_generation: u64,
@@ -52,7 +54,7 @@ pub struct DiskStatus {
 
 impl DiskStatus {
     /// (name, value) pairs in a fixed order, for the Python dict.
-    pub fn fields(&self) -> [(&'static str, u64); 15] {
+    pub fn fields(&self) -> [(&'static str, u64); 16] {
         [
             ("block_bytes", self.block_bytes),
             ("slot_stride", self.slot_stride),
@@ -65,6 +67,7 @@ impl DiskStatus {
             ("free_slots", self.free_slots),
             ("damaged_slots", self.damaged_slots),
             ("stale_copies", self.stale_copies),
+            ("missing_slots", self.missing_slots),
             ("min_generation", self.min_generation),
             ("max_generation", self.max_generation),
             ("last_generation", self.last_generation),
@@ -75,11 +78,22 @@ impl DiskStatus {
 
 fn open_read_only(path: &Path) -> KvResult<File> {
     // No O_CREAT, no O_DIRECT (buffered reads see the same bytes and need no alignment probe).
-    OpenOptions::new()
+    // O_NONBLOCK: opening a FIFO put in a slab's place must not wait for a writer; regular files
+    // ignore the flag, and anything else is refused below.
+    let file = OpenOptions::new()
         .read(true)
-        .custom_flags(libc::O_CLOEXEC)
+        .custom_flags(libc::O_CLOEXEC | libc::O_NONBLOCK)
         .open(path)
-        .map_err(|e| KvError::io("open read-only", path, &e))
+        .map_err(|e| KvError::io("open read-only", path, &e))?;
+    let meta = file.metadata().map_err(|e| KvError::io("stat", path, &e))?;
+    if !meta.is_file() {
+        return Err(KvError::Io {
+            op: "status",
+            path: path.display().to_string(),
+            detail: "not a regular file".into(),
+        });
+    }
+    Ok(file)
 }
 
 /// Scan `dir` without modifying it. Fails with an `Io` error naming the path when the
@@ -93,21 +107,7 @@ pub fn disk_status(dir: &Path, verify_payload: bool) -> KvResult<DiskStatus> {
         path: dir.join(META_NAME).display().to_string(),
         detail: "missing: not a kvtier disk-tier directory".into(),
     })?;
-    if meta.block_bytes == 0 || meta.num_files == 0 || meta.slots_per_file == 0 {
-        return Err(KvError::Io {
-            op: "status",
-            path: dir.join(META_NAME).display().to_string(),
-            detail: "metadata describes an empty geometry".into(),
-        });
-    }
-    let data_bytes = round_up_page(meta.block_bytes);
-    let geo = Geometry {
-        block_bytes: meta.block_bytes,
-        data_bytes,
-        slot_stride: data_bytes + HEADER_BYTES,
-        slots_per_file: meta.slots_per_file,
-        num_files: meta.num_files,
-    };
+    let geo = meta.geometry();
     let mut slabs = Vec::with_capacity(geo.num_files);
     for i in 0..geo.num_files {
         let path = dir.join(slab_name(i));
@@ -131,6 +131,7 @@ pub fn disk_status(dir: &Path, verify_payload: bool) -> KvResult<DiskStatus> {
         free_slots: rec.free.len() as u64 - rec.discarded - rec.duplicates,
         damaged_slots: rec.discarded,
         stale_copies: rec.duplicates,
+        missing_slots: rec.past_eof.iter().map(|r| u64::from(r.end - r.start)).sum(),
         min_generation: gens.clone().min().unwrap_or(0),
         max_generation: gens.max().unwrap_or(0),
         last_generation: rec.max_generation,

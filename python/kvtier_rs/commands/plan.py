@@ -58,12 +58,14 @@ total_blocks, underfilled, ...; "ceiling" has the same fields; see the README fo
 
 
 def _capacities(text: str) -> list[int]:
+    from kvtier_rs.planner.model import MAX_BLOCKS
+
     try:
         caps = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated block counts, got {text!r}") from None
-    if not caps or any(c <= 0 for c in caps):
-        raise argparse.ArgumentTypeError("capacities must be positive block counts")
+    if not caps or any(not 0 < c <= MAX_BLOCKS for c in caps):
+        raise argparse.ArgumentTypeError(f"capacities must be block counts between 1 and {MAX_BLOCKS} (10^12)")
     return caps
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import stat
 from pathlib import Path
 
 from kvtier_rs.planner.errors import PlanError
@@ -33,14 +34,19 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def lock_holder(root: Path) -> tuple[str, int | None]:
     """("open", pid) when a process holds the tier's flock, ("closed", None) when none does,
-    ("unknown", None) when /proc/locks cannot tell (non-Linux, some sandboxes)."""
-    try:
-        st = os.stat(root / LOCK_NAME)
-    except FileNotFoundError:
-        return "closed", None
-    except OSError:
-        return "unknown", None
-    want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    ("unknown", None) when /proc/locks cannot tell (non-Linux, some sandboxes).
+
+    A tier flocks both its directory and its lock file (rust/disk/slab.rs DirLock); either
+    lock seen means open, so a deleted lock file does not hide an open tier."""
+    inodes = set()
+    for path in (root, root / LOCK_NAME):
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return "unknown", None
+        inodes.add(f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}")
     try:
         lines = Path("/proc/locks").read_text().splitlines()
     except OSError:
@@ -50,7 +56,7 @@ def lock_holder(root: Path) -> tuple[str, int | None]:
         parts = line.split()
         if "->" in parts or len(parts) < 6 or parts[1] != "FLOCK":
             continue
-        if parts[5] == want:
+        if parts[5] in inodes:
             return "open", int(parts[4])
     return "closed", None
 
@@ -59,7 +65,13 @@ def run_status(args: argparse.Namespace) -> int:
     from kvtier_rs._core import disk_status
 
     root = Path(args.dir)
-    if not root.is_dir():
+    try:
+        mode = root.stat().st_mode
+    except FileNotFoundError:
+        raise PlanError(f"--dir {args.dir}: no such directory") from None
+    except OSError as e:
+        raise PlanError(f"--dir {args.dir}: cannot read: {e.strerror}") from None
+    if not stat.S_ISDIR(mode):
         raise PlanError(f"--dir {args.dir}: not a directory")
     s = dict(disk_status(root, verify=args.verify))
     state, pid = lock_holder(root)
@@ -80,6 +92,11 @@ def run_status(args: argparse.Namespace) -> int:
     print(f"  free slots:      {s['free_slots']}")
     print(f"  damaged slots:   {s['damaged_slots']}" + ("  (payloads verified)" if s["verified_payloads"] else ""))
     print(f"  stale copies:    {s['stale_copies']}")
+    if s["missing_slots"]:
+        print(
+            f"  missing slots:   {s['missing_slots']} (past the end of slab files shorter than the metadata says: "
+            "truncated slabs or damaged metadata)"
+        )
     print(f"  generations:     {s['min_generation']}..{s['max_generation']} (last written {s['last_generation']})")
     if state == "open" and s["damaged_slots"]:
         print("  note: the tier is open; a slot being written when scanned shows as damaged")

@@ -3,9 +3,29 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from collections.abc import Callable
 
 from kvtier_rs.planner.errors import PlanError
+
+
+def _number(lo: float, hi: float = math.inf, *, lo_open: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite float in [lo, hi] (or (lo, hi] with `lo_open`)."""
+    rng = f"> {lo:g}" if lo_open else f">= {lo:g}"
+    if hi != math.inf:
+        rng += f" and <= {hi:g}"
+
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (math.isfinite(v) and (v > lo if lo_open else v >= lo) and v <= hi):
+            raise argparse.ArgumentTypeError(f"must be a finite number {rng}, got {text!r}")
+        return v
+
+    return parse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -28,7 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     s.add_argument("--out", "-o", required=True, help="output file (.jsonl, or .jsonl.gz)")
     s.add_argument("--requests", type=int, default=4000, help="number of requests (default 4000)")
-    s.add_argument("--rate", type=float, default=2.0, help="new arrivals per second (default 2)")
+    s.add_argument("--rate", type=_number(0, lo_open=True), default=2.0, help="new arrivals per second (default 2)")
     s.add_argument("--arrivals", choices=["poisson", "bursty"], default="poisson")
     s.add_argument(
         "--mix",
@@ -38,9 +58,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--block-size", type=int, default=512, help="tokens per block (default 512)")
     s.add_argument("--system-prompts", type=int, default=8)
     s.add_argument("--documents", type=int, default=400)
-    s.add_argument("--zipf", type=float, default=1.1, help="popularity skew of prompts and documents")
-    s.add_argument("--mean-turns", type=float, default=5.0)
-    s.add_argument("--think-time", type=float, default=30.0, help="mean seconds between turns of a session")
+    # Weights are 1 / rank**s: rank**s overflows a float for large s, and past 10 rank 1 takes all.
+    s.add_argument("--zipf", type=_number(0, 10), default=1.1, help="popularity skew of prompts and documents")
+    s.add_argument("--mean-turns", type=_number(1), default=5.0)
+    s.add_argument(
+        "--think-time", type=_number(0, lo_open=True), default=30.0, help="mean seconds between turns of a session"
+    )
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(func=run_synth)
 
@@ -48,8 +71,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_synth(args: argparse.Namespace) -> int:
     from kvtier_rs.planner.synth import SynthConfig, parse_mix, synthesize, write_trace
 
-    if args.system_prompts <= 0 or args.documents <= 0 or args.mean_turns < 1 or args.think_time <= 0:
-        raise PlanError("--system-prompts and --documents must be positive, --mean-turns >= 1, --think-time > 0")
+    if args.system_prompts <= 0 or args.documents <= 0:
+        raise PlanError("--system-prompts and --documents must be positive")
     cfg = SynthConfig(
         requests=args.requests,
         rate=args.rate,

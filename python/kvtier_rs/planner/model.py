@@ -26,6 +26,11 @@ DTYPE_BYTES = {
     "fp8_e5m2": 1,
     "int8": 1,
 }
+# Sanity bounds, far beyond any real deployment; they keep block counts well inside the core's
+# 64-bit integers and the cost model's floats.
+MAX_BLOCKS = 10**12
+MAX_BYTES = 2**60  # 1 EiB
+MAX_BYTES_PER_TOKEN = 2**30  # 1 GiB of KV per token
 
 
 @dataclass
@@ -35,12 +40,25 @@ class ModelBytes:
     notes: list[str] = field(default_factory=list)
 
 
-def _get(cfg: dict, *names: str) -> int | None:
+def _get(cfg: dict, p: Path, *names: str, minimum: int = 1) -> int | None:
+    """The first of `names` present in the config (a null counts as absent), which must be an
+    integer >= `minimum`; None when none is present."""
     for n in names:
         v = cfg.get(n)
-        if isinstance(v, int) and not isinstance(v, bool):
-            return v
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+            what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+            raise PlanError(f"--model-config: {p}: field {n!r} must be {what}, got {v!r}")
+        return v
     return None
+
+
+def _need(cfg: dict, p: Path, *names: str) -> int:
+    v = _get(cfg, p, *names)
+    if v is None:
+        raise PlanError(f"--model-config: {p}: field {names[0]!r} is missing")
+    return v
 
 
 def bytes_per_token_from_config(path: str | Path, kv_dtype: str | None = None) -> ModelBytes:
@@ -52,6 +70,8 @@ def bytes_per_token_from_config(path: str | Path, kv_dtype: str | None = None) -
         cfg = json.loads(p.read_text())
     except FileNotFoundError:
         raise PlanError(f"--model-config: {p}: no such file") from None
+    except OSError as e:
+        raise PlanError(f"--model-config: {p}: cannot read: {e.strerror or e}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise PlanError(f"--model-config: {p}: not valid JSON ({e})") from None
     if not isinstance(cfg, dict):
@@ -61,13 +81,16 @@ def bytes_per_token_from_config(path: str | Path, kv_dtype: str | None = None) -
         cfg = {**cfg, **cfg["text_config"]}
     notes: list[str] = []
 
-    def need(value: int | None, what: str) -> int:
-        if value is None or value <= 0:
-            raise PlanError(f"--model-config: {p}: field {what!r} is missing or not a positive integer")
-        return value
-
-    layers = need(_get(cfg, "num_hidden_layers", "n_layer", "num_layers"), "num_hidden_layers")
-    dtype_name = (kv_dtype or cfg.get("torch_dtype") or cfg.get("dtype") or "").lower()
+    layers = _need(cfg, p, "num_hidden_layers", "n_layer", "num_layers")
+    dtype_name = kv_dtype or ""
+    if not dtype_name:
+        for key in ("torch_dtype", "dtype"):
+            if cfg.get(key) is not None:
+                if not isinstance(cfg[key], str):
+                    raise PlanError(f"--model-config: {p}: field {key!r} must be a dtype name, got {cfg[key]!r}")
+                dtype_name = cfg[key]
+                break
+    dtype_name = dtype_name.lower()
     if not dtype_name:
         dtype_name = "bfloat16"
         notes.append("no dtype in the config: assuming bfloat16 KV (use --kv-dtype)")
@@ -112,24 +135,39 @@ def bytes_per_token_from_config(path: str | Path, kv_dtype: str | None = None) -
                 "if you still want to plan"
             )
 
-    if _get(cfg, "kv_lora_rank") is not None:
-        rank = need(_get(cfg, "kv_lora_rank"), "kv_lora_rank")
-        rope = _get(cfg, "qk_rope_head_dim") or 0
+    rank = _get(cfg, p, "kv_lora_rank")
+    if rank is not None:
+        rope = _get(cfg, p, "qk_rope_head_dim", minimum=0) or 0
         per_layer = (rank + rope) * dbytes
         notes.append(f"MLA: one latent of {rank}+{rope} values per token and layer (no separate K and V)")
-        return ModelBytes(per_layer * full_layers, f"{p.name} (MLA, {full_layers} layers, {dtype_name})", notes)
+        bpt = per_layer * full_layers
+        return _bounded(ModelBytes(bpt, f"{p.name} (MLA, {full_layers} layers, {dtype_name})", notes), p)
 
-    heads = need(_get(cfg, "num_attention_heads", "n_head"), "num_attention_heads")
-    kv_heads = _get(cfg, "num_key_value_heads", "n_head_kv", "num_kv_heads")
+    heads = _need(cfg, p, "num_attention_heads", "n_head")
+    kv_heads = _get(cfg, p, "num_key_value_heads", "n_head_kv", "num_kv_heads")
     if kv_heads is None:
         kv_heads = 1 if cfg.get("multi_query") else heads
-    head_dim = _get(cfg, "head_dim")
+    head_dim = _get(cfg, p, "head_dim")
     if head_dim is None:
-        hidden = need(_get(cfg, "hidden_size", "n_embd", "d_model"), "hidden_size")
+        hidden = _need(cfg, p, "hidden_size", "n_embd", "d_model")
+        if hidden < heads:
+            raise PlanError(
+                f"--model-config: {p}: field 'hidden_size' ({hidden}) is smaller than "
+                f"'num_attention_heads' ({heads}): no head dimension; give 'head_dim'"
+            )
         head_dim = hidden // heads
     bpt = 2 * full_layers * kv_heads * head_dim * dbytes
     src = f"{p.name} ({full_layers} layers x {kv_heads} KV heads x {head_dim} head dim x {dbytes} B x K,V)"
-    return ModelBytes(bpt, src, notes)
+    return _bounded(ModelBytes(bpt, src, notes), p)
+
+
+def _bounded(m: ModelBytes, p: Path) -> ModelBytes:
+    if m.bytes_per_token > MAX_BYTES_PER_TOKEN:
+        raise PlanError(
+            f"--model-config: {p}: {m.bytes_per_token} KV bytes per token is more than the "
+            f"{MAX_BYTES_PER_TOKEN} (1 GiB) any real model needs; check its layer and head counts"
+        )
+    return m
 
 
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
@@ -161,13 +199,20 @@ def parse_size(text: str, arg: str) -> Size:
     if unit in ("block", "blocks", "blk"):
         if "." in num or int(num) <= 0:
             raise PlanError(f"{arg}: a block count must be a positive integer, got {num}")
+        if int(num) > MAX_BLOCKS:
+            raise PlanError(f"{arg}: at most {MAX_BLOCKS} (10^12) blocks, got {num}")
         return Size(int(num), True)
     if unit == "":
         raise PlanError(f"{arg}: {text!r} has no unit; write bytes with a unit (40GiB, 512MB) or blocks (5000blocks)")
+    # Checked before parsing too: parse_bytes multiplies in floats, which overflow on huge numbers.
+    if float(num) > MAX_BYTES:
+        raise PlanError(f"{arg}: {text!r} is more than {MAX_BYTES} bytes (1 EiB)")
     try:
         value = parse_bytes(text, name=arg)  # the one byte-size parser (kvtier_rs.config)
     except InvalidArgumentError as e:
         raise PlanError(f"{arg}: {e}") from None
+    if value > MAX_BYTES:
+        raise PlanError(f"{arg}: {text!r} is more than {MAX_BYTES} bytes (1 EiB)")
     return Size(value, False)
 
 

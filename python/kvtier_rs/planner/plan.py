@@ -14,7 +14,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier_rs.planner.errors import PlanError
-from kvtier_rs.planner.model import ModelBytes, Size, bytes_per_token_from_config
+from kvtier_rs.planner.model import (
+    MAX_BLOCKS,
+    MAX_BYTES_PER_TOKEN,
+    ModelBytes,
+    Size,
+    bytes_per_token_from_config,
+)
 from kvtier_rs.planner.traces import TraceData, read_trace
 
 SCHEMA_VERSION = "kvtier.plan/1"
@@ -23,6 +29,8 @@ ALL_POLICIES = (*ONLINE_POLICIES, "opt")
 DEFAULT_POLICIES = ("fifo", "lru", "arc", "opt")
 # Sweep grid as fractions of the trace's distinct blocks (its working set).
 DEFAULT_FRACTIONS = (1 / 256, 1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2)
+MAX_THREADS = 1024
+MAX_TOP = 10_000
 
 
 @dataclass
@@ -152,8 +160,12 @@ def run_plan(opts: PlanOptions) -> dict[str, Any]:
         ("--disk-gbps", opts.disk_gbps),
         ("--prefill-tps", opts.prefill_tps),
     ):
-        if not v > 0:
-            raise PlanError(f"{name}: must be positive, got {v}")
+        if not (v > 0 and math.isfinite(v)):
+            raise PlanError(f"{name}: must be a positive finite number, got {v}")
+    if not 0 <= opts.threads <= MAX_THREADS:
+        raise PlanError(f"--threads: must be between 0 (every core) and {MAX_THREADS}, got {opts.threads}")
+    if not 0 <= opts.top <= MAX_TOP:
+        raise PlanError(f"--top: must be between 0 and {MAX_TOP}, got {opts.top}")
 
     # Model bytes.
     model: ModelBytes | None = None
@@ -162,8 +174,10 @@ def run_plan(opts: PlanOptions) -> dict[str, Any]:
     if opts.model_config:
         model = bytes_per_token_from_config(opts.model_config, opts.kv_dtype)
     elif opts.bytes_per_token is not None:
-        if opts.bytes_per_token <= 0:
-            raise PlanError(f"--bytes-per-token: must be positive, got {opts.bytes_per_token}")
+        if not 0 < opts.bytes_per_token <= MAX_BYTES_PER_TOKEN:
+            raise PlanError(
+                f"--bytes-per-token: must be between 1 and {MAX_BYTES_PER_TOKEN} (1 GiB), got {opts.bytes_per_token}"
+            )
         model = ModelBytes(opts.bytes_per_token, "--bytes-per-token")
 
     data = read_trace(
@@ -179,11 +193,15 @@ def run_plan(opts: PlanOptions) -> dict[str, Any]:
             blocks = size.blocks(block_bytes, f"--{name}")
             if blocks <= 0:
                 raise PlanError(f"--{name}: smaller than one block ({block_bytes} bytes)")
+            if blocks > MAX_BLOCKS:
+                raise PlanError(
+                    f"--{name}: {blocks} blocks of {block_bytes} bytes; at most {MAX_BLOCKS} (10^12) blocks"
+                )
             tiers[name] = blocks
 
     if opts.capacities:
-        if any(c <= 0 for c in opts.capacities):
-            raise PlanError("--capacities: every capacity must be a positive number of blocks")
+        if any(not 0 < c <= MAX_BLOCKS for c in opts.capacities):
+            raise PlanError(f"--capacities: every capacity must be between 1 and {MAX_BLOCKS} (10^12) blocks")
         caps = sorted(set(opts.capacities))
     else:
         caps = default_capacities(trace.n_keys, list(tiers.values()))

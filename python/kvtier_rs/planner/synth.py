@@ -20,6 +20,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import json
+import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,10 +57,11 @@ def parse_mix(text: str) -> dict[str, float]:
             mix[name] = float(value)
         except ValueError:
             raise PlanError(f"--mix: {part!r} needs a number, e.g. chat=0.4") from None
-        if mix[name] < 0:
-            raise PlanError(f"--mix: share of {name} must not be negative")
-    if sum(mix.values()) <= 0:
-        raise PlanError("--mix: shares must add up to more than 0")
+        if not (math.isfinite(mix[name]) and mix[name] >= 0):
+            raise PlanError(f"--mix: share of {name} must be a finite number >= 0, got {value.strip()!r}")
+    total = sum(mix.values())
+    if not (0 < total < math.inf):
+        raise PlanError(f"--mix: shares must add up to a finite number more than 0, got {total}")
     return mix
 
 

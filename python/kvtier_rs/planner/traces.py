@@ -11,6 +11,8 @@ import gzip
 import hashlib
 import json
 import math
+import stat
+import zlib
 from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -22,6 +24,13 @@ from kvtier_rs.planner.errors import PlanError, TraceError
 FORMATS = ("auto", "mooncake", "bailian", "kvcache-tester", "tokens")
 DEFAULT_BLOCK_SIZE = {"mooncake": 512, "bailian": 16, "tokens": 16}
 U64 = (1 << 64) - 1
+# Sanity bounds on per-record values: far beyond any real model, yet small enough that the
+# core's u64 sums over a trace of any size that fits in memory cannot overflow.
+MAX_TOKENS = 10**9
+MAX_BLOCK_SIZE = 1 << 20
+# Auto-detection reads the first line up to this many bytes; a longer first line can only be
+# a whole JSON document (kv-cache-tester) written on one line.
+DETECT_BYTES = 16 << 20
 
 
 @dataclass
@@ -49,12 +58,27 @@ class TraceData:
         self.timestamps_s.append(ts)
 
 
-def _open_text(path: Path) -> IO[str]:
+def _open_binary(path: Path) -> IO[bytes] | gzip.GzipFile:
     with open(path, "rb") as f:
         magic = f.read(2)
     if magic == b"\x1f\x8b":
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, encoding="utf-8")
+        return gzip.open(path, "rb")
+    return open(path, "rb")
+
+
+def _utf8_problem(raw: bytes, e: UnicodeDecodeError) -> tuple[int, str]:
+    """(line number within `raw`, reason) for bytes that are not UTF-8."""
+    line_start = raw.rfind(b"\n", 0, e.start) + 1
+    col = e.start - line_start + 1
+    return raw.count(b"\n", 0, e.start) + 1, f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {col})"
+
+
+def _read_problem(e: BaseException) -> str:
+    if isinstance(e, EOFError):
+        return "truncated gzip file (it ends before the end-of-stream marker)"
+    if isinstance(e, (gzip.BadGzipFile, zlib.error)):
+        return f"corrupt gzip file ({e})"
+    return f"cannot read: {getattr(e, 'strerror', None) or e}"
 
 
 class _Bad(Exception):
@@ -62,7 +86,7 @@ class _Bad(Exception):
         self.field, self.reason = field, reason
 
 
-def _int(rec: dict, name: str, *, minimum: int = 0, required: bool = True, default: int = 0) -> int:
+def _int(rec: dict, name: str, *, maximum: int, minimum: int = 0, required: bool = True, default: int = 0) -> int:
     if name not in rec:
         if required:
             raise _Bad(name, "missing")
@@ -75,6 +99,8 @@ def _int(rec: dict, name: str, *, minimum: int = 0, required: bool = True, defau
             raise _Bad(name, f"expected an integer, got {v!r}")
     if v < minimum:
         raise _Bad(name, f"must be >= {minimum}, got {v}")
+    if v > maximum:
+        raise _Bad(name, f"must be <= {maximum}, got {v}")
     return v
 
 
@@ -107,24 +133,32 @@ def _check_blocks(n_blocks: int, tokens: int, bs: int, tokens_field: str) -> Non
 
 
 def detect_format(path: Path) -> str:
-    """Guess the format from the first record."""
-    with _open_text(path) as f:
-        head = f.read(1 << 16)
-    stripped = head.lstrip()
-    if not stripped:
-        raise PlanError(f"{path}: the trace is empty")
-    first_line = stripped.split("\n", 1)[0]
+    """Guess the format from the first record (its whole line, up to `DETECT_BYTES`)."""
+    lineno, first_line = 0, ""
+    with _open_binary(path) as f:
+        while not first_line.strip():
+            line = f.readline(DETECT_BYTES)
+            if not line:
+                raise PlanError(f"{path}: the trace is empty")
+            lineno += 1
+            if len(line) >= DETECT_BYTES and not line.endswith(b"\n"):
+                return "kvcache-tester"
+            try:
+                first_line = line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise TraceError(str(path), str(lineno), None, _utf8_problem(line, e)[1]) from None
+    stripped = first_line.lstrip()
     try:
-        first = json.loads(first_line)
+        first = json.loads(stripped)
     except json.JSONDecodeError:
         first = None
-    if isinstance(first, list) or (first is None and stripped[0] == "["):
+    if isinstance(first, list) or (first is None and stripped.startswith("[")):
         return "kvcache-tester"
     if first is None:
         # A pretty-printed JSON document spans lines: only the kv-cache-tester format does that.
         return "kvcache-tester"
     if not isinstance(first, dict):
-        raise PlanError(f"{path}:1: expected a JSON object per line, got {type(first).__name__}")
+        raise PlanError(f"{path}:{lineno}: expected a JSON object per line, got {type(first).__name__}")
     if "requests" in first:
         return "kvcache-tester"
     if "token_ids" in first:
@@ -134,7 +168,7 @@ def detect_format(path: Path) -> str:
     if "hash_ids" in first:
         return "mooncake"
     raise PlanError(
-        f"{path}:1: cannot tell the trace format from the first record (keys: {sorted(first)[:8]}); "
+        f"{path}:{lineno}: cannot tell the trace format from the first record (keys: {sorted(first)[:8]}); "
         "pass --trace-format mooncake|bailian|kvcache-tester|tokens"
     )
 
@@ -150,22 +184,39 @@ def read_trace(
     """Read a trace file. `block_size` overrides the format's default (and per-record values
     must then agree with it); `limit` keeps the first `limit` requests."""
     p = Path(path)
-    if not p.is_file():
-        raise PlanError(f"{p}: no such trace file")
+    try:
+        mode = p.stat().st_mode
+    except FileNotFoundError:
+        raise PlanError(f"{p}: no such trace file") from None
+    except OSError as e:
+        raise PlanError(f"{p}: {_read_problem(e)}") from None
+    if stat.S_ISDIR(mode):
+        raise PlanError(f"{p}: is a directory, not a trace file")
+    if not stat.S_ISREG(mode):
+        raise PlanError(f"{p}: not a regular file (a FIFO, socket or device); give the trace as a file")
     if fmt not in FORMATS:
         raise PlanError(f"--trace-format: unknown format {fmt!r}; expected one of {', '.join(FORMATS)}")
-    if block_size is not None and block_size <= 0:
-        raise PlanError(f"--block-size: must be positive, got {block_size}")
-    if fmt == "auto":
-        fmt = detect_format(p)
-    if fmt == "kvcache-tester":
-        return _read_tester(p, block_size, skip_bad, limit)
-    return _read_jsonl(p, fmt, block_size, skip_bad, limit)
+    if block_size is not None and not 0 < block_size <= MAX_BLOCK_SIZE:
+        raise PlanError(f"--block-size: must be between 1 and {MAX_BLOCK_SIZE} tokens, got {block_size}")
+    try:
+        if fmt == "auto":
+            fmt = detect_format(p)
+        if fmt == "kvcache-tester":
+            return _read_tester(p, block_size, skip_bad, limit)
+        return _read_jsonl(p, fmt, block_size, skip_bad, limit)
+    except (OSError, EOFError, zlib.error) as e:
+        # Unreadable, or a corrupt or truncated .gz: the file itself is bad, not one record.
+        raise PlanError(f"{p}: {_read_problem(e)}") from None
 
 
 def _records(p: Path) -> Iterator[tuple[int, Any]]:
-    with _open_text(p) as f:
-        for lineno, line in enumerate(f, 1):
+    with _open_binary(p) as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield lineno, _Bad(None, _utf8_problem(raw, e)[1])
+                continue
             if not line.strip():
                 continue
             try:
@@ -202,15 +253,17 @@ def _read_jsonl(p: Path, fmt: str, block_size: int | None, skip_bad: bool, limit
                     isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= U64 for t in toks
                 ):
                     raise _Bad("token_ids", "expected a list of non-negative integer token ids")
+                if len(toks) > MAX_TOKENS:
+                    raise _Bad("token_ids", f"{len(toks)} tokens; at most {MAX_TOKENS} per request")
                 keys = chain_hash(toks, bs)
-                data.add(keys, len(toks), _int(rec, "output_length", required=False), ts)
+                data.add(keys, len(toks), _int(rec, "output_length", maximum=MAX_TOKENS, required=False), ts)
                 continue
             ts = _number(rec, "timestamp")
-            n_in = _int(rec, "input_length")
-            n_out = _int(rec, "output_length", required=False)
+            n_in = _int(rec, "input_length", maximum=MAX_TOKENS)
+            n_out = _int(rec, "output_length", maximum=MAX_TOKENS, required=False)
             ids = _ids(rec, "hash_ids")
             if fmt == "mooncake" and "block_size" in rec:
-                rbs = _int(rec, "block_size", minimum=1)
+                rbs = _int(rec, "block_size", minimum=1, maximum=MAX_BLOCK_SIZE)
                 if block_size is not None and rbs != block_size:
                     raise _Bad("block_size", f"{rbs} disagrees with --block-size {block_size}")
                 if record_bs is not None and rbs != record_bs:
@@ -230,8 +283,13 @@ def _read_jsonl(p: Path, fmt: str, block_size: int | None, skip_bad: bool, limit
 
 
 def _read_tester(p: Path, block_size: int | None, skip_bad: bool, limit: int | None) -> TraceData:
-    with _open_text(p) as f:
-        text = f.read()
+    with _open_binary(p) as f:
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        bad_line, reason = _utf8_problem(raw, e)
+        raise TraceError(str(p), str(bad_line), None, reason) from None
     try:
         docs: list[Any] = [json.loads(text)]
     except json.JSONDecodeError:
@@ -251,10 +309,12 @@ def _read_tester(p: Path, block_size: int | None, skip_bad: bool, limit: int | N
         if not isinstance(d, dict) or not isinstance(d.get("requests"), list):
             raise TraceError(str(p), where, "requests", "expected an object with a list of requests")
         try:
-            bs = _int(d, "block_size", minimum=1)
+            bs = _int(d, "block_size", minimum=1, maximum=MAX_BLOCK_SIZE)
         except _Bad as bad:
             raise TraceError(str(p), where, bad.field, bad.reason) from None
         convs.append((where, d, bs))
+    if not convs:
+        raise PlanError(f"{p}: no conversations in the file")
     sizes = {bs for _, _, bs in convs}
     if len(sizes) > 1:
         raise PlanError(f"{p}: conversations use different block sizes {sorted(sizes)}; replay them separately")
@@ -273,8 +333,8 @@ def _read_tester(p: Path, block_size: int | None, skip_bad: bool, limit: int | N
                 if not isinstance(rec, dict):
                     raise _Bad(None, "expected an object")
                 t = _number(rec, "t")
-                n_in = _int(rec, "in")
-                n_out = _int(rec, "out", required=False)
+                n_in = _int(rec, "in", maximum=MAX_TOKENS)
+                n_out = _int(rec, "out", maximum=MAX_TOKENS, required=False)
                 ids = _ids(rec, "hash_ids")
                 _check_blocks(len(ids), n_in, bs, "in")
                 if local:

@@ -23,8 +23,9 @@ from typing import Any
 
 import torch
 
-from kvtier_rs._core import DiskTier, InvalidArgumentError, KvTierError
+from kvtier_rs._core import InvalidArgumentError, KvTierError
 from kvtier_rs.config import TierConfig
+from kvtier_rs.disk_tier import open_disk_tier
 from kvtier_rs.host_tier import HostTier
 from kvtier_rs.integrations.trtllm import shared
 from kvtier_rs.integrations.trtllm.config import ConnectorOptions, load_options
@@ -117,9 +118,8 @@ class WorkerCore:
             # reads another's blocks.
             sub = f"{self.engine.replace('/', '_')}_{layout.bytes_per_block}b_{len(layout.regions)}l"
             path = Path(o.disk_root) / sub
-            path.mkdir(parents=True, exist_ok=True)
-            disk = DiskTier(
-                str(path),
+            disk = open_disk_tier(
+                path,
                 o.disk_bytes,
                 host.pool.slot_bytes,
                 policy=o.disk_policy,

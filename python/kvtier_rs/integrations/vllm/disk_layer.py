@@ -30,6 +30,7 @@ from typing import Any
 from vllm.v1.kv_offload.base import LookupResult, Medium, OffloadingEvent
 
 from kvtier_rs._core import BlockIndex, DiskTier, HostPool, IndexFailedError
+from kvtier_rs.disk_tier import open_disk_tier
 from kvtier_rs.events import EventStream
 from kvtier_rs.integrations.vllm import metrics as m
 from kvtier_rs.integrations.vllm.options import KvtierOptions
@@ -132,9 +133,8 @@ class DiskLayer:
         tokens_per_chunk: int,
     ) -> DiskLayer:
         path = tier_dir(options.disk_root, config, host.slot_bytes)
-        path.mkdir(parents=True, exist_ok=True)
-        disk = DiskTier(
-            str(path),
+        disk = open_disk_tier(
+            path,
             options.disk_bytes,
             host.slot_bytes,
             policy=options.disk_policy,

@@ -42,7 +42,8 @@ from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from kvtier_rs._core import DiskTier, HostPool, IndexFailedError, InvalidArgumentError
+from kvtier_rs._core import HostPool, IndexFailedError, InvalidArgumentError
+from kvtier_rs.disk_tier import open_disk_tier
 from kvtier_rs.integrations.vllm import metrics as m
 from kvtier_rs.integrations.vllm.disk_layer import tier_dir
 from kvtier_rs.integrations.vllm.worker import KvtierWorker
@@ -102,9 +103,8 @@ class KvtierDiskTier(SecondaryTierManager):
                 "shared offload region provides"
             ) from None
         path = tier_dir(root_dir, offloading_spec.config, row)
-        path.mkdir(parents=True, exist_ok=True)
-        self.disk = DiskTier(
-            str(path),
+        self.disk = open_disk_tier(
+            path,
             cap,
             row,
             policy=_opts.policy("policy", policy),

@@ -1,0 +1,31 @@
+"""Opening the disk tier for the engine adapters: one place that opens it and logs what the tier
+noted at open (slabs left sparse, buffered I/O, the I/O engine it fell back to, blocks it could
+not vouch for), which an operator otherwise only sees by reading `DiskTier.notes`."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from kvtier_rs._core import DiskTier
+
+log = logging.getLogger("kvtier_rs.disk")
+
+
+def open_disk_tier(path: str | os.PathLike[str], capacity_bytes: int, block_bytes: int, **options: Any) -> DiskTier:
+    """`DiskTier(path, capacity_bytes, block_bytes, **options)` (which creates the directory,
+    0700), with its recovery summary logged at INFO and each of its notes at WARNING."""
+    disk = DiskTier(str(path), capacity_bytes, block_bytes, **options)
+    s = disk.stats()
+    log.info(
+        "kvtier disk tier %s: %d blocks recovered, %d discarded; %s I/O on %s",
+        disk.path,
+        s["recovered_blocks"],
+        s["recovery_discarded"],
+        disk.io_mode,
+        disk.engine,
+    )
+    for note in disk.notes:
+        log.warning("kvtier disk tier %s: %s", disk.path, note)
+    return disk
