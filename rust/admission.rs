@@ -13,6 +13,10 @@ use std::hash::{BuildHasher, Hash};
 
 use crate::error::{KvError, KvResult};
 
+/// The largest K of `uses:K`: the sketch counts in 8 bits, so a higher threshold would never
+/// be reached and the tier would silently admit nothing.
+pub const MAX_USES: u32 = u8::MAX as u32;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AdmissionRule {
     Always,
@@ -30,13 +34,16 @@ impl AdmissionRule {
         let bad = || {
             KvError::invalid(
                 "admission",
-                format!("{spec:?} is not an admission rule; expected \"always\", \"uses:K\" (K >= 1) or \"priority:T\" (0..=100)"),
+                format!(
+                    "{spec:?} is not an admission rule; expected \"always\", \"uses:K\" (1..={MAX_USES}) or \
+                     \"priority:T\" (0..=100)"
+                ),
             )
         };
         let (name, value) = s.split_once(':').ok_or_else(bad)?;
         match name {
             "uses" | "after_uses" => match value.parse::<u32>() {
-                Ok(k) if k >= 1 => Ok(AdmissionRule::AfterUses(k)),
+                Ok(k) if (1..=MAX_USES).contains(&k) => Ok(AdmissionRule::AfterUses(k)),
                 _ => Err(bad()),
             },
             "priority" | "min_priority" => match value.parse::<u8>() {
@@ -171,7 +178,7 @@ mod tests {
         assert_eq!(AdmissionRule::parse("always").unwrap(), AdmissionRule::Always);
         assert_eq!(AdmissionRule::parse("uses:2").unwrap(), AdmissionRule::AfterUses(2));
         assert_eq!(AdmissionRule::parse("priority:50").unwrap(), AdmissionRule::MinPriority(50));
-        for bad in ["", "uses:0", "uses:x", "priority:101", "sometimes", "uses"] {
+        for bad in ["", "uses:0", "uses:256", "uses:x", "priority:101", "sometimes", "uses"] {
             let e = AdmissionRule::parse(bad).unwrap_err().to_string();
             assert!(e.contains("admission"), "{e}");
         }

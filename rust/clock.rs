@@ -4,6 +4,8 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
+use crate::error::{KvError, KvResult};
+
 #[derive(Debug)]
 pub enum Clock {
     Monotonic(Instant),
@@ -24,14 +26,21 @@ impl Clock {
             Clock::Manual(v) => v.load(Ordering::Acquire),
         }
     }
-    /// Advance a manual clock; returns false for a monotonic clock (which cannot be moved).
-    pub fn advance(&self, ns: u64) -> bool {
+    /// Advance a manual clock by `ns`. Refused for a monotonic clock (which cannot be moved),
+    /// and when the clock would pass 2^64 ns (it would wrap to the past, and durations that
+    /// should have lapsed would never lapse).
+    pub fn advance(&self, ns: u64) -> KvResult<()> {
         match self {
-            Clock::Monotonic(_) => false,
-            Clock::Manual(v) => {
-                v.fetch_add(ns, Ordering::AcqRel);
-                true
-            }
+            Clock::Monotonic(_) => Err(KvError::invalid("manual_clock", "this index uses the monotonic clock")),
+            Clock::Manual(v) => v
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |now| now.checked_add(ns))
+                .map(|_| ())
+                .map_err(|now| {
+                    KvError::invalid(
+                        "seconds",
+                        format!("the manual clock, at {now} ns, would pass 2^64 ns (584 years)"),
+                    )
+                }),
         }
     }
 }

@@ -280,9 +280,11 @@ class IndexModel:
     def prepare_store(self, keys, priority=DEFAULT_PRIORITY, duration_ns=None):
         seen, new, skipped, refused = set(), [], [], []
         for k in keys:
-            if k in seen or k in self.entries:
+            # A repeated key shares its first occurrence's fate: skipped when that one is
+            # present or placed, refused when that one was refused.
+            if k in self.entries or (k in seen and k not in refused):
                 skipped.append(k)
-            elif self.min_priority is not None and priority < self.min_priority:
+            elif k in refused or (self.min_priority is not None and priority < self.min_priority):
                 refused.append(k)
             else:
                 new.append(k)

@@ -3,6 +3,7 @@ the host pool, single-key and batch forms, and thread safety with the GIL releas
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -248,3 +249,74 @@ def test_lookup_result_returns_the_callers_objects():
     ix.complete_store([b"a"])
     assert ix.lookup_result(b"a") is hit
     assert ix.stats()["hit_blocks"] == 1 and ix.stats()["lookups"] == 3
+
+
+def test_capacity_beyond_what_an_index_or_this_machine_holds_is_refused():
+    with pytest.raises(kv.InvalidArgumentError, match=r"`capacity`: 4294967296 blocks is more than the 2147483647"):
+        kv.BlockIndex(2**32)  # was a PanicException from the slot allocator's assert
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    too_many = min(ram // 128 + 1, 2**31 - 1)
+    if too_many * 128 <= ram:
+        pytest.skip(f"SKIPPED LOUDLY: this machine's {ram} bytes of memory would hold an index of 2^31 blocks")
+    with pytest.raises(kv.InvalidArgumentError, match=r"`capacity`: .* GiB of index memory, more than this machine's"):
+        kv.BlockIndex(too_many)  # was an abort (allocation failure) or a PanicException
+
+
+def test_a_refused_index_leaves_its_pool_free():
+    pool = kv.HostPool(4 * 4096, 4096)
+    with pytest.raises(kv.InvalidArgumentError, match="5 does not match the pool's 4 slots"):
+        kv.BlockIndex(5, pool=pool)
+    assert kv.BlockIndex(pool=pool).capacity == 4
+
+
+@pytest.mark.parametrize("spec", ["uses:256", "uses:1000"])
+def test_uses_beyond_the_sketchs_counters_is_refused(tmp_path, spec):
+    # The sketch counts to 255: a higher threshold was accepted and then admitted nothing.
+    with pytest.raises(kv.InvalidArgumentError, match=r"uses:K\" \(1..=255\)"):
+        kv.BlockIndex(4, admission=spec)
+    with pytest.raises(kv.InvalidArgumentError, match="admission"):
+        kv.DiskTier(str(tmp_path / "d"), 1 << 20, 4096, admission=spec)
+    ix = kv.BlockIndex(4, admission="uses:255")
+    offers = next(i for i in range(1, 300) if ix.prepare_store([b"k"]).keys)
+    assert offers == 255
+
+
+@pytest.mark.parametrize("keys", [bytearray(b"\x01\x02"), memoryview(b"\x01"), "ab"])
+def test_bytes_like_objects_are_not_sequences_of_keys(keys):
+    # Iterating a bytearray or memoryview yields ints: it used to store int keys 1 and 2.
+    ix = kv.BlockIndex(4)
+    ix.prepare_store([1, 2])
+    ix.complete_store([1, 2])
+    for call in (ix.prepare_store, ix.contains, ix.lookup_prefix, ix.remove, ix.touch, ix.pin_for_load):
+        with pytest.raises(kv.InvalidArgumentError, match=r"`keys`: expected a sequence of keys, got a"):
+            call(keys)
+    assert sorted(k for k, *_ in ix.entries()) == [1, 2]
+
+
+def test_a_repeated_key_shares_its_first_occurrences_fate():
+    refusing = kv.BlockIndex(4, admission="uses:2")
+    out = refusing.prepare_store([b"a", b"a"])
+    assert (out.keys, out.refused, out.skipped) == ([], [b"a", b"a"], [])
+    assert refusing.stats()["store_skipped"] == 0
+    admitting = kv.BlockIndex(4)
+    out = admitting.prepare_store([b"a", b"b", b"a"])
+    assert (out.keys, out.skipped, out.refused) == ([b"a", b"b"], [b"a"], [])
+
+
+@pytest.mark.parametrize("container", [list, tuple, iter, lambda ks: ks * 100])
+def test_lookup_prefix_stops_at_the_first_miss_whatever_holds_the_keys(container):
+    ix = kv.BlockIndex(4)
+    ix.prepare_store([b"h"])
+    ix.complete_store([b"h"])
+    # Keys after the first miss are not looked at, so not checked either ...
+    assert ix.lookup_prefix(container([b"h", b"miss", 1.5])) == 1
+    # ... but an invalid key the walk reaches is an error.
+    with pytest.raises(kv.InvalidArgumentError, match="key"):
+        ix.lookup_prefix(container([b"h", 1.5, b"miss"]) if container is not iter else iter([b"h", 1.5]))
+
+
+def test_the_manual_clock_does_not_wrap():
+    ix = kv.BlockIndex(2, manual_clock=True)
+    ix.advance_clock(1.8e10)
+    with pytest.raises(kv.InvalidArgumentError, match=r"would pass 2\^64 ns"):
+        ix.advance_clock(1e9)

@@ -255,11 +255,52 @@ pub struct TierIndex {
     stats: IndexStats,
 }
 
+/// The most blocks an index holds: slots are numbered in a u32, and `NO_SLOT` (u32::MAX) marks
+/// "no slot". Half of that, the limit the disk tier's geometry has too.
+pub const MAX_CAPACITY: usize = (u32::MAX / 2) as usize;
+
+/// A lower bound on the memory an index takes per block, allocated at construction (state word,
+/// entry, key record, policy links, map buckets; `benches/bench_memory.py` measures ~200 bytes
+/// a resident block). Only used to refuse a capacity this machine cannot hold, with an error,
+/// before an allocation fails and aborts the process.
+const MIN_INDEX_BYTES_PER_BLOCK: u64 = 128;
+
+/// Refuse a capacity the index cannot hold: zero, beyond `MAX_CAPACITY`, or needing more
+/// memory than the machine has.
+pub fn check_capacity(capacity: usize) -> KvResult<()> {
+    if capacity == 0 {
+        return Err(KvError::invalid("capacity", "must be at least one block"));
+    }
+    if capacity > MAX_CAPACITY {
+        return Err(KvError::invalid(
+            "capacity",
+            format!("{capacity} blocks is more than the {MAX_CAPACITY} an index holds"),
+        ));
+    }
+    let needed = capacity as u64 * MIN_INDEX_BYTES_PER_BLOCK;
+    if let Some(ram) = physical_memory().filter(|&ram| needed > ram) {
+        return Err(KvError::invalid(
+            "capacity",
+            format!(
+                "{capacity} blocks need at least {:.1} GiB of index memory, more than this machine's {:.1} GiB",
+                needed as f64 / (1u64 << 30) as f64,
+                ram as f64 / (1u64 << 30) as f64
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Installed physical memory, when the OS says.
+fn physical_memory() -> Option<u64> {
+    // SAFETY: sysconf has no preconditions.
+    let (pages, page) = unsafe { (libc::sysconf(libc::_SC_PHYS_PAGES), libc::sysconf(libc::_SC_PAGESIZE)) };
+    (pages > 0 && page > 0).then(|| pages as u64 * page as u64)
+}
+
 impl TierIndex {
     pub fn new(config: IndexConfig) -> KvResult<Self> {
-        if config.capacity == 0 {
-            return Err(KvError::invalid("capacity", "must be at least one block"));
-        }
+        check_capacity(config.capacity)?;
         let slots = Arc::new(SlotAllocator::new(config.capacity));
         Self::with_slots(config, slots)
     }
@@ -267,9 +308,7 @@ impl TierIndex {
     /// An index whose free slots come from `slots` (e.g. a host pool's), which must have
     /// exactly `config.capacity` slots.
     pub fn with_slots(config: IndexConfig, slots: Arc<SlotAllocator>) -> KvResult<Self> {
-        if config.capacity == 0 {
-            return Err(KvError::invalid("capacity", "must be at least one block"));
-        }
+        check_capacity(config.capacity)?;
         if slots.capacity() != config.capacity {
             return Err(KvError::invalid(
                 "capacity",
@@ -565,6 +604,8 @@ impl TierIndex {
         // hashing its keys. Under the lock a slot that is not vacant always holds a mapped
         // block (claims, removals and reuse all happen under it), so its answer is the map's.
         let mut prev: Option<u32> = None;
+        // Later occurrences of a key absent at its first: they share that one's fate (below).
+        let mut repeats: Vec<(BlockKey, usize)> = Vec::new();
         for (pos, k) in keys.iter().enumerate() {
             let found = self.locate(k, prev, &guard).map(|r| r.slot);
             prev = found.ok();
@@ -573,10 +614,10 @@ impl TierIndex {
                     protected.push(slot);
                     out.already_present_pos.push(pos);
                 }
-                // An absent key met again in the batch is simply present the second time.
                 Err(probe) => {
-                    if !absent.insert(probe.to_key(), pos) {
-                        out.already_present_pos.push(pos);
+                    let key = probe.to_key();
+                    if !absent.insert(key, pos) {
+                        repeats.push((key, pos));
                     }
                 }
             }
@@ -592,6 +633,20 @@ impl TierIndex {
                 out.refused.push(key);
                 out.refused_pos.push(pos);
             }
+        }
+        if !repeats.is_empty() {
+            // A repeat of an admitted key is present by the time its first occurrence is
+            // written (skipped); a repeat of a refused key is refused too, never "present".
+            let refused: HashSet<BlockKey> = out.refused.iter().copied().collect();
+            for (key, pos) in repeats {
+                if refused.contains(&key) {
+                    out.refused_pos.push(pos);
+                } else {
+                    out.already_present_pos.push(pos);
+                }
+            }
+            out.refused_pos.sort_unstable();
+            out.already_present_pos.sort_unstable();
         }
         self.stats.store_refused.fetch_add(out.refused.len() as u64, Ordering::Relaxed);
         self.stats.store_skipped.fetch_add(out.already_present_pos.len() as u64, Ordering::Relaxed);

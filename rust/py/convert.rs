@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyInt, PyList, PyTuple};
+use pyo3::types::{PyByteArray, PyBytes, PyInt, PyList, PyMemoryView, PyString, PyTuple};
 
 use super::errors::invalid;
 use crate::keys::{BlockKey, KeyProbe, KeyRef, KeyValue};
@@ -104,9 +104,7 @@ pub fn probe_from_py<'a>(obj: &'a Bound<'_, PyAny>) -> PyResult<KeyProbe<'a>> {
 
 /// Convert a list, tuple or any iterable of keys.
 pub fn keys_from_py(obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockKey>> {
-    if obj.is_instance_of::<PyBytes>() || obj.is_instance_of::<PyInt>() {
-        return Err(invalid("keys", "expected a sequence of keys, got a single key"));
-    }
+    refuse_non_sequence(obj)?;
     // SAFETY: attached; the probes are used at once, running no Python code.
     if let Some(keys) = unsafe { exact_bytes_keys(obj) } {
         return Ok(keys.iter().map(|k| k.hashed().to_key()).collect());
@@ -149,11 +147,23 @@ pub fn as_list<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
     if let Ok(list) = obj.cast::<PyList>() {
         return Ok(list.clone());
     }
+    refuse_non_sequence(obj)?;
+    let iter = obj.try_iter().map_err(|_| invalid("keys", "expected a sequence of int or bytes keys"))?;
+    PyList::new(obj.py(), iter.collect::<PyResult<Vec<_>>>()?)
+}
+
+/// Refuse, where a sequence of keys is expected, a single key, and the iterables whose items
+/// are not keys: iterating a bytearray or memoryview yields its bytes as ints, which would be
+/// taken for int keys 0..=255 (and a str yields characters).
+fn refuse_non_sequence(obj: &Bound<'_, PyAny>) -> PyResult<()> {
     if obj.is_instance_of::<PyBytes>() || obj.is_instance_of::<PyInt>() {
         return Err(invalid("keys", "expected a sequence of keys, got a single key"));
     }
-    let iter = obj.try_iter().map_err(|_| invalid("keys", "expected a sequence of int or bytes keys"))?;
-    PyList::new(obj.py(), iter.collect::<PyResult<Vec<_>>>()?)
+    if obj.is_instance_of::<PyByteArray>() || obj.is_instance_of::<PyMemoryView>() || obj.is_instance_of::<PyString>() {
+        let ty = obj.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+        return Err(invalid("keys", format!("expected a sequence of keys, got a {ty} (pass a list of keys)")));
+    }
+    Ok(())
 }
 
 /// `value` seconds as a Duration. Timeouts, durations and the index clock count nanoseconds in a

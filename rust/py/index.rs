@@ -11,8 +11,7 @@ use super::convert::{
 use super::errors::{contain, invalid};
 use super::host_pool::HostPool;
 use crate::admission::AdmissionRule;
-use crate::error::KvError;
-use crate::index::{BlockState, IndexConfig, TierIndex};
+use crate::index::{check_capacity, BlockState, IndexConfig, TierIndex};
 use crate::keys::{BlockKey, ChainKey};
 use crate::policy::{InsertHint, PolicyKind};
 
@@ -176,20 +175,39 @@ impl BlockIndex {
 
     /// Length of the longest prefix of `keys` whose blocks are ready.
     ///
-    /// The walk stops at the first miss and converts keys as it goes, with the GIL held: the
-    /// per-key work is one lock-free map read, cheaper than releasing and re-taking the GIL.
-    /// Batches of LONG_WALK_KEYS or more are converted first and walked with the GIL released.
+    /// Keys after the first miss are neither looked up nor checked, whatever holds them (a list,
+    /// a tuple, any iterable, short or long): the walk stops there, as the fast path does.
+    /// Short batches are walked with the GIL held, converting keys as they go: the per-key work
+    /// is one lock-free map read, cheaper than releasing and re-taking the GIL. Batches of
+    /// LONG_WALK_KEYS or more are converted first, up to the first invalid key, and walked with
+    /// the GIL released; that key's error is raised only if the walk reaches it.
     pub(crate) fn lookup_prefix_impl(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
-        if let Ok(list) = keys.cast::<PyList>() {
-            if list.len() < LONG_WALK_KEYS {
-                let keys = list.iter().map(|item| probe_from_py(&item).map(|p| p.to_key()));
-                let n = self.inner.reader().ready_prefix(keys)?;
-                self.inner.record_lookup((n + 1).min(list.len()), n);
-                return Ok(n);
+        let list = as_list(keys)?;
+        if list.len() < LONG_WALK_KEYS {
+            let keys = list.iter().map(|item| probe_from_py(&item).map(|p| p.to_key()));
+            let n = self.inner.reader().ready_prefix(keys)?;
+            self.inner.record_lookup((n + 1).min(list.len()), n);
+            return Ok(n);
+        }
+        let mut owned = Vec::with_capacity(list.len());
+        let mut invalid_key = None;
+        for item in list.iter() {
+            match probe_from_py(&item) {
+                Ok(p) => owned.push(p.to_key()),
+                Err(e) => {
+                    invalid_key = Some(e);
+                    break;
+                }
             }
         }
-        let keys = keys_from_py(keys)?;
-        Ok(py.detach(|| self.inner.lookup_prefix(&keys)))
+        let Ok(n) = py.detach(|| self.inner.reader().ready_prefix(owned.iter().map(Ok::<_, std::convert::Infallible>)));
+        if n == owned.len() {
+            if let Some(e) = invalid_key {
+                return Err(e);
+            }
+        }
+        self.inner.record_lookup((n + 1).min(list.len()), n);
+        Ok(n)
     }
 }
 
@@ -224,17 +242,15 @@ impl BlockIndex {
         let inner = match (capacity, pool) {
             (_, Some(pool)) => {
                 let pool = pool.get();
-                let slots = pool.claim_slots()?;
-                if let Some(c) = capacity {
-                    if c as usize != slots.capacity() {
-                        return Err(invalid(
-                            "capacity",
-                            format!("{c} does not match the pool's {} slots", slots.capacity()),
-                        ));
-                    }
+                let num_slots = pool.region().num_slots();
+                if let Some(c) = capacity.filter(|&c| c as usize != num_slots) {
+                    return Err(invalid("capacity", format!("{c} does not match the pool's {num_slots} slots")));
                 }
+                check_capacity(num_slots)?;
+                // Claimed only once nothing else can fail: a refused index leaves the pool free.
+                let slots = pool.claim_slots()?;
                 let bytes = if block_bytes == 0 { pool.region().slot_bytes() as u64 } else { block_bytes as u64 };
-                TierIndex::with_slots(IndexConfig { block_bytes: bytes, ..base(slots.capacity()) }, slots)?
+                TierIndex::with_slots(IndexConfig { block_bytes: bytes, ..base(num_slots) }, slots)?
             }
             (Some(c), None) => TierIndex::new(base(positive("capacity", c)?))?,
             (None, None) => return Err(invalid("capacity", "give a capacity in blocks or a pool")),
@@ -449,9 +465,6 @@ impl BlockIndex {
     /// Move a manual clock forward (indexes built with manual_clock=True only).
     fn advance_clock(&self, seconds: f64) -> PyResult<()> {
         let ns = convert::seconds("seconds", seconds)?.as_nanos() as u64;
-        if !self.inner.clock().advance(ns) {
-            return Err(KvError::invalid("manual_clock", "this index uses the monotonic clock").into());
-        }
-        Ok(())
+        Ok(self.inner.clock().advance(ns)?)
     }
 }
