@@ -77,6 +77,13 @@ impl Trace {
         if timestamps_s.len() != n {
             return Err(KvError::invalid("timestamps", format!("expected {n} entries, got {}", timestamps_s.len())));
         }
+        if let Some((r, t)) = timestamps_s.iter().enumerate().find(|(_, t)| !t.is_finite()) {
+            return Err(KvError::invalid("timestamps", format!("request {r}: {t} is not a finite number of seconds")));
+        }
+        // The replays sum tokens in u64 (hit tokens, totals): refuse a trace whose sum would wrap.
+        if input_tokens.iter().try_fold(0u64, |sum, &t| sum.checked_add(t)).is_none() {
+            return Err(KvError::invalid("input_tokens", "their sum is beyond 2^64"));
+        }
         if offsets[0] != 0 || offsets[n] != keys.len() as u64 {
             return Err(KvError::invalid("offsets", "must start at 0 and end at the number of keys"));
         }

@@ -112,6 +112,10 @@ fn trace_validation_names_the_field() {
     assert!(e.contains("offsets"), "{e}");
     let e = Trace::new(0, vec![0], vec![], vec![], vec![]).err().unwrap().to_string();
     assert!(e.contains("block_size"), "{e}");
+    let e = Trace::new(4, vec![0, 1, 2], vec![1, 2], vec![4, 4], vec![0.0, f64::NAN]).err().unwrap().to_string();
+    assert!(e.contains("timestamps") && e.contains("request 1"), "{e}");
+    let e = Trace::new(4, vec![0, 0, 0], vec![], vec![u64::MAX, 2], vec![0.0, 1.0]).err().unwrap().to_string();
+    assert!(e.contains("input_tokens") && e.contains("2^64"), "{e}");
 }
 
 #[test]
