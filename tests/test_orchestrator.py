@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -382,3 +383,76 @@ def test_disk_blocks_smaller_than_host_blocks_are_refused(tmp_path):
         expected = r"disk: its blocks \(4096 B\) are smaller than the host tier's \(8192 B\)"
         with pytest.raises(kv.InvalidArgumentError, match=expected):
             DiskStager(host, disk)
+
+
+def orchestrator_state(orch):
+    """Everything a refused call must leave as it was."""
+    return (
+        orch.host.index.entries(),
+        dict(orch.host.stats()),
+        dict(orch.counts),
+        dict(orch._loads),
+        orch.pending(),
+    )
+
+
+@pytest.mark.parametrize(
+    "bad_ids, why",
+    [
+        ([5, 5], "named more than once"),
+        ([32, 33], "outside"),
+        ([-1, 3], "outside"),
+        ([2.9, 3], "must be integers"),
+        ([4, True], "must be integers"),
+        (7, "single block id"),
+    ],
+)
+def test_load_with_bad_gpu_block_ids_changes_nothing(tmp_path, bad_ids, why):
+    orch, layout, tensors = make(tmp_path, random.Random(11))
+    keys = [b"a", b"b"]
+    want = [block_bytes_of(layout, b) for b in (0, 1)]
+    orch.offload(keys, [0, 1])
+    orch.drain()
+    before = orchestrator_state(orch)
+    with pytest.raises(kv.InvalidArgumentError, match=f"`gpu_block_ids`.*{why}"):
+        orch.load(keys, bad_ids, request_id="r")
+    assert orchestrator_state(orch) == before, "a refused load pins, registers and counts nothing"
+    assert orch.host.stats()["pinned_blocks"] == 0
+    assert orch.groups_ready("r") is None
+    # The same request id is free, and the load lands the right bytes.
+    scramble(tensors)
+    orch.load(keys, [np.int64(8), torch.tensor(9)], request_id="r")
+    (res,) = orch.drain(5)
+    assert (res.request_id, res.loaded_cpu, res.failed) == ("r", 2, 0)
+    assert [block_bytes_of(layout, b) for b in (8, 9)] == want
+    assert all(pins == 0 for _, _, pins, _ in orch.host.index.entries())
+
+
+def test_offload_takes_only_integer_block_ids(tmp_path):
+    orch, layout, _ = make(tmp_path, random.Random(12))
+    for bad, why in (([2.9], "must be integers"), ([np.float32(2.0)], "must be integers"), (2, "single block id")):
+        with pytest.raises(kv.InvalidArgumentError, match=f"`gpu_block_ids`.*{why}"):
+            orch.offload([b"k"], bad)
+        assert len(orch.host.index) == 0 and orch.pending() == 0, "nothing was reserved"
+    t = orch.offload([b"k", b"j"], [np.int64(2), torch.tensor(3)])
+    orch.drain(5)
+    assert t.stored == [b"k", b"j"]
+    got = orch.host.read([b"k", b"j"])
+    assert got == [block_bytes_of(layout, 2), block_bytes_of(layout, 3)]
+
+
+@pytest.mark.parametrize("single", [b"\x05\x06", bytearray(b"\x05\x06"), memoryview(b"\x05\x06"), "ab", 5])
+def test_a_single_key_is_refused_where_a_chain_is_expected(tmp_path, single):
+    orch, _, _ = make(tmp_path, random.Random(13))
+    msg = "invalid argument `keys`: expected a sequence of keys, got a single key"
+    with pytest.raises(kv.InvalidArgumentError, match=msg):
+        orch.offload(single, [3, 4])
+    with pytest.raises(kv.InvalidArgumentError, match=msg):
+        orch.plan(single)
+    with pytest.raises(kv.InvalidArgumentError, match=msg):
+        orch.load(single, [3, 4], request_id="r")
+    assert len(orch.host.index) == 0 and orch.pending() == 0 and orch.counts["lookups"] == 0
+    # A tuple or a generator of keys is a chain.
+    orch.offload((b"\x05", b"\x06"), iter([3, 4]))
+    orch.drain(5)
+    assert orch.plan(k for k in (b"\x05", b"\x06")).cpu_hits == 2

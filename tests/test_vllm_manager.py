@@ -263,3 +263,35 @@ def test_good_extra_config():
     assert (o.cpu_bytes, o.cpu_policy, o.disk_bytes, o.disk_enabled) == (2 << 20, "arc", 1 << 30, True)
     assert o.cost_model.load_beats_recompute(tokens=32, nbytes=32768)  # 33 us read vs 32 ms compute
     assert not o.cost_model.load_beats_recompute(tokens=1, nbytes=1 << 30)
+
+
+def test_a_promotion_collects_finished_write_throughs_before_giving_up(tmp_path):
+    # Lookups run before a step's first poll: after an idle spell, the CPU slots may be pinned
+    # only by write-throughs that have finished on disk but were not collected yet. The
+    # promotion collects them and goes ahead instead of reporting a miss.
+    from kvtier_rs import DiskTier, HostPool
+    from kvtier_rs.integrations.vllm.disk_layer import DiskLayer
+
+    pool = HostPool(2 * 4096, 4096)
+    cpu = BlockIndex(pool=pool)
+    disk = DiskTier(str(tmp_path / "d"), 16 * 8192, 4096, admission="always", engine="pool")
+    opts = parse_options({"cpu_bytes_to_use": 2 * 4096, "disk_root": str(tmp_path), "disk_bytes_to_use": 1 << 20})
+    layer = DiskLayer(disk, pool, cpu, opts, tokens_per_chunk=16)
+
+    def store(keys):
+        out = cpu.prepare_store(keys)
+        cpu.complete_store(out.keys)
+        layer.write_through(list(out.keys))
+
+    store([b"c"])
+    assert disk.wait_idle(10)
+    layer.poll()
+    store([b"a", b"b"])  # evicts c from the CPU tier; a and b are pinned while written
+    assert cpu.state(b"c") is None and disk.contains([b"c"]) == [True]
+    assert disk.wait_idle(10), "the write-throughs finished, nobody collected them"
+    assert cpu.stats()["pinned_blocks"] == 2
+    assert layer.lookup_and_promote(b"c", ReqContext(req_id="r")) == LookupResult.HIT_PENDING
+    assert disk.wait_idle(10)
+    layer.poll()
+    assert cpu.state(b"c")[0] == "ready"
+    layer.shutdown()

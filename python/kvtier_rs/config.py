@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from fractions import Fraction
 
-from kvtier_rs._core import InvalidArgumentError, policy_names
+from kvtier_rs._core import InvalidArgumentError, parse_admission, policy_names
 
 _UNITS = {
     "": 1,
@@ -24,9 +25,14 @@ _UNITS = {
     "tib": 2**40,
 }
 
+#: The largest size taken (4 EiB): far beyond any real tier, and sums and offsets of sizes up
+#: to it stay within the Rust core's 64-bit integers.
+MAX_BYTES = 2**62
+
 
 def parse_bytes(value: int | str, *, name: str = "size") -> int:
-    """Parse 4096, "64MiB", "1.5 GB" into bytes; raise InvalidArgumentError naming `name`."""
+    """Parse 4096, "64MiB", "1.5 GB" into bytes (exactly: a size must come to whole bytes);
+    raise InvalidArgumentError naming `name`."""
     if isinstance(value, bool):
         raise InvalidArgumentError(f"invalid argument `{name}`: expected a byte size, got {value!r}")
     if isinstance(value, int):
@@ -37,11 +43,24 @@ def parse_bytes(value: int | str, *, name: str = "size") -> int:
             raise InvalidArgumentError(
                 f"invalid argument `{name}`: {value!r} is not a byte size (e.g. 4096, '64MiB', '2GB')"
             )
-        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        try:
+            # Fraction, not float: "2.01KB" is 2010 bytes, and a 17-digit count is not rounded.
+            exact = Fraction(m.group(1)) * _UNITS[m.group(2).lower()]
+        except ValueError:  # more digits than Python converts (sys.int_max_str_digits)
+            raise InvalidArgumentError(
+                f"invalid argument `{name}`: a byte size of {len(m.group(1))} digits is too long"
+            ) from None
+        if exact.denominator != 1:
+            raise InvalidArgumentError(f"invalid argument `{name}`: {value!r} is not a whole number of bytes")
+        n = exact.numerator
     else:
         raise InvalidArgumentError(f"invalid argument `{name}`: expected int or str, got {type(value).__name__}")
     if n <= 0:
         raise InvalidArgumentError(f"invalid argument `{name}`: must be positive, got {value!r}")
+    if n > MAX_BYTES:
+        raise InvalidArgumentError(
+            f"invalid argument `{name}`: {value!r} is more than the maximum, 2**62 bytes (4 EiB)"
+        )
     return n
 
 
@@ -70,13 +89,14 @@ class TierConfig:
             raise InvalidArgumentError(
                 f"invalid argument `capacity_bytes`: {cap} bytes cannot hold one block of {blk} bytes"
             )
-        if self.policy.lower() not in policy_names():
+        if not isinstance(self.policy, str) or self.policy.lower() not in policy_names():
             raise InvalidArgumentError(
                 f"invalid argument `policy`: unknown policy {self.policy!r}; expected one of "
                 + ", ".join(policy_names())
             )
         if not isinstance(self.admission, str):
             raise InvalidArgumentError("invalid argument `admission`: expected a string such as 'uses:2'")
+        parse_admission(self.admission)  # the core's own parser; its error names `admission`
 
     @property
     def num_blocks(self) -> int:

@@ -35,8 +35,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvtier_rs._core import InvalidArgumentError
-
-Key = int | bytes
+from kvtier_rs.keys import Key
 
 EVENT_KINDS = ("stored", "removed", "promoted")
 EVENT_TIERS = ("cpu", "disk")

@@ -14,8 +14,7 @@ import numpy as np
 
 from kvtier_rs._core import BlockIndex, HostPool, InvalidArgumentError, StoreOutcome
 from kvtier_rs.config import TierConfig
-
-Key = int | bytes
+from kvtier_rs.keys import Key, key_list
 
 
 class HostTier:
@@ -54,6 +53,7 @@ class HostTier:
     def store(self, keys: Sequence[Key], payloads: Sequence[bytes | np.ndarray], **hint: Any) -> StoreOutcome:
         """Store whole blocks from host memory (a convenience path; engines write slots directly).
         Payloads are checked before the index is asked for slots, so bad input changes nothing."""
+        keys = key_list(keys)
         if len(keys) != len(payloads):
             raise InvalidArgumentError(f"payloads: {len(payloads)} payloads for {len(keys)} keys")
         by_key = {}
@@ -64,7 +64,7 @@ class HostTier:
                     f"payloads: the payload for key {key!r} is {data.nbytes} bytes, blocks are {self._block_bytes}"
                 )
             by_key[key] = data
-        out = self.index.prepare_store(list(keys), **hint)
+        out = self.index.prepare_store(keys, **hint)
         ok = []
         try:
             for key, slot in zip(out.keys, out.slots, strict=True):
@@ -81,11 +81,12 @@ class HostTier:
 
     def read(self, keys: Sequence[Key]) -> list[bytes]:
         """Copy out ready blocks (pins them for the duration of the copy)."""
-        slots = self.index.pin_for_load(list(keys))
+        keys = key_list(keys)  # listed once: the unpin must name exactly the keys pinned
+        slots = self.index.pin_for_load(keys)
         try:
             return [self.slot_array(s).tobytes() for s in slots]
         finally:
-            self.index.unpin(list(keys))
+            self.index.unpin(keys)
 
     def stats(self) -> dict[str, int]:
         return dict(self.index.stats())

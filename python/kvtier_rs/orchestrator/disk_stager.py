@@ -17,9 +17,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier_rs._core import IndexFailedError, InvalidArgumentError, NoSpaceError, NotReadyError
+from kvtier_rs._core import IndexFailedError, InvalidArgumentError, KvTierError, NoSpaceError, NotReadyError
 from kvtier_rs.events import EventStream
-from kvtier_rs.host_tier import HostTier, Key
+from kvtier_rs.host_tier import HostTier
+from kvtier_rs.keys import Key, key_list
 from kvtier_rs.orchestrator.latency import LatencyRecorder
 
 
@@ -45,6 +46,7 @@ class StagerCounters:
     promotion_blocks_ok: int = 0
     promotion_blocks_failed: int = 0  # checksum/key mismatch, short read, I/O error
     promotions_no_cpu_space: int = 0
+    promotions_not_started: int = 0  # the disk tier refused the read (closed, failed)
     write_latency: LatencyRecorder = field(default_factory=LatencyRecorder)
     read_latency: LatencyRecorder = field(default_factory=LatencyRecorder)
 
@@ -76,7 +78,7 @@ class DiskStager:
 
     def write_through(self, keys: Sequence[Key], *, priority: int = 35, duration_s: float | None = None) -> int:
         """Offer ready CPU blocks to the disk tier. Returns how many were submitted."""
-        keys = list(keys)
+        keys = key_list(keys)
         if not keys:
             return 0
         if self._write_backlog + len(keys) > self.max_write_backlog:
@@ -115,7 +117,7 @@ class DiskStager:
     def promote(self, keys: Sequence[Key]) -> int | None:
         """Start reading `keys` (a chain held by the disk tier) into new CPU slots. Returns the
         read job id, or None when the CPU tier has no room (the caller recomputes)."""
-        keys = list(keys)
+        keys = key_list(keys)
         try:
             out = self.host.index.prepare_store(keys)
         except (NoSpaceError, IndexFailedError):
@@ -128,7 +130,14 @@ class DiskStager:
             # not a clean disk-only run. Give the reserved slots back and let the caller re-plan.
             self.host.index.complete_store(out.keys, False)
             return None
-        job = self.disk.submit_read(keys, self.host.pool, out.slots)
+        try:
+            job = self.disk.submit_read(keys, self.host.pool, out.slots)
+        except KvTierError:
+            # The disk tier is closed or failed: give the reserved slots back; the caller
+            # recomputes, as for any other promotion that cannot start.
+            self.host.index.complete_store(out.keys, False)
+            self.counters.promotions_not_started += 1
+            return None
         self._reads[job] = keys
         self.counters.promotions_submitted += 1
         return job

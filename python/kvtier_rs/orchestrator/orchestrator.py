@@ -25,7 +25,8 @@ from typing import Any
 
 from kvtier_rs._core import IndexFailedError, InvalidArgumentError, NoSpaceError, NotReadyError
 from kvtier_rs.events import EventStream
-from kvtier_rs.host_tier import HostTier, Key
+from kvtier_rs.host_tier import HostTier
+from kvtier_rs.keys import Key, index_list, key_list
 from kvtier_rs.orchestrator.cost import CostModel
 from kvtier_rs.orchestrator.disk_stager import DiskStager
 from kvtier_rs.orchestrator.guard import GuardRule, SloGuard
@@ -180,13 +181,11 @@ class TierOrchestrator:
         """Copy the new blocks among `keys` (a chain, head first) from the device to the CPU
         tier. Never blocks on the copy. When the CPU tier cannot take the blocks now (every slot
         pinned or being written), nothing changes and the ticket says `no_space`."""
-        keys = list(keys)
-        if len(keys) != len(gpu_block_ids):
-            raise InvalidArgumentError(
-                f"invalid argument `gpu_block_ids`: {len(gpu_block_ids)} ids for {len(keys)} keys"
-            )
-        self.engine.layout.check_block_ids([int(b) for b in gpu_block_ids], "gpu_block_ids")
-        where = dict(zip(keys, gpu_block_ids, strict=True))
+        keys = key_list(keys)
+        gpu_ids = self._gpu_block_ids(gpu_block_ids)
+        if len(keys) != len(gpu_ids):
+            raise InvalidArgumentError(f"invalid argument `gpu_block_ids`: {len(gpu_ids)} ids for {len(keys)} keys")
+        where = dict(zip(keys, gpu_ids, strict=True))
         try:
             out = self.host.index.prepare_store(keys, priority=priority, duration_s=duration_s)
         except NoSpaceError:
@@ -203,8 +202,12 @@ class TierOrchestrator:
             self.events.publish("removed", "cpu", out.evicted, reason="evicted")
         if not out.keys:
             return ticket
-        ids = [int(where[k]) for k in out.keys]
-        job = self.engine.store(ids, out.slots, after_stream=after_stream)
+        try:
+            job = self.engine.store([where[k] for k in out.keys], out.slots, after_stream=after_stream)
+        except BaseException:
+            # The engine refused the copy: give the reserved slots back, never leave them writing.
+            self.host.index.complete_store(out.keys, False)
+            raise
         self._stores[job] = (list(out.keys), time.perf_counter(), {"priority": priority, "duration_s": duration_s})
         ticket.job_id = job
         return ticket
@@ -212,7 +215,7 @@ class TierOrchestrator:
     # ---- plan ----------------------------------------------------------------------------
     def plan(self, keys: Sequence[Key], gpu_hit_blocks: int = 0) -> LoadPlan:
         """How many leading blocks of `keys` each tier holds and how many are worth loading."""
-        keys = list(keys)
+        keys = key_list(keys)
         if not 0 <= gpu_hit_blocks <= len(keys):
             raise InvalidArgumentError(f"invalid argument `gpu_hit_blocks`: {gpu_hit_blocks} not in 0..{len(keys)}")
         rest = keys[gpu_hit_blocks:]
@@ -269,12 +272,15 @@ class TierOrchestrator:
         `region_groups` (e.g. one group of region indices per layer, in layer order) splits the
         copies into one job per group, submitted in order, so `groups_ready(request_id)` can say
         that the first layers are in place while later ones are still copying."""
-        keys = list(keys)
+        # Every argument is checked before the load is registered or a block pinned, so a bad
+        # call leaves no trace (the engine's own checks would only run after the pins).
+        keys = key_list(keys)
+        gpu_ids = self._gpu_block_ids(gpu_block_ids, distinct=True)
         plan = plan or self.plan(keys, gpu_hit_blocks)
         rest = keys[plan.gpu_hits :]
-        if len(gpu_block_ids) < plan.loaded:
+        if len(gpu_ids) < plan.loaded:
             raise InvalidArgumentError(
-                f"invalid argument `gpu_block_ids`: {len(gpu_block_ids)} ids for {plan.loaded} blocks to load"
+                f"invalid argument `gpu_block_ids`: {len(gpu_ids)} ids for {plan.loaded} blocks to load"
             )
         request_id = next(self._ids) if request_id is None else request_id
         if request_id in self._loads:
@@ -285,7 +291,7 @@ class TierOrchestrator:
             if not groups:
                 raise InvalidArgumentError("invalid argument `region_groups`: give at least one group, or None")
         self._count_plan(plan)
-        ld = _Load(LoadResult(request_id, plan), rest, [int(b) for b in gpu_block_ids], time.perf_counter(), groups)
+        ld = _Load(LoadResult(request_id, plan), rest, gpu_ids, time.perf_counter(), groups)
         self._loads[request_id] = ld
         if plan.load_cpu:
             ld.cpu.keys = rest[: plan.load_cpu]
@@ -307,6 +313,13 @@ class TierOrchestrator:
                 self._read_owner[job] = request_id
         self._maybe_finish(ld)
         return ld.result
+
+    def _gpu_block_ids(self, gpu_block_ids: Sequence[int], *, distinct: bool = False) -> list[int]:
+        """Device block ids as ints in the layout's range; `distinct` for a load, where two
+        blocks copied to one destination would leave one of them silently lost."""
+        ids = index_list(gpu_block_ids, "gpu_block_ids")
+        self.engine.layout.check_block_ids(ids, "gpu_block_ids", distinct=distinct)
+        return ids
 
     def _submit_copies(self, ld: _Load, part: _Copies, slots: list[int], gpu_ids: list[int]) -> None:
         for gi, group in enumerate(ld.groups or [None]):

@@ -10,6 +10,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvtier_rs._core import HostPool, InvalidArgumentError
+from kvtier_rs.keys import index_list
 from kvtier_rs.transfer.layout import BlockLayout
 
 
@@ -63,11 +64,13 @@ class TransferEngine(ABC):
         self._in_flight: dict[int, _Job] = {}
         self._finished: list[TransferResult] = []
 
-    def _validate(self, block_ids: Sequence[int], slots: Sequence[int]) -> tuple[list[int], list[int]]:
-        block_ids, slots = [int(b) for b in block_ids], [int(s) for s in slots]
+    def _validate(
+        self, block_ids: Sequence[int], slots: Sequence[int], *, distinct: bool
+    ) -> tuple[list[int], list[int]]:
+        block_ids, slots = index_list(block_ids, "block_ids"), index_list(slots, "slots", "slot")
         if len(block_ids) != len(slots):
             raise InvalidArgumentError(f"invalid argument `slots`: {len(slots)} slots for {len(block_ids)} blocks")
-        self.layout.check_block_ids(block_ids)
+        self.layout.check_block_ids(block_ids, distinct=distinct)
         bad = [s for s in slots if not 0 <= s < self.pool.num_slots]
         if bad:
             raise InvalidArgumentError(f"invalid argument `slots`: {bad[:5]} outside 0..{self.pool.num_slots}")
@@ -109,9 +112,7 @@ class TransferEngine(ABC):
         sub_blocks: Sequence[int] | None = None,
         regions: Sequence[int] | None = None,
     ) -> int:
-        ids, sl = self._validate(block_ids, slots)
-        if direction == "h2d" and len(set(ids)) != len(ids):
-            raise InvalidArgumentError("invalid argument `block_ids`: a load names the same device block twice")
+        ids, sl = self._validate(block_ids, slots, distinct=direction == "h2d")
         subs = None
         if sub_blocks is not None:
             subs = [int(j) for j in sub_blocks]

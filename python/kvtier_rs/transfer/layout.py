@@ -17,6 +17,7 @@ engine whose slot reserves more bytes per region than it copies).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -206,10 +207,15 @@ class BlockLayout:
             return self.bytes_per_block
         return sum(self.regions[r].bytes_per_block for r in regions)
 
-    def check_block_ids(self, block_ids: Sequence[int], arg: str = "block_ids") -> None:
+    def check_block_ids(self, block_ids: Sequence[int], arg: str = "block_ids", *, distinct: bool = False) -> None:
+        """Refuse ids outside the layout and, with `distinct` (a load), ids named twice: two
+        blocks copied to one destination would leave one of them silently lost."""
         bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
         if bad:
-            raise InvalidArgumentError(f"invalid argument `{arg}`: {bad[:5]} outside 0..{self.num_blocks}")
+            raise InvalidArgumentError(f"invalid argument `{arg}`: {bad[:5]} outside 0..{self.num_blocks - 1}")
+        if distinct and len(set(block_ids)) != len(block_ids):
+            twice = sorted(b for b, n in Counter(block_ids).items() if n > 1)
+            raise InvalidArgumentError(f"invalid argument `{arg}`: device blocks {twice[:5]} named more than once")
 
     def __repr__(self) -> str:
         return (

@@ -159,6 +159,11 @@ class DiskLayer:
         # None: every CPU slot is pinned or being written, or the CPU tier's admission refused
         # the chunk. Recompute rather than wait.
         job = self.stager.promote([key])
+        if job is None and self.stager.write_backlog:
+            # The pins may be those of write-throughs that finished while the engine was idle:
+            # lookups run before the step's first poll, so collect them and try once more.
+            self.poll()
+            job = self.stager.promote([key])
         self._take_stream()
         if job is None:
             return _MISS
