@@ -160,6 +160,9 @@ def test_a_duration_longer_than_the_index_counts_never_expires():
     assert block_retention(forever, 64, 16, 0) == (90, None)
     ms = Retention([TokenRange(0, None, 90, 1500)])  # plain milliseconds
     assert block_retention(ms, 64, 16, 0) == (90, 1.5)
+    # TensorRT-LLM does not check durations: a negative one has lapsed already.
+    lapsed = Retention([TokenRange(0, None, 90, datetime.timedelta(seconds=-1))])
+    assert block_retention(lapsed, 64, 16, 0) == (90, 0.0)
 
 
 class GatedEngine(CpuTransferEngine):

@@ -295,3 +295,60 @@ def test_a_promotion_collects_finished_write_throughs_before_giving_up(tmp_path)
     layer.poll()
     assert cpu.state(b"c")[0] == "ready"
     layer.shutdown()
+
+
+def test_a_write_through_the_disk_tier_has_no_room_for_is_refused_not_raised(tmp_path):
+    # complete_store (an engine hook) writes through to disk: a batch larger than the disk tier,
+    # or one arriving while every disk slot is being written, is refused and counted.
+    from kvtier_rs import DiskTier, HostPool
+    from kvtier_rs.integrations.vllm.disk_layer import DiskLayer
+
+    pool = HostPool(4 * 4096, 4096)
+    cpu = BlockIndex(pool=pool)
+    disk = DiskTier(str(tmp_path / "d"), 2 * 8192, 4096, admission="always", engine="pool")
+    opts = parse_options({"cpu_bytes_to_use": 4 * 4096, "disk_root": str(tmp_path), "disk_bytes_to_use": 1 << 20})
+    layer = DiskLayer(disk, pool, cpu, opts, tokens_per_chunk=16)
+    keys = [b"a", b"b", b"c"]
+    out = cpu.prepare_store(keys)
+    cpu.complete_store(out.keys)
+    layer.write_through(keys)  # three blocks for a two-slot disk tier
+    assert layer.stager.counters.writes_refused == 3
+    assert cpu.stats()["pinned_blocks"] == 0, "refused blocks are unpinned"
+    layer.write_through(keys[:2])
+    layer.write_through(keys[2:])  # both disk slots still being written (or just written)
+    layer.drain()
+    assert cpu.stats()["pinned_blocks"] == 0
+    layer.shutdown()
+
+
+def test_a_disk_hit_is_reported_as_one_after_prepare_load(tmp_path):
+    # vLLM asks get_load_source after prepare_load (update_state_after_alloc, then
+    # get_external_cache_hit_sources): the answer must still be DISK for a promoted chunk.
+    from vllm.v1.kv_offload.base import CacheHitSource
+
+    from kvtier_rs import DiskTier, HostPool
+    from kvtier_rs.integrations.vllm.disk_layer import DiskLayer
+
+    pool = HostPool(2 * 4096, 4096)
+    cpu = BlockIndex(pool=pool)
+    disk = DiskTier(str(tmp_path / "d"), 16 * 8192, 4096, admission="always", engine="pool")
+    opts = parse_options({"cpu_bytes_to_use": 2 * 4096, "disk_root": str(tmp_path), "disk_bytes_to_use": 1 << 20})
+    mg = KvtierOffloadingManager(cpu, lower=DiskLayer(disk, pool, cpu, opts, tokens_per_chunk=16))
+    store(mg, [key(1)])
+    disk.wait_idle(10)
+    mg.on_schedule_end(None)  # collects the write-through
+    store(mg, [key(2), key(3)])  # key(1) now only on disk
+    disk.wait_idle(10)
+    mg.on_schedule_end(None)
+    r = ctx("r")
+    mg.on_new_request(r)
+    assert mg.lookup(key(1), r) == LookupResult.HIT_PENDING
+    disk.wait_idle(10)
+    mg.on_schedule_end(None)
+    assert mg.lookup(key(1), r) == LookupResult.HIT
+    mg.prepare_load([key(1)], r)
+    assert mg.get_load_source(key(1), r) == CacheHitSource.DISK
+    mg.complete_load([key(1)], r)
+    assert mg.get_load_source(key(1), r) == CacheHitSource.HOST, "served: it is a CPU block now"
+    assert mg.counters.loads_disk == 1
+    mg.shutdown()

@@ -38,7 +38,7 @@ class StagerCounters:
     writes_submitted: int = 0
     writes_completed: int = 0
     writes_failed: int = 0
-    writes_refused: int = 0  # disk admission or disk full
+    writes_refused: int = 0  # disk admission, disk full, or no disk slot free or evictable
     writes_dropped_backlog: int = 0
     writes_dropped_evicted: int = 0
     writes_dropped_index_failed: int = 0  # the disk tier's index disabled itself (internal error)
@@ -97,6 +97,13 @@ class DiskStager:
             # The disk tier stores nothing any more (its lookups miss): the CPU tier serves on.
             self.host.index.unpin(keys)
             self.counters.writes_dropped_index_failed += len(keys)
+            return 0
+        except NoSpaceError:
+            # More blocks than the disk tier has slots free or evictable (all being written, or
+            # a batch larger than the tier): a write-through is best effort, so it is refused
+            # like one to a full disk, never raised into the engine's completion path.
+            self.host.index.unpin(keys)
+            self.counters.writes_refused += len(keys)
             return 0
         except Exception:
             self.host.index.unpin(keys)

@@ -97,8 +97,11 @@ def _ms_to_s(value: Any) -> float | None:
     else:
         seconds = float(value) / 1000.0
     # A duration longer than the index can count (timedelta.max, say) never expires: the same
-    # as no duration, which is how the index is told so.
-    return None if seconds >= MAX_DURATION_S else seconds
+    # as no duration, which is how the index is told so. TensorRT-LLM checks only a range's
+    # priority, so a negative duration can reach here: it has lapsed already (0).
+    if seconds != seconds:  # NaN: no usable duration
+        return None
+    return None if seconds >= MAX_DURATION_S else max(seconds, 0.0)
 
 
 def block_retention(config: Any, prompt_len: int, tokens_per_block: int, block: int) -> tuple[int, float | None]:

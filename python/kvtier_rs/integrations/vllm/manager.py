@@ -103,6 +103,10 @@ class KvtierOffloadingManager(OffloadingManager):
         # Keys now in the CPU tier because a disk read put them there: their next load is
         # counted as served by disk (and reported as a DISK cache hit to vLLM).
         self._from_lower: set[OffloadKey] = set()
+        # Keys of loads in flight that the lower tier supplied: vLLM asks get_load_source after
+        # prepare_load (when the keys have left _from_lower), so the answer is kept until the
+        # load completes.
+        self._loading_from_lower: set[OffloadKey] = set()
         self.counters = m.ManagerCounters()
         if lower is not None:
             # The lower tier fills both as its promotions complete.
@@ -151,7 +155,8 @@ class KvtierOffloadingManager(OffloadingManager):
         return res
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
-        return CacheHitSource.DISK if key in self._from_lower else CacheHitSource.HOST
+        from_lower = key in self._from_lower or key in self._loading_from_lower
+        return CacheHitSource.DISK if from_lower else CacheHitSource.HOST
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         self._dirty = True
@@ -168,6 +173,7 @@ class KvtierOffloadingManager(OffloadingManager):
         if self._from_lower:
             from_lower = [k for k in keys if k in self._from_lower]
             self._from_lower.difference_update(from_lower)
+            self._loading_from_lower.update(from_lower)
             c.loads_disk += len(from_lower)
             c.loads_cpu += len(keys) - len(from_lower)
         else:
@@ -181,7 +187,10 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self._dirty = True
-        self._cpu.unpin(list(keys))
+        keys = list(keys)
+        if self._loading_from_lower:
+            self._loading_from_lower.difference_update(keys)
+        self._cpu.unpin(keys)
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         keys = list(keys)
@@ -271,6 +280,7 @@ class KvtierOffloadingManager(OffloadingManager):
                 cpu.complete_store([key], False)
         cpu.clear()
         self._from_lower.clear()
+        self._loading_from_lower.clear()
         self._generation += 1
 
     def get_stats(self) -> OffloadingConnectorStats | None:

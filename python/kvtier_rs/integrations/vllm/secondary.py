@@ -42,7 +42,7 @@ from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from kvtier_rs._core import HostPool, IndexFailedError, InvalidArgumentError
+from kvtier_rs._core import HostPool, IndexFailedError, InvalidArgumentError, KvTierError, NoSpaceError
 from kvtier_rs.disk_tier import open_disk_tier
 from kvtier_rs.integrations.vllm import metrics as m
 from kvtier_rs.integrations.vllm.disk_layer import tier_dir
@@ -116,7 +116,7 @@ class KvtierDiskTier(SecondaryTierManager):
         self._jobs: dict[int, tuple[int, list[bytes], bool]] = {}
         self._done: list[JobResult] = []
         self._last_stats: dict[str, int] = {}
-        self.counters = {"loads": 0, "stores": 0, "failed_reads": 0}
+        self.counters = {"loads": 0, "stores": 0, "stores_no_space": 0, "failed_reads": 0}
 
     # ---- SecondaryTierManager ---------------------------------------------------------------
 
@@ -131,6 +131,11 @@ class KvtierDiskTier(SecondaryTierManager):
             ticket = self.disk.submit_write(keys, self.pool, np.asarray(job_metadata.chunk_ids).tolist())
         except IndexFailedError:
             ticket = None  # the disk tier's index disabled itself: it stores nothing any more
+        except NoSpaceError:
+            # Every disk slot is being written, or the batch is larger than the tier: refused
+            # like a write to a full device (vLLM's tiering has no failure path for a cascade).
+            self.counters["stores_no_space"] += len(keys)
+            ticket = None
         if ticket is None or not ticket.keys:
             # Nothing new, refused by admission / a full device, or a failed tier: not cascaded.
             self._done.append(JobResult(job_metadata.job_id, success=True))
@@ -141,7 +146,13 @@ class KvtierDiskTier(SecondaryTierManager):
     def submit_load(self, job_metadata: TransferJob) -> None:
         # The rows were allocated for this promotion (ref_cnt -1): read straight into them.
         keys = list(job_metadata.keys)
-        job = self.disk.submit_read(keys, self.pool, np.asarray(job_metadata.chunk_ids).tolist())
+        try:
+            job = self.disk.submit_read(keys, self.pool, np.asarray(job_metadata.chunk_ids).tolist())
+        except KvTierError:
+            # The tier is closed or failed: the promotion fails, its keys become misses.
+            self.counters["failed_reads"] += len(keys)
+            self._done.append(JobResult(job_metadata.job_id, success=False, successful_keys=[]))
+            return
         self._jobs[job] = (job_metadata.job_id, keys, True)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
