@@ -352,3 +352,37 @@ def test_a_disk_hit_is_reported_as_one_after_prepare_load(tmp_path):
     assert mg.get_load_source(key(1), r) == CacheHitSource.HOST, "served: it is a CPU block now"
     assert mg.counters.loads_disk == 1
     mg.shutdown()
+
+
+def test_events_of_the_lower_tier_keep_their_place_in_the_stream(tmp_path):
+    # A promotion lands (the disk layer queues "stored in CPU"), then prepare_store evicts that
+    # chunk ("removed"): take_events must yield them in that order, or a consumer replaying the
+    # stream believes the chunk is still in the CPU tier.
+    from kvtier_rs import DiskTier, HostPool
+    from kvtier_rs.integrations.vllm.disk_layer import DiskLayer
+
+    pool = HostPool(2 * 4096, 4096)
+    cpu = BlockIndex(pool=pool)
+    disk = DiskTier(str(tmp_path / "d"), 16 * 8192, 4096, admission="always", engine="pool")
+    opts = parse_options({"cpu_bytes_to_use": 2 * 4096, "disk_root": str(tmp_path), "disk_bytes_to_use": 1 << 20})
+    mg = KvtierOffloadingManager(cpu, enable_events=True, lower=DiskLayer(disk, pool, cpu, opts, tokens_per_chunk=16))
+    k = key(1)
+    store(mg, [k])
+    disk.wait_idle(10)
+    mg.on_schedule_end(None)
+    store(mg, [key(2), key(3)])  # k now only on disk
+    disk.wait_idle(10)
+    mg.on_schedule_end(None)
+    list(mg.take_events())
+    r = ctx("r")
+    mg.on_new_request(r)
+    assert mg.lookup(k, r) == LookupResult.HIT_PENDING
+    mg.on_request_finished(r)  # aborted while the promotion runs
+    disk.wait_idle(10)
+    mg.on_schedule_end(None)  # the promotion lands
+    out = mg.prepare_store([key(4), key(5)], ctx("s"))
+    assert k in out.evicted_keys
+    about_k = [("removed" if e.removed else "stored", e.medium) for e in mg.take_events() if k in e.keys]
+    assert about_k == [("stored", Medium.CPU), ("removed", Medium.CPU)]
+    assert cpu.state(k) is None
+    mg.shutdown()

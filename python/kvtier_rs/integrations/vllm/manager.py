@@ -213,7 +213,7 @@ class KvtierOffloadingManager(OffloadingManager):
                 self._from_lower.difference_update(evicted)
             if self._events is not None:
                 # Removal events go before the store event, as in vLLM's own manager.
-                self._events.append(OffloadingEvent(keys=list(evicted), medium=Medium.CPU, removed=True))
+                self._emit(OffloadingEvent(keys=list(evicted), medium=Medium.CPU, removed=True))
         st = self._request_keys(req_context)
         st.keys.extend(keys)
         if to_store:
@@ -233,7 +233,7 @@ class KvtierOffloadingManager(OffloadingManager):
         if not success or not writing:
             return
         if self._events is not None:
-            self._events.append(OffloadingEvent(keys=writing, medium=Medium.CPU, removed=False))
+            self._emit(OffloadingEvent(keys=writing, medium=Medium.CPU, removed=False))
         if lower is not None:
             lower.write_through(writing)
 
@@ -247,6 +247,15 @@ class KvtierOffloadingManager(OffloadingManager):
         # Head of the prefix ends up most recent (the index applies touches tail-first).
         self._cpu.touch(st.keys)
         st.keys = []
+
+    def _emit(self, event: OffloadingEvent) -> None:
+        """Queue one of the manager's own events (events on). The lower tier's events so far go
+        first: they happened earlier (a promotion that landed before this eviction, say), and a
+        consumer replaying stored/removed must see them in that order."""
+        assert self._events is not None
+        if self._lower is not None:
+            self._events.extend(self._lower.take_events())
+        self._events.append(event)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         if self._lower is not None:
