@@ -135,6 +135,38 @@ def test_bare_tiers_and_missing_tiers_still_expose_every_series(tmp_path):
         serve(70000, t.orch)
 
 
+@pytest.mark.parametrize(
+    "labels, why",
+    [
+        ({"le": "dp0"}, "reserved"),  # every histogram bucket's own label
+        ({"quantile": "x"}, "reserved"),
+        ({"__engine": "x"}, "reserved"),
+        ({"é": "a"}, "not a Prometheus label name"),  # str.isidentifier() accepts it
+        ({"engine\n": "a"}, "not a Prometheus label name"),
+        ({"1engine": "a"}, "not a Prometheus label name"),
+        ({"en-gine": "a"}, "not a Prometheus label name"),
+        ({"": "a"}, "not a Prometheus label name"),
+        ({1: "a"}, "not a Prometheus label name"),
+        ({"tier": "x"}, "already a label of kvtier series"),
+        ({"engine": 0}, "must be a str"),  # would fail every scrape with HTTP 500
+        ([("engine", "dp0")], "expected a dict"),
+    ],
+)
+def test_constant_labels_must_be_prometheus_label_names(tmp_path, labels, why):
+    t = Tiers(tmp_path, "d")
+    with pytest.raises(InvalidArgumentError, match=f"invalid argument `labels`: .*{why}"):
+        KvTierCollector(t.orch, labels=labels)
+    with pytest.raises(InvalidArgumentError, match="`labels`"):
+        serve(0, t.orch, labels=labels)
+
+
+def test_a_valid_constant_label_is_on_every_sample(tmp_path):
+    t = Tiers(tmp_path, "d")
+    with exporter(t.orch, labels={"Engine_1": "dp0"}) as srv:
+        _, values = scrape(srv.url)
+    assert values and all(dict(labels).get("Engine_1") == "dp0" for _, labels in values)
+
+
 # ---- movement ------------------------------------------------------------------------------
 class Tracker:
     """Scrapes before and after each step; records which documented series moved."""
@@ -210,7 +242,8 @@ def test_series_move_as_the_tiers_are_driven(tmp_path):
         # Usage is what the tier occupies, pinned or not: unchanged by the pins.
         assert d(x, "kvtier_usage_bytes", tier="cpu") == 0
         assert tr.now("kvtier_usage_bytes", tier="cpu") == 6 * bb
-        # The lookup is counted when the load starts; promotions when it finishes.
+        # A load without a plan plans and counts its lookup when it starts; promotions are
+        # counted when it finishes.
         assert d(x, "kvtier_lookups_total") == 1
         assert d(x, "kvtier_lookup_blocks_total", tier="gpu") == 6
         assert d(x, "kvtier_lookup_blocks_total", tier="cpu") == 5
@@ -347,11 +380,14 @@ def test_refusal_series(tmp_path, case):
             assert plan.loaded == 0
             o.drain()
             x = tr.step()
-            assert d(x, "kvtier_refusals_total", tier="cpu", direction="load", reason=case) == 0  # counted at load
+            # Counted when planned: a caller that finds nothing worth loading never calls load().
+            assert d(x, "kvtier_refusals_total", tier="cpu", direction="load", reason=case) == 3
             o.load(a, [13, 14, 15], request_id="refused", plan=plan)
             o.drain()
             x = tr.step()
-            assert d(x, "kvtier_refusals_total", tier="cpu", direction="load", reason=case) == 3
+            # ...and only then: the load carries out that plan and does not count it again.
+            assert d(x, "kvtier_refusals_total", tier="cpu", direction="load", reason=case) == 0
+            assert d(x, "kvtier_lookups_total") == 0
         elif case == "admission":
             t.offload(a)
             x = tr.step()
@@ -418,6 +454,89 @@ def test_index_failure_series(tmp_path):
         assert tr.now("kvtier_index_failed", tier="cpu") == 1
         assert o.plan(keys("c", 2)).misses == 2
     _MOVED.update(tr.moved)
+
+
+def test_a_plan_is_counted_once_whether_or_not_it_is_loaded(tmp_path):
+    # Recomputing is nearly free: every CPU hit is refused by the cost model.
+    t = Tiers(tmp_path, "plans", cost=CostModel(prefill_tokens_per_s=1e15, tokens_per_block=1, block_bytes=65536))
+    o = t.orch
+    a = keys("a", 2)
+    t.offload(a)
+    with exporter(o) as srv:
+        tr = Tracker(srv.url)
+        o.plan(a)  # 2 CPU hits, refused
+        o.plan(keys("x", 3))  # 3 misses
+        x = tr.step()
+        assert d(x, "kvtier_lookups_total") == 2
+        assert d(x, "kvtier_lookup_blocks_total", tier="gpu") == 5
+        assert d(x, "kvtier_hits_total", tier="cpu") == 2
+        assert d(x, "kvtier_misses_total") == 3
+        assert d(x, "kvtier_refusals_total", tier="cpu", direction="load", reason="cost") == 2
+        # Planning the same request again is a new lookup.
+        p = o.plan(a)
+        x = tr.step()
+        assert d(x, "kvtier_lookups_total") == 1
+        # Loading that plan counts nothing more; a load without one plans and counts one.
+        o.load(a, [10, 11], request_id="with-plan", plan=p)
+        o.drain()
+        assert d(tr.step(), "kvtier_lookups_total") == 0
+        o.load(a, [10, 11], request_id="without-plan")
+        o.drain()
+        x = tr.step()
+        assert d(x, "kvtier_lookups_total") == 1
+        assert d(x, "kvtier_refusals_total", tier="cpu", direction="load", reason="cost") == 2
+        # A re-plan only to route a decision already counted, and a refused load, count nothing.
+        o.plan(a, count=False)
+        with pytest.raises(InvalidArgumentError, match="gpu_block_ids"):
+            o.load(a, [10, 10], request_id="bad")
+        assert tr.step() == {}
+
+
+def trtllm_engine(tmp_path, **cfg):
+    """kvtier's TensorRT-LLM connector under the executor stand-in of tests/trtllm_support."""
+    from trtllm_support.driver import Engine, llm_args
+
+    from kvtier_rs.integrations import trtllm
+
+    cfg = {"cpu_bytes": 16 * 4096, "io_engine": "cpu", "namespace": f"m-{tmp_path.name}", **cfg}
+    sched = type("S", (trtllm.KvtierScheduler,), {"kvtier_config": cfg})(llm_args(4))
+    worker = type("W", (trtllm.KvtierWorker,), {"kvtier_config": cfg})(llm_args(4))
+    return Engine(sched, worker, tokens_per_block=4)
+
+
+def test_trtllm_scheduler_refusals_are_counted_without_a_load(tmp_path):
+    """The TensorRT-LLM scheduler plans and, with nothing worth loading, never calls load():
+    its plan is the request's one lookup and its refusals are counted."""
+    from trtllm_support.driver import Request
+
+    eng = trtllm_engine(tmp_path, cost_model={"prefill_tokens_per_s": 1e15})  # never worth loading
+    try:
+        shared = [1000 + i for i in range(12)]  # 3 full blocks
+        eng.run_request(Request(1, shared + [7, 8, 9]))
+        eng.step([Request(2, shared + [5, 6])])
+        assert eng.matched[2] == 0
+        s = eng.worker.tiers.orchestrator.stats()
+        assert s["lookups"] == 2
+        assert s["tiers"]["cpu"]["hits"] == 3 and s["tiers"]["cpu"]["refused"]["cost"] == 3
+        assert s["misses"] == 3, "request 1's blocks; request 2's were refused hits"
+    finally:
+        eng.worker.close()
+
+
+def test_trtllm_loaded_request_is_one_lookup(tmp_path):
+    from trtllm_support.driver import Request
+
+    eng = trtllm_engine(tmp_path)
+    try:
+        shared = [1000 + i for i in range(12)]
+        eng.run_request(Request(1, shared + [7, 8, 9]))
+        eng.step([Request(2, shared + [5, 6])])
+        assert eng.matched[2] == 12  # 3 blocks loaded from the CPU tier
+        s = eng.worker.tiers.orchestrator.stats()
+        assert s["tiers"]["cpu"]["promotions"] == 3
+        assert s["lookups"] == 2 and s["tiers"]["cpu"]["lookup_blocks"] == 6
+    finally:
+        eng.worker.close()
 
 
 _MOVED: set[str] = set()

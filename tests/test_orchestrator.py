@@ -130,7 +130,7 @@ def test_gpu_hits_are_skipped_and_counted(tmp_path):
     orch.drain()
     plan = orch.plan(keys, gpu_hit_blocks=1)
     assert (plan.gpu_hits, plan.cpu_hits, plan.load_cpu) == (1, 2, 2)
-    orch.load(keys, [5, 6], gpu_hit_blocks=1, request_id=1)
+    orch.load(keys, [5, 6], gpu_hit_blocks=1, request_id=1, plan=plan)  # the plan counted the lookup
     (res,) = orch.drain()
     assert res.loaded_cpu == 2
     assert block_bytes_of(layout, 5) == block_bytes_of(layout, 1)
@@ -264,14 +264,32 @@ def test_cost_model_refuses_loads_slower_than_recompute(tmp_path):
 
 
 def test_backpressure_recomputes_instead_of_queueing(tmp_path):
-    orch, _, _ = make(tmp_path, random.Random(6), max_promotions_in_flight={"cpu": 1})
+    import threading
+
+    class HeldEngine(CpuTransferEngine):
+        """Host -> device copies wait for the gate: a load stays in flight until it opens."""
+
+        def copy_now(self, direction, block_ids, slots, sub_blocks=None, regions=None):
+            if direction == "h2d":
+                assert self.gate.wait(10)
+            super().copy_now(direction, block_ids, slots, sub_blocks, regions)
+
+    ts = [torch.randn(8, 2, 8, 8)]
+    layout = BlockLayout.per_layer(ts)
+    host = kv.HostTier(kv.TierConfig(4 * 4096, layout.bytes_per_block))
+    engine = HeldEngine(layout, host.pool)
+    engine.gate = threading.Event()
+    orch = TierOrchestrator(host, engine, max_promotions_in_flight={"cpu": 1})
     orch.offload([b"a"], [0])
     orch.offload([b"b"], [1])
     orch.drain()
-    orch.engine.close()  # the copy thread stops: the first load stays in flight
-    orch.load([b"a"], [3], request_id=1)
+    orch.load([b"a"], [3], request_id=1)  # held: in flight
     plan = orch.plan([b"b"])
     assert plan.load_cpu == 0 and plan.refused == {"cpu": {"backpressure": 1}}
+    engine.gate.set()
+    (res,) = orch.drain()
+    assert res.loaded_cpu == 1
+    assert orch.plan([b"b"]).load_cpu == 1, "nothing in flight: loaded again"
 
 
 class FakeClock:

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import ctypes
 import random
+import threading
+import time
 
 import pytest
 import torch
 
 import kvtier_rs as kv
-from kvtier_rs.transfer import BlockLayout, CpuTransferEngine, Region
+from kvtier_rs.transfer import BlockLayout, CpuTransferEngine, Region, TransferEngine
 from kvtier_rs.transfer.base import host_runs
 from kvtier_rs.transfer.cuda import copy_plan
 
@@ -216,3 +218,196 @@ def test_cpu_engine_moves_exactly_the_blocks_named_adjacent_or_scattered(scatter
         assert all(torch.equal(t[d], w) for d, w in zip(dst, want[li], strict=True))
         untouched = [b for b in range(64) if b not in dst]
         assert torch.equal(t[untouched], before[li][untouched])
+
+
+# ---- bad input is refused before anything is copied ------------------------------------------
+
+
+def plain_engine(inline: bool, num_slots: int = 4) -> tuple[CpuTransferEngine, torch.Tensor, torch.Tensor]:
+    x = torch.arange(8 * 64, dtype=torch.float32).reshape(8, 64)
+    pool = kv.HostPool(num_slots * 4096, 4096)
+    eng = CpuTransferEngine(BlockLayout.per_layer([x]), pool, inline=inline)
+    return eng, x, torch.frombuffer(pool, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("inline", [False, True])
+def test_store_naming_one_host_slot_twice_is_refused_before_copying(inline):
+    eng, x, host = plain_engine(inline)
+    with eng:
+        # Two blocks into slot 2: one of them would be lost, while the job claimed both.
+        with pytest.raises(kv.InvalidArgumentError, match=r"`slots`: host slots \[2\] named more than once"):
+            eng.store([0, 1], [2, 2])
+        assert eng.in_flight == 0 and eng.poll() == [] and not host.any()
+        # Reading one slot into several blocks, or one block into several slots, loses nothing.
+        assert eng.wait([eng.store([3, 3], [0, 1])])[0].success
+        assert eng.wait([eng.load([0, 0], [5, 6])])[0].success
+        assert torch.equal(x[5], x[3]) and torch.equal(x[6], x[3])
+
+
+def test_store_sub_blocks_may_share_a_slot_but_not_a_position():
+    ts = tensors(5)
+    layout = sub_layout(ts, 2)
+    pool = kv.HostPool(4 * 4096, layout.slot_extent)
+    host = torch.frombuffer(pool, dtype=torch.uint8)
+    with CpuTransferEngine(layout, pool, inline=True) as eng:
+        # Different sub-blocks of one slot are different bytes: allowed.
+        assert eng.wait([eng.store([1, 2], [0, 0], sub_blocks=[0, 1])])[0].success
+        host.zero_()
+        for subs in ([1, 1], [0, 0], None):  # [0, 0] and None both mean sub-block 0 for both
+            with pytest.raises(kv.InvalidArgumentError, match=r"sub-block\) positions \[\(0, \d\)\] named more"):
+                eng.store([3, 4], [0, 0], sub_blocks=subs)
+        assert eng.in_flight == 0 and eng.poll() == [] and not host.any()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "arg"),
+    [
+        ({"sub_blocks": [0, 1.0]}, "sub_blocks"),  # int() would have taken 1.0 (and 0.9 as 0)
+        ({"sub_blocks": [True, 0]}, "sub_blocks"),
+        ({"regions": [0.0]}, "regions"),
+        ({"regions": [False]}, "regions"),
+    ],
+)
+def test_non_integer_sub_blocks_and_regions_are_refused(kwargs, arg):
+    layout = sub_layout(tensors(6), 2)
+    pool = kv.HostPool(4 * 4096, layout.slot_extent)
+    with CpuTransferEngine(layout, pool, inline=True) as eng:
+        with pytest.raises(kv.InvalidArgumentError, match=f"`{arg}`: .*must be integers"):
+            eng.store([1, 2], [0, 1], **kwargs)
+        assert eng.poll() == [] and not torch.frombuffer(pool, dtype=torch.uint8).any()
+
+
+@pytest.mark.parametrize("field", ["bytes_per_block", "block_stride_bytes", "offset_bytes"])
+@pytest.mark.parametrize("bad", [256.5, 16.0, True])
+def test_region_integer_fields_refuse_floats_and_bools(field, bad):
+    x = torch.zeros(8, 256, dtype=torch.uint8)
+    fields = {"bytes_per_block": 16, "block_stride_bytes": 256, "offset_bytes": 0, field: bad}
+    with pytest.raises(kv.InvalidArgumentError, match=f"`{field}`: must be an integer, got {type(bad).__name__}"):
+        Region(x, **fields)
+
+
+def test_region_integer_fields_take_integer_scalars_as_ints():
+    import numpy as np
+
+    x = torch.zeros(8, 256, dtype=torch.uint8)
+    r = Region(x, np.int64(16), torch.tensor(256), offset_bytes=np.uint16(8))
+    assert (r.bytes_per_block, r.block_stride_bytes, r.offset_bytes) == (16, 256, 8)
+    assert all(type(v) is int for v in (r.bytes_per_block, r.block_stride_bytes, r.offset_bytes))
+    assert BlockLayout([r]).bytes_per_block == 16
+    # rows_of names the argument the caller passed, not the one it derives from it.
+    with pytest.raises(kv.InvalidArgumentError, match="`offset_bytes`"):
+        Region.rows_of(x, offset_bytes=0.5)
+    with pytest.raises(kv.InvalidArgumentError, match="`bytes_per_block`"):
+        Region.rows_of(x, bytes_per_block=16.7)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "arg"),
+    [
+        ({"host_offsets": [0, 256.5]}, "host_offsets"),
+        ({"blocks_per_slot": 2, "sub_block_strides": [128.9, 64]}, "sub_block_strides"),
+        ({"blocks_per_slot": 2.0}, "blocks_per_slot"),
+        ({"blocks_per_slot": True}, "blocks_per_slot"),
+    ],
+)
+def test_layout_offsets_and_strides_refuse_non_integers(kwargs, arg):
+    regions = [Region.rows_of(t) for t in tensors(7)]
+    with pytest.raises(kv.InvalidArgumentError, match=f"`{arg}`"):
+        BlockLayout(regions, **kwargs)
+
+
+# ---- close() ----------------------------------------------------------------------------------
+
+
+class GateEngine(CpuTransferEngine):
+    """The real CPU engine, whose copies wait (on whatever thread runs them) until the test
+    opens the gate; `entered` says a copy has started."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def copy_now(self, *args, **kwargs):
+        self.entered.set()
+        if not self.gate.wait(10):
+            raise RuntimeError("gate never opened")
+        super().copy_now(*args, **kwargs)
+
+
+def wait_until(cond) -> None:
+    """Poll `cond` (a state change in another thread); a bound only so a bug cannot hang the suite."""
+    deadline = time.monotonic() + 10
+    while not cond():
+        assert time.monotonic() < deadline, "condition never became true"
+        time.sleep(0.001)
+
+
+@pytest.mark.parametrize("inline", [False, True])
+def test_engine_refuses_jobs_after_close_and_close_is_idempotent(inline):
+    eng, _, host = plain_engine(inline)
+    eng.close()
+    # Before: the threaded engine returned a job id no thread would ever run (wait() hung).
+    with pytest.raises(kv.ClosedError, match=r"closed: cpu transfer engine; store\(\) after close"):
+        eng.store([0], [0])
+    with pytest.raises(kv.ClosedError, match=r"load\(\) after close"):
+        eng.load([0], [1])
+    assert eng.in_flight == 0 and eng.poll() == [] and not host.any()
+    eng.close()
+    # Bad arguments are still named as such, closed or not.
+    with pytest.raises(kv.InvalidArgumentError, match="slots"):
+        eng.store([0], [99])
+
+
+@pytest.mark.parametrize("inline", [False, True])
+def test_jobs_submitted_before_close_finish_and_later_ones_are_refused(inline):
+    x = torch.arange(8 * 64, dtype=torch.float32).reshape(8, 64)
+    pool = kv.HostPool(4 * 4096, 4096)
+    eng = GateEngine(BlockLayout.per_layer([x]), pool, inline=inline)
+    jobs: list[int] = []
+    if inline:
+        # The store call itself copies (on its own thread here): close() must wait for it.
+        submitter = threading.Thread(target=lambda: jobs.append(eng.store([1], [0])))
+        submitter.start()
+    else:
+        # The first job is copying on the engine's thread, the second queued behind it.
+        jobs += [eng.store([1], [0]), eng.store([2], [1])]
+    assert eng.entered.wait(10)
+    closer = threading.Thread(target=eng.close)
+    closer.start()
+    wait_until(lambda: eng._closed)
+    with pytest.raises(kv.ClosedError):
+        eng.store([3], [2])
+    eng.gate.set()
+    closer.join()
+    if inline:
+        submitter.join()
+    res = eng.wait(jobs)
+    assert len(res) == len(jobs) == (1 if inline else 2)
+    assert all(r.success for r in res), res
+    assert eng.in_flight == 0
+    host = torch.frombuffer(pool, dtype=torch.uint8).view(4, 4096)
+    for slot, block in enumerate([1] if inline else [1, 2]):
+        assert host[slot, :256].numpy().tobytes() == x[block].numpy().tobytes()
+    assert not host[2:].any()  # the refused store copied nothing
+
+
+class NeverFinishes(TransferEngine):
+    """An engine whose copies never complete (a stream that hangs, a lost callback)."""
+
+    name = "stuck"
+
+    def _submit(self, job, block_ids, slots, after_stream):
+        pass
+
+
+def test_close_reports_jobs_it_could_not_finish_as_failed():
+    eng = NeverFinishes(BlockLayout.per_layer([torch.zeros(8, 64)]), kv.HostPool(4 * 4096, 4096))
+    job = eng.store([0], [0])
+    assert eng.in_flight == 1
+    eng.close()
+    # The job is reported failed, once, with the reason (before, wait() never returned; the
+    # timeout only keeps a regression from hanging the suite).
+    (res,) = eng.wait([job], timeout=10)
+    assert not res.success and res.bytes == 0 and "closed before this job finished" in res.error
+    assert eng.in_flight == 0 and eng.poll() == []

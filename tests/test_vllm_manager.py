@@ -386,3 +386,32 @@ def test_events_of_the_lower_tier_keep_their_place_in_the_stream(tmp_path):
     assert about_k == [("stored", Medium.CPU), ("removed", Medium.CPU)]
     assert cpu.state(k) is None
     mg.shutdown()
+
+
+def test_a_request_that_excludes_storage_is_not_served_from_disk(tmp_path):
+    # kv_load_tiers [{"medium": "CPU"}] becomes ReqContext.load_tier_filter: vLLM's own tiering
+    # skips the storage tiers it excludes, and so does kvtier's disk tier (Medium.STORAGE).
+    from vllm.v1.kv_offload.base import TierFilter, TierMatcher
+
+    from kvtier_rs import DiskTier, HostPool
+    from kvtier_rs.integrations.vllm.disk_layer import DiskLayer
+
+    pool = HostPool(2 * 4096, 4096)
+    cpu = BlockIndex(pool=pool)
+    disk = DiskTier(str(tmp_path / "d"), 16 * 8192, 4096, admission="always", engine="pool")
+    opts = parse_options({"cpu_bytes_to_use": 2 * 4096, "disk_root": str(tmp_path), "disk_bytes_to_use": 1 << 20})
+    mg = KvtierOffloadingManager(cpu, lower=DiskLayer(disk, pool, cpu, opts, tokens_per_chunk=16))
+    store(mg, [key(1)])
+    disk.wait_idle(10)
+    mg.on_schedule_end(None)
+    store(mg, [key(2), key(3)])  # key(1) now only on disk
+    disk.wait_idle(10)
+    mg.on_schedule_end(None)
+    cpu_only = ReqContext(req_id="c", load_tier_filter=TierFilter(matchers=(TierMatcher(medium=Medium.CPU),)))
+    mg.on_new_request(cpu_only)
+    assert mg.lookup(key(1), cpu_only) == LookupResult.MISS
+    assert mg.lower.stager.counters.promotions_submitted == 0
+    anyone = ctx("a")
+    mg.on_new_request(anyone)
+    assert mg.lookup(key(1), anyone) == LookupResult.HIT_PENDING
+    mg.shutdown()

@@ -9,6 +9,7 @@ tier has not moved data or is not configured.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -30,6 +31,38 @@ Labels = tuple[str, ...]
 Histogram = tuple[list[tuple[float, int]], int, float]
 
 _EMPTY_HISTOGRAM: Histogram = ([(b, 0) for b in (*BUCKETS, float("inf"))], 0, 0.0)
+
+
+# Prometheus's label-name grammar (its data model), written out: prometheus-client's own checks
+# are private, and from 0.21 on accept any UTF-8 name unless legacy validation is switched on,
+# while Prometheus servers before 3.0 and most tooling take only these names.
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+# `le` is the bucket bound of every histogram sample and `quantile` a summary's: a constant label
+# of that name would be replaced by (or clash with) them. Names starting with "__" belong to
+# Prometheus itself.
+_RESERVED_LABELS = ("le", "quantile")
+
+
+def _const_labels(labels: object) -> dict[str, str]:
+    """Constant labels as a dict, every name a valid, unreserved Prometheus label name that no
+    kvtier series uses, every value a string; else InvalidArgumentError naming `labels`."""
+    if labels is None:
+        return {}
+    if not isinstance(labels, Mapping):
+        raise InvalidArgumentError(f"invalid argument `labels`: expected a dict of label name -> value, got {labels!r}")
+    for name, value in labels.items():
+        if not isinstance(name, str) or not _LABEL_NAME.fullmatch(name):
+            raise InvalidArgumentError(
+                f"invalid argument `labels`: {name!r} is not a Prometheus label name ([a-zA-Z_][a-zA-Z0-9_]*)"
+            )
+        if name.startswith("__") or name in _RESERVED_LABELS:
+            raise InvalidArgumentError(f"invalid argument `labels`: {name!r} is a reserved Prometheus label name")
+        if any(name in s.labelnames for s in SERIES):
+            raise InvalidArgumentError(f"invalid argument `labels`: {name!r} is already a label of kvtier series")
+        if not isinstance(value, str):
+            # Caught here, not at the first scrape, where the exposition fails on it (HTTP 500).
+            raise InvalidArgumentError(f"invalid argument `labels`: the value of {name!r} must be a str, got {value!r}")
+    return dict(labels)
 
 
 def _le(bound: float) -> str:
@@ -63,12 +96,7 @@ class KvTierCollector(Collector):
         self.host = host
         self.disk = disk
         self.events = events if events is not None else getattr(orchestrator, "events", None)
-        self.const_labels = dict(labels or {})
-        for name in self.const_labels:
-            if not name.isidentifier() or name.startswith("__"):
-                raise InvalidArgumentError(f"invalid argument `labels`: {name!r} is not a valid label name")
-            if any(name in s.labelnames for s in SERIES):
-                raise InvalidArgumentError(f"invalid argument `labels`: {name!r} is already a label of kvtier series")
+        self.const_labels = _const_labels(labels)
 
     # ---- one snapshot per scrape ---------------------------------------------------------
     def snapshot(self) -> dict[str, dict[Labels, Any]]:

@@ -1,12 +1,43 @@
 """Load or recompute: a hit is only worth taking when moving its bytes beats recomputing its
 tokens. Bandwidth per tier starts from a configured guess and follows measured transfers (an
-exponential moving average), so the decision adapts to the machine it runs on."""
+exponential moving average), so the decision adapts to the machine it runs on.
+
+Every setting is checked at construction, naming it: rates and sizes positive, both hops
+("cpu", "disk") given in `bandwidth` and `latency_s`. A bandwidth of `math.inf` means the hop
+costs nothing (and stays so: measurements cannot lower an infinite average).
+
+What a measurement may move (`observe`):
+
+- a transfer whose seconds or bytes are NaN, inf or negative is dropped and counted
+  (`observations_dropped`): a NaN folded into the average would stay there for good and
+  every later plan would refuse;
+- a transfer that moved nothing, or took less than twice the hop's fixed `latency_s`, is
+  skipped and counted (`observations_skipped`): its time is mostly the fixed cost, so the
+  time left for the bytes (seconds - latency_s) is timer noise, and dividing by it gives any
+  bandwidth at all (a 64 KiB copy in 20 us with 50 us of fixed latency read as 1.3e13 B/s).
+  From twice the latency on, the estimate is at most twice the transfer's raw throughput.
+"""
 
 from __future__ import annotations
 
+import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvtier_rs._core import InvalidArgumentError
+from kvtier_rs.orchestrator.latency import check_count, check_number, usable_sample
+
+#: Promotion hops: "cpu" = host -> device, "disk" = disk -> host.
+HOPS = ("cpu", "disk")
+
+
+def _per_hop(name: str, value: object, *, zero_ok: bool, inf_ok: bool) -> dict[str, float]:
+    """A {hop: number} setting naming exactly the hops, as a new dict (the model updates its
+    own copy; the caller's dict is never changed behind its back)."""
+    if not isinstance(value, Mapping) or set(value) != set(HOPS):
+        got = f"keys {sorted(value, key=repr)!r}" if isinstance(value, Mapping) else repr(value)
+        raise InvalidArgumentError(f"invalid argument `{name}`: expected a dict with keys 'cpu' and 'disk', got {got}")
+    return {hop: check_number(f"{name}[{hop!r}]", value[hop], zero_ok=zero_ok, inf_ok=inf_ok) for hop in HOPS}
 
 
 @dataclass
@@ -14,29 +45,41 @@ class CostModel:
     prefill_tokens_per_s: float
     tokens_per_block: int
     block_bytes: int
-    #: bytes/s per promotion hop: "cpu" = host -> device, "disk" = disk -> host.
+    #: bytes/s per promotion hop: "cpu" = host -> device, "disk" = disk -> host (inf: free).
     bandwidth: dict[str, float] = field(default_factory=lambda: {"cpu": 10e9, "disk": 1e9})
     #: fixed seconds per promotion job (submission, completion polling) per hop.
     latency_s: dict[str, float] = field(default_factory=lambda: {"cpu": 50e-6, "disk": 200e-6})
     alpha: float = 0.2
+    #: measurements refused as NaN, inf or negative (see the module docstring).
+    observations_dropped: int = field(default=0, init=False)
+    #: measurements that carried no bandwidth information (nothing moved, or within 2x latency_s).
+    observations_skipped: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
-        for name in ("prefill_tokens_per_s", "tokens_per_block", "block_bytes"):
-            if not getattr(self, name) > 0:
-                raise InvalidArgumentError(f"invalid argument `{name}`: must be positive, got {getattr(self, name)!r}")
-        for tier, bw in self.bandwidth.items():
-            if not bw > 0:
-                raise InvalidArgumentError(f"invalid argument `bandwidth[{tier!r}]`: must be positive, got {bw!r}")
-        if not 0 < self.alpha <= 1:
-            raise InvalidArgumentError(f"invalid argument `alpha`: must be in (0, 1], got {self.alpha!r}")
+        self.prefill_tokens_per_s = check_number("prefill_tokens_per_s", self.prefill_tokens_per_s)
+        self.tokens_per_block = check_count("tokens_per_block", self.tokens_per_block)
+        self.block_bytes = check_count("block_bytes", self.block_bytes)
+        self.bandwidth = _per_hop("bandwidth", self.bandwidth, zero_ok=False, inf_ok=True)
+        self.latency_s = _per_hop("latency_s", self.latency_s, zero_ok=True, inf_ok=False)
+        a = self.alpha
+        if isinstance(a, bool) or not isinstance(a, numbers.Real) or not 0 < a <= 1:  # NaN fails 0 < a
+            raise InvalidArgumentError(f"invalid argument `alpha`: must be a number in (0, 1], got {a!r}")
+        self.alpha = float(a)
 
     def observe(self, hop: str, nbytes: int, seconds: float) -> None:
-        """Fold one measured transfer into the hop's bandwidth estimate."""
-        if nbytes <= 0 or seconds <= 0:
+        """Fold one measured transfer into the hop's bandwidth estimate, unless it carries no
+        bandwidth information (dropped or skipped and counted, see the module docstring)."""
+        if hop not in HOPS:
+            raise InvalidArgumentError(f"invalid argument `hop`: expected 'cpu' or 'disk', got {hop!r}")
+        if not (usable_sample(nbytes, "nbytes") and usable_sample(seconds, "seconds")):
+            self.observations_dropped += 1
             return
-        measured = nbytes / max(seconds - self.latency_s.get(hop, 0.0), 1e-9)
-        old = self.bandwidth.get(hop, measured)
-        self.bandwidth[hop] = (1 - self.alpha) * old + self.alpha * measured
+        fixed = self.latency_s[hop]
+        if nbytes == 0 or seconds == 0 or seconds < 2 * fixed:
+            self.observations_skipped += 1
+            return
+        measured = nbytes / (seconds - fixed)
+        self.bandwidth[hop] = (1 - self.alpha) * self.bandwidth[hop] + self.alpha * measured
 
     def load_seconds(self, tier: str, n_blocks: int) -> float:
         """Estimated time to bring n blocks from `tier` to the device (disk goes through CPU)."""
@@ -44,7 +87,7 @@ class CostModel:
             return 0.0
         hops = ["cpu"] if tier == "cpu" else ["disk", "cpu"]
         nbytes = n_blocks * self.block_bytes
-        return sum(self.latency_s.get(h, 0.0) + nbytes / self.bandwidth[h] for h in hops)
+        return sum(self.latency_s[h] + nbytes / self.bandwidth[h] for h in hops)
 
     def recompute_seconds(self, n_blocks: int) -> float:
         return n_blocks * self.tokens_per_block / self.prefill_tokens_per_s

@@ -3,12 +3,25 @@
 Per tier: "if the p99 promotion latency over the last `window_s` seconds exceeds `p99_ms`
 (with at least `min_samples` samples), bypass the tier for `recover_s` seconds". While bypassed
 the tier serves no promotions, so it produces no new latency samples; after `recover_s` it is
-put back on probation with an empty window, and trips again if it is still slow. Every trip is
-recorded with its time and the p99 that caused it.
+put back on probation with an empty window, and trips again if it is still slow: it needs
+`min_samples` fresh samples first. Samples of promotions that were already in flight when it
+tripped say nothing about the tier on probation, so they are ignored whenever they land (while
+bypassed, or later). The most recent trips (`SloGuard.MAX_TRIPS`) are kept with their time and
+the p99 that caused them, and counted in total.
+
+A latency that is NaN, inf or negative (a clock or engine glitch) is dropped and counted
+(`dropped_samples` in `state()`): one NaN in the window makes its p99 NaN, and a NaN is never
+over the threshold, so the guard would go blind while the tier is slow.
+
+Thread-safe: the engine thread records completions and asks `allows()` while a metrics scrape
+reads `state()` on the HTTP thread. One lock guards the window, the bypass and the trips;
+`record()` does constant work under it unless the window holds enough samples over the
+threshold for its p99 to be over it too.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -16,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtier_rs._core import InvalidArgumentError
+from kvtier_rs.orchestrator.latency import check_count, check_number, usable_sample
 
 
 @dataclass(frozen=True)
@@ -27,60 +40,116 @@ class GuardRule:
     min_samples: int = 20
 
     def __post_init__(self) -> None:
+        # Frozen: normalise through object.__setattr__ so every later comparison is on floats.
         for name in ("p99_ms", "window_s", "recover_s"):
-            if not getattr(self, name) > 0:
-                raise InvalidArgumentError(f"invalid argument `{name}`: must be positive, got {getattr(self, name)!r}")
-        if self.min_samples < 1:
-            raise InvalidArgumentError(f"invalid argument `min_samples`: must be >= 1, got {self.min_samples!r}")
+            object.__setattr__(self, name, check_number(name, getattr(self, name)))
+        object.__setattr__(self, "min_samples", check_count("min_samples", self.min_samples))
+
+
+def _p99_ms(latencies_s: list[float]) -> float:
+    return float(np.percentile(latencies_s, 99)) * 1e3 if latencies_s else 0.0
 
 
 class SloGuard:
+    #: Trips kept (with time and p99) for `state()`; older ones are only counted.
+    MAX_TRIPS = 100
+
     def __init__(self, tier: str, rule: GuardRule, clock: Callable[[], float] = time.monotonic) -> None:
         self.tier = tier
         self.rule = rule
         self._clock = clock
-        self._samples: deque[tuple[float, float]] = deque()
+        self._lock = threading.Lock()
+        self._samples: deque[tuple[float, float]] = deque()  # (recorded at, latency s)
+        self._over = 0  # samples in the window over the threshold
+        self._tripped_at = -float("inf")  # the last trip; loads started before it are stale
         self.bypassed_until: float | None = None
-        self.trips: list[dict[str, float]] = []
+        #: The most recent trips, oldest first: {"at": clock time, "p99_ms": p99 that tripped}.
+        self.trips: deque[dict[str, float]] = deque(maxlen=self.MAX_TRIPS)
+        self.trip_count = 0
+        self.dropped_samples = 0
+
+    # ---- under the lock ---------------------------------------------------------------------
+    def _slow(self, latency_s: float) -> bool:
+        return latency_s * 1e3 > self.rule.p99_ms
 
     def _expire(self, now: float) -> None:
-        while self._samples and self._samples[0][0] < now - self.rule.window_s:
-            self._samples.popleft()
+        cutoff = now - self.rule.window_s
+        while self._samples and self._samples[0][0] < cutoff:
+            if self._slow(self._samples.popleft()[1]):
+                self._over -= 1
 
-    def current_p99_ms(self) -> float:
-        self._expire(self._clock())
-        if not self._samples:
-            return 0.0
-        return float(np.percentile([s for _, s in self._samples], 99)) * 1e3
+    def _bypassed(self, now: float) -> bool:
+        if self.bypassed_until is None:
+            return False
+        if now >= self.bypassed_until:
+            self.bypassed_until = None  # probation: serve again, measure afresh (window empty)
+            return False
+        return True
 
+    def _p99_cannot_exceed(self) -> bool:
+        """True when the window's p99 is certainly within the threshold, without sorting it.
+        numpy's p99 interpolates between the sorted samples at floor(h) and floor(h) + 1, with
+        h = 0.99 (n - 1), so it is within the threshold when both are, i.e. when the `over`
+        samples above it all sit past index 0.99 (n - 1) + 1: 100 * over <= n - 101."""
+        return self._over == 0 or 100 * self._over <= len(self._samples) - 101
+
+    # ---- engine thread ----------------------------------------------------------------------
     def record(self, latency_s: float) -> None:
-        now = self._clock()
-        self._samples.append((now, latency_s))
-        self._expire(now)
-        if self.bypassed_until is not None or len(self._samples) < self.rule.min_samples:
-            return
-        p99 = self.current_p99_ms()
-        if p99 > self.rule.p99_ms:
-            self.bypassed_until = now + self.rule.recover_s
-            self.trips.append({"at": now, "p99_ms": p99})
-            self._samples.clear()
+        """One promotion's latency, when it completes. Never raises for a bad number (dropped
+        and counted); a non-number is the caller's bug (InvalidArgumentError)."""
+        ok = usable_sample(latency_s, "latency_s")
+        with self._lock:
+            if not ok:
+                self.dropped_samples += 1
+                return
+            now = self._clock()
+            if self._bypassed(now) or now - latency_s < self._tripped_at:
+                return  # in flight when the guard tripped: not a sample of the tier on probation
+            self._samples.append((now, latency_s))
+            if self._slow(latency_s):
+                self._over += 1
+            self._expire(now)
+            if len(self._samples) < self.rule.min_samples or self._p99_cannot_exceed():
+                return
+            p99 = _p99_ms([s for _, s in self._samples])
+            if p99 > self.rule.p99_ms:
+                self.bypassed_until = now + self.rule.recover_s
+                self._tripped_at = now
+                self.trip_count += 1
+                self.trips.append({"at": now, "p99_ms": p99})
+                self._samples.clear()
+                self._over = 0
 
     def allows(self) -> bool:
         """Whether promotions may use the tier now."""
-        if self.bypassed_until is None:
-            return True
-        if self._clock() >= self.bypassed_until:
-            self.bypassed_until = None  # probation: serve again, measure afresh
-            return True
-        return False
+        with self._lock:
+            return not self._bypassed(self._clock())
+
+    # ---- any thread -------------------------------------------------------------------------
+    def _window(self) -> tuple[float, list[float]]:
+        """(now, the window's latencies), lock held; the percentile is computed after release."""
+        now = self._clock()
+        self._expire(now)
+        return now, [s for _, s in self._samples]
+
+    def current_p99_ms(self) -> float:
+        with self._lock:
+            _, window = self._window()
+        return _p99_ms(window)
 
     def state(self) -> dict[str, object]:
-        bypassed = not self.allows()
-        return {
-            "tier": self.tier,
-            "state": "bypassed" if bypassed else "active",
-            "trips": len(self.trips),
-            "p99_ms": self.current_p99_ms(),
-            "threshold_ms": self.rule.p99_ms,
-            "bypassed_for_s": max(0.0, (self.bypassed_until or 0.0) - self._clock()) if bypassed else 0.0,
-        }
+        with self._lock:
+            now, window = self._window()
+            bypassed = self._bypassed(now)
+            st: dict[str, object] = {
+                "tier": self.tier,
+                "state": "bypassed" if bypassed else "active",
+                "trips": self.trip_count,
+                "p99_ms": 0.0,
+                "threshold_ms": self.rule.p99_ms,
+                "bypassed_for_s": 0.0 if self.bypassed_until is None else self.bypassed_until - now,
+                "recent_trips": [dict(t) for t in self.trips],
+                "dropped_samples": self.dropped_samples,
+            }
+        st["p99_ms"] = _p99_ms(window)
+        return st

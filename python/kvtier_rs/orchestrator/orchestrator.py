@@ -4,8 +4,10 @@ and the disk tier. Engine adapters call it; it never imports an engine.
     offload(keys, gpu_block_ids)      device -> CPU now, CPU -> disk (write-through, by the disk
                                       tier's admission rule) once the CPU copy is done
     plan(keys, gpu_hit_blocks)        per tier, how many leading blocks hit, and how many of them
-                                      are worth loading (cost model, back-pressure, SLO guard)
-    load(keys, gpu_block_ids, ...)    CPU hits -> device; disk hits -> CPU -> device (staged)
+                                      are worth loading (cost model, back-pressure, SLO guard);
+                                      counted: one lookup, its hits, misses and refusals
+    load(keys, gpu_block_ids, ...)    CPU hits -> device; disk hits -> CPU -> device (staged);
+                                      plans (and counts) first unless given the plan
     poll()                            progress every job; returns requests whose load finished
 
 Everything is asynchronous: calls submit copies and return; `poll` (once per engine step)
@@ -86,12 +88,20 @@ class LoadResult:
 @dataclass
 class _Copies:
     """The host -> device copies of one part of a load (the CPU hits, or the disk hits once
-    promoted): one engine job per region group, so a per-layer wait can return early."""
+    promoted): one engine job per region group, so a per-layer wait can return early.
+
+    The part is one transfer for the cost model: its bytes over the time from its first job's
+    submission to its last job's completion. Each job's own `seconds` runs from its submission,
+    so a later group's includes the time it queued behind the earlier ones; folding jobs in one
+    by one would read 32 layers copied back to back as 32 slow copies."""
 
     keys: list[Key] = field(default_factory=list)
-    jobs: dict[int, int] = field(default_factory=dict)  # engine job id -> group index
+    jobs: dict[int, tuple[int, float]] = field(default_factory=dict)  # job id -> (group, submitted)
     done_groups: set[int] = field(default_factory=set)
     failed: bool = False
+    started: float = 0.0  # perf_counter before the first job was submitted
+    finished: float = 0.0  # latest completion among the jobs that landed
+    bytes: int = 0  # copied by the jobs that landed
 
 
 @dataclass
@@ -213,8 +223,15 @@ class TierOrchestrator:
         return ticket
 
     # ---- plan ----------------------------------------------------------------------------
-    def plan(self, keys: Sequence[Key], gpu_hit_blocks: int = 0) -> LoadPlan:
-        """How many leading blocks of `keys` each tier holds and how many are worth loading."""
+    def plan(self, keys: Sequence[Key], gpu_hit_blocks: int = 0, *, count: bool = True) -> LoadPlan:
+        """How many leading blocks of `keys` each tier holds and how many are worth loading.
+
+        A plan is a scheduling decision and is counted here, once: one lookup, its hits and
+        misses per tier and every refusal by tier and reason, whether or not the caller then
+        loads (a caller that finds nothing worth loading never calls `load`). `load(plan=p)`
+        does not count `p` again. Planning the same request again later is a new lookup and is
+        counted again. `count=False` is for a caller that re-plans a decision already counted
+        (e.g. only to route blocks to the tier that holds them now)."""
         keys = key_list(keys)
         if not 0 <= gpu_hit_blocks <= len(keys):
             raise InvalidArgumentError(f"invalid argument `gpu_hit_blocks`: {gpu_hit_blocks} not in 0..{len(keys)}")
@@ -231,7 +248,10 @@ class TierOrchestrator:
             if disk_hits:
                 (reason,) = refused["cpu"]
                 refused.setdefault("disk", {})[reason] = disk_hits
-        return LoadPlan(len(keys), gpu_hit_blocks, cpu_hits, disk_hits, load_cpu, load_disk, refused)
+        plan = LoadPlan(len(keys), gpu_hit_blocks, cpu_hits, disk_hits, load_cpu, load_disk, refused)
+        if count:
+            self._count_plan(plan)
+        return plan
 
     def _admit(self, tier: str, n: int, refused: dict[str, dict[str, int]]) -> int:
         if n == 0:
@@ -271,12 +291,18 @@ class TierOrchestrator:
 
         `region_groups` (e.g. one group of region indices per layer, in layer order) splits the
         copies into one job per group, submitted in order, so `groups_ready(request_id)` can say
-        that the first layers are in place while later ones are still copying."""
-        # Every argument is checked before the load is registered or a block pinned, so a bad
-        # call leaves no trace (the engine's own checks would only run after the pins).
+        that the first layers are in place while later ones are still copying.
+
+        Given a `plan` (from `plan()`, which counted it), the load counts no lookup; without
+        one it plans and counts one, once the arguments are checked."""
+        # Every argument is checked before the load is registered, a block pinned or the plan
+        # counted, so a bad call leaves no trace (the engine's own checks would only run after
+        # the pins).
         keys = key_list(keys)
         gpu_ids = self._gpu_block_ids(gpu_block_ids, distinct=True)
-        plan = plan or self.plan(keys, gpu_hit_blocks)
+        planned_here = plan is None
+        if plan is None:
+            plan = self.plan(keys, gpu_hit_blocks, count=False)
         rest = keys[plan.gpu_hits :]
         if len(gpu_ids) < plan.loaded:
             raise InvalidArgumentError(
@@ -290,7 +316,8 @@ class TierOrchestrator:
             groups = [self.engine.layout.check_regions(g) for g in region_groups]
             if not groups:
                 raise InvalidArgumentError("invalid argument `region_groups`: give at least one group, or None")
-        self._count_plan(plan)
+        if planned_here:
+            self._count_plan(plan)
         ld = _Load(LoadResult(request_id, plan), rest, gpu_ids, time.perf_counter(), groups)
         self._loads[request_id] = ld
         if plan.load_cpu:
@@ -322,9 +349,12 @@ class TierOrchestrator:
         return ids
 
     def _submit_copies(self, ld: _Load, part: _Copies, slots: list[int], gpu_ids: list[int]) -> None:
+        part.started = time.perf_counter()
         for gi, group in enumerate(ld.groups or [None]):
+            # Taken before the call: an inline engine copies (and finishes the job) inside it.
+            submitted = time.perf_counter()
             job = self.engine.load(slots, gpu_ids, regions=group)
-            part.jobs[job] = gi
+            part.jobs[job] = (gi, submitted)
             self._job_owner[job] = ld.result.request_id
 
     def groups_ready(self, request_id: Any) -> int | None:
@@ -388,16 +418,20 @@ class TierOrchestrator:
             return
         self.counts["h2d_bytes"] += r.bytes
         part, tier = (ld.cpu, "cpu") if r.job_id in ld.cpu.jobs else (ld.disk, "disk")
-        group = part.jobs.pop(r.job_id)
+        group, submitted = part.jobs.pop(r.job_id)
         if r.success:
             part.done_groups.add(group)
-            if self.cost is not None:
-                self.cost.observe("cpu", r.bytes, r.seconds)
+            part.bytes += r.bytes
+            part.finished = max(part.finished, submitted + r.seconds)
         else:
             part.failed = True
         if not part.jobs:  # every group of this part has landed (or failed)
             self.host.index.unpin(part.keys)
             if not part.failed:
+                if self.cost is not None:
+                    # One host -> device transfer: all its bytes over first submission to last
+                    # completion (see _Copies). A failed part measures nothing.
+                    self.cost.observe("cpu", part.bytes, part.finished - part.started)
                 elapsed = time.perf_counter() - ld.started
                 if tier == "cpu":
                     ld.result.loaded_cpu = len(part.keys)
@@ -470,6 +504,14 @@ class TierOrchestrator:
             time.sleep(0.001)
 
     # ---- stats ---------------------------------------------------------------------------
+    def _recorders(self) -> dict[str, LatencyRecorder]:
+        """Every latency recorder of the data path by name, the disk stager's included."""
+        out = dict(self.latency)
+        if self.stager is not None:
+            out["disk_read"] = self.stager.counters.read_latency
+            out["disk_write"] = self.stager.counters.write_latency
+        return out
+
     def stats(self, *, histograms: bool = False) -> dict[str, Any]:
         """Counters of the whole data path, reading each tier's core stats once. Keys are only
         ever added, never renamed (dashboards and adapters read them). With `histograms`, each
@@ -546,7 +588,15 @@ class TierOrchestrator:
             "bytes": {"d2h": c["d2h_bytes"], "h2d": c["h2d_bytes"]},
             "tiers": tiers,
             "guards": {t: g.state() for t, g in self.guards.items()},
-            "cost_model": None if self.cost is None else {"bandwidth": dict(self.cost.bandwidth)},
+            "cost_model": None
+            if self.cost is None
+            else {
+                "bandwidth": dict(self.cost.bandwidth),
+                "observations_dropped": self.cost.observations_dropped,
+                "observations_skipped": self.cost.observations_skipped,
+            },
+            # Latency samples refused as NaN, inf or negative (LatencyRecorder), per recorder.
+            "latency_samples_dropped": {name: rec.dropped for name, rec in self._recorders().items()},
             "events": None if self.events is None else self.events.stats(),
         }
 

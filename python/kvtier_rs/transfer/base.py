@@ -9,9 +9,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvtier_rs._core import HostPool, InvalidArgumentError
+from kvtier_rs._core import ClosedError, HostPool, InvalidArgumentError
 from kvtier_rs.keys import index_list
 from kvtier_rs.transfer.layout import BlockLayout
+
+_VERB = {"d2h": "store", "h2d": "load"}
 
 
 @dataclass(frozen=True)
@@ -63,18 +65,38 @@ class TransferEngine(ABC):
         self._progress = threading.Condition(self._lock)
         self._in_flight: dict[int, _Job] = {}
         self._finished: list[TransferResult] = []
+        self._closed = False
+        #: store/load calls between the closed check and their job's hand-over (see close()).
+        self._submitting = 0
 
     def _validate(
-        self, block_ids: Sequence[int], slots: Sequence[int], *, distinct: bool
-    ) -> tuple[list[int], list[int]]:
+        self, direction: str, block_ids: Sequence[int], slots: Sequence[int], sub_blocks: Sequence[int] | None
+    ) -> tuple[list[int], list[int], list[int] | None]:
+        """Every check of a copy request, shared by all engines and done before anything is
+        registered or copied: ids, slots and sub-blocks as in-range ints, and no destination
+        named twice (device blocks for a load, host positions for a store). Returns them as
+        lists; sub-blocks None when every block uses sub-block 0."""
         block_ids, slots = index_list(block_ids, "block_ids"), index_list(slots, "slots", "slot")
         if len(block_ids) != len(slots):
             raise InvalidArgumentError(f"invalid argument `slots`: {len(slots)} slots for {len(block_ids)} blocks")
-        self.layout.check_block_ids(block_ids, distinct=distinct)
+        self.layout.check_block_ids(block_ids, distinct=direction == "h2d")
         bad = [s for s in slots if not 0 <= s < self.pool.num_slots]
         if bad:
             raise InvalidArgumentError(f"invalid argument `slots`: {bad[:5]} outside 0..{self.pool.num_slots}")
-        return block_ids, slots
+        subs = None
+        if sub_blocks is not None:
+            subs = index_list(sub_blocks, "sub_blocks", "sub-block")
+            if len(subs) != len(block_ids):
+                raise InvalidArgumentError(
+                    f"invalid argument `sub_blocks`: {len(subs)} sub-blocks for {len(block_ids)} blocks"
+                )
+            self.layout.check_sub_blocks(subs)
+            if not any(subs):
+                subs = None  # all sub-block 0: the plain path
+        if direction == "d2h":
+            # A load may read one slot into several blocks; a store may not write one twice.
+            self.layout.check_host_destinations(slots, subs)
+        return block_ids, slots, subs
 
     def store(
         self,
@@ -112,25 +134,25 @@ class TransferEngine(ABC):
         sub_blocks: Sequence[int] | None = None,
         regions: Sequence[int] | None = None,
     ) -> int:
-        ids, sl = self._validate(block_ids, slots, distinct=direction == "h2d")
-        subs = None
-        if sub_blocks is not None:
-            subs = [int(j) for j in sub_blocks]
-            if len(subs) != len(ids):
-                raise InvalidArgumentError(
-                    f"invalid argument `sub_blocks`: {len(subs)} sub-blocks for {len(ids)} blocks"
-                )
-            self.layout.check_sub_blocks(subs)
-            if not any(subs):
-                subs = None  # all sub-block 0: the plain path
+        ids, sl, subs = self._validate(direction, block_ids, slots, sub_blocks)
         picked = None if regions is None else self.layout.check_regions(regions)
         job = _Job(next(self._ids), direction, len(ids), sub_blocks=subs, regions=picked)
         with self._lock:
+            # Checked under the lock that close() takes, so a submission either lands before
+            # close() starts (and close() waits for it) or is refused: never a job that no
+            # copy thread or stream will ever finish.
+            if self._closed:
+                raise ClosedError(f"closed: {self.name} transfer engine; {_VERB[direction]}() after close() is refused")
             self._in_flight[job.job_id] = job
+            self._submitting += 1
         try:
             self._submit(job, ids, sl, after_stream)
         except Exception as e:  # noqa: BLE001 - reported as a failed job, as the contract says
             self._finish(job, f"{type(e).__name__}: {e}")
+        finally:
+            with self._lock:
+                self._submitting -= 1
+                self._progress.notify_all()
         return job.job_id
 
     def _finish(self, job: _Job, error: str | None = None) -> None:
@@ -144,7 +166,10 @@ class TransferEngine(ABC):
             error=error,
         )
         with self._lock:
-            self._in_flight.pop(job.job_id, None)
+            # Once only: close() may already have reported a job it gave up on as failed, and
+            # a late completion must not add a second, contradicting result.
+            if self._in_flight.pop(job.job_id, None) is None:
+                return
             self._finished.append(result)
             self._progress.notify_all()
 
@@ -192,8 +217,31 @@ class TransferEngine(ABC):
         with self._lock:
             self._progress.wait(timeout=0.05)
 
-    def close(self) -> None:  # noqa: B027 - optional hook
-        """Release engine resources (streams, pinned registrations, threads)."""
+    def close(self) -> None:
+        """Refuse new jobs (ClosedError), let every job already submitted finish, then release
+        the engine's resources (threads, streams, pinned registrations). A job the engine could
+        not finish is reported failed, so `wait` always returns. Idempotent. Engines extend
+        `_shutdown`, not this, so that all of them share these guarantees."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            # A store/load that passed the closed check is still handing its job over (e.g.
+            # onto the CPU engine's queue, or copying inline): shutting down under it would
+            # strand that job.
+            while self._submitting:
+                self._progress.wait()
+        try:
+            self._shutdown()
+        finally:
+            with self._lock:
+                stranded = list(self._in_flight.values())
+            for job in stranded:
+                self._finish(job, f"closed: the {self.name} transfer engine was closed before this job finished")
+
+    def _shutdown(self) -> None:  # noqa: B027 - optional hook
+        """Finish every submitted job (or leave it to be reported failed), then release engine
+        resources. Runs once, after new submissions are refused."""
 
     def __enter__(self) -> TransferEngine:
         return self

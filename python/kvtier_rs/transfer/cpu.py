@@ -113,7 +113,9 @@ class CpuTransferEngine(TransferEngine):
         else:
             self._finish(job)
 
-    def close(self) -> None:
+    def _shutdown(self) -> None:
+        # The sentinel queues behind every job already submitted (close() lets no new one in
+        # and waits for submissions under way), so the thread copies them all before it exits.
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()

@@ -223,7 +223,10 @@ class CudaTransferEngine(TransferEngine):
         if item is not None:
             check(self._rt, "cudaStreamWaitEvent", self._rt.cudaStreamWaitEvent(stream_handle(stream), item[1], 0))
 
-    def close(self) -> None:
+    def _shutdown(self) -> None:
+        # Every job's copies were issued on these streams before close() let no new one in:
+        # syncing them finishes all jobs (a job whose event reports an error, or one left when a
+        # sync fails, is reported failed by close()).
         rt = self._rt
         for s in self._streams.values():
             check(rt, "cudaStreamSynchronize", rt.cudaStreamSynchronize(s))

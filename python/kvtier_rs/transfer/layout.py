@@ -17,6 +17,7 @@ engine whose slot reserves more bytes per region than it copies).
 
 from __future__ import annotations
 
+import operator
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,6 +25,30 @@ from dataclasses import dataclass
 import torch
 
 from kvtier_rs._core import InvalidArgumentError
+from kvtier_rs.keys import index_list
+
+
+def integer(value: object, arg: str) -> int:
+    """`value` as a Python int, with operator.index semantics (ints, numpy/torch integer
+    scalars). Byte counts feed address arithmetic: a float would be truncated somewhere
+    downstream (numpy int64 spans, pointer sums) and copy the wrong bytes without an error, and
+    a bool is an int only by accident. The single-value twin of `keys.index_list`."""
+    try:
+        out = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        out = None
+    if out is None:
+        raise InvalidArgumentError(
+            f"invalid argument `{arg}`: must be an integer, got {type(value).__name__} {value!r}"
+        )
+    return out
+
+
+def _refuse_repeats(values: Sequence, arg: str, what: str) -> None:
+    """Two copies to one destination would leave one of them silently lost (the last wins)."""
+    if len(set(values)) != len(values):
+        twice = sorted(v for v, n in Counter(values).items() if n > 1)
+        raise InvalidArgumentError(f"invalid argument `{arg}`: {what} {twice[:5]} named more than once")
 
 
 @dataclass(frozen=True)
@@ -33,11 +58,20 @@ class Region:
     block_stride_bytes: int
     offset_bytes: int = 0
 
+    def __post_init__(self) -> None:
+        # Checked (and stored as plain ints) at construction, so every consumer (BlockLayout's
+        # bounds checks, both engines' address arithmetic) sees exact integers. offset_bytes
+        # first: `rows_of` derives bytes_per_block from it, and the error should name the
+        # argument the caller actually got wrong.
+        for name in ("offset_bytes", "block_stride_bytes", "bytes_per_block"):
+            object.__setattr__(self, name, integer(getattr(self, name), name))
+
     @staticmethod
     def rows_of(tensor: torch.Tensor, *, offset_bytes: int = 0, bytes_per_block: int | None = None) -> Region:
         """A region over whole rows of `tensor` (dim 0 = block id; each row contiguous)."""
         if tensor.dim() < 1:
             raise InvalidArgumentError("invalid argument `tensor`: needs a block dimension (dim 0)")
+        offset_bytes = integer(offset_bytes, "offset_bytes")
         elem = tensor.element_size()
         row = tensor[0] if tensor.shape[0] else tensor.new_empty(tensor.shape[1:])
         if tensor.shape[0] and not row.is_contiguous():
@@ -107,7 +141,8 @@ class BlockLayout:
         self.regions = tuple(regions)
         self.num_blocks = counts.pop()
         self.device = devices.pop()
-        if isinstance(blocks_per_slot, bool) or not isinstance(blocks_per_slot, int) or blocks_per_slot < 1:
+        blocks_per_slot = integer(blocks_per_slot, "blocks_per_slot")
+        if blocks_per_slot < 1:
             raise InvalidArgumentError(
                 f"invalid argument `blocks_per_slot`: must be a positive int, got {blocks_per_slot!r}"
             )
@@ -117,7 +152,7 @@ class BlockLayout:
         strides = (
             [r.bytes_per_block for r in self.regions]
             if sub_block_strides is None
-            else [int(x) for x in sub_block_strides]
+            else index_list(sub_block_strides, "sub_block_strides", "sub-block stride")
         )
         if len(strides) != len(self.regions):
             raise InvalidArgumentError(
@@ -129,7 +164,7 @@ class BlockLayout:
                 offs.append(acc)
                 acc += st * (blocks_per_slot - 1) + r.bytes_per_block
         else:
-            offs = [int(x) for x in host_offsets]
+            offs = index_list(host_offsets, "host_offsets", "host offset")
             if len(offs) != len(self.regions):
                 raise InvalidArgumentError(
                     f"invalid argument `host_offsets`: {len(offs)} values for {len(self.regions)} regions"
@@ -194,7 +229,7 @@ class BlockLayout:
 
     def check_regions(self, regions) -> list[int]:
         """Validate a subset of region indices (sorted, unique, in range); returns it as a list."""
-        picked = [int(r) for r in regions]
+        picked = index_list(regions, "regions", "region")
         if not picked or picked != sorted(set(picked)) or not 0 <= picked[0] <= picked[-1] < len(self.regions):
             raise InvalidArgumentError(
                 f"invalid argument `regions`: {picked[:8]} must be sorted, unique indices in 0..{len(self.regions) - 1}"
@@ -213,9 +248,23 @@ class BlockLayout:
         bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
         if bad:
             raise InvalidArgumentError(f"invalid argument `{arg}`: {bad[:5]} outside 0..{self.num_blocks - 1}")
-        if distinct and len(set(block_ids)) != len(block_ids):
-            twice = sorted(b for b, n in Counter(block_ids).items() if n > 1)
-            raise InvalidArgumentError(f"invalid argument `{arg}`: device blocks {twice[:5]} named more than once")
+        if distinct:
+            _refuse_repeats(block_ids, arg, "device blocks")
+
+    def check_host_destinations(
+        self, slots: Sequence[int], sub_blocks: Sequence[int] | None = None, arg: str = "slots"
+    ) -> None:
+        """Refuse a store that names one host position twice, for the reason `check_block_ids`
+        refuses a load naming one device block twice. A position is a slot, or a (slot,
+        sub-block) pair when a slot holds several blocks: different sub-blocks of one slot are
+        different bytes (`_check_host_overlap`), and so are different slots (an engine refuses a
+        pool whose slots are smaller than `slot_extent`), so equal positions are exactly the
+        copies that would land on the same bytes. `sub_blocks` None means sub-block 0 for all."""
+        if self.blocks_per_slot == 1:
+            _refuse_repeats(slots, arg, "host slots")
+        else:
+            positions = list(zip(slots, sub_blocks or [0] * len(slots), strict=True))
+            _refuse_repeats(positions, f"{arg}` / `sub_blocks", "host (slot, sub-block) positions")
 
     def __repr__(self) -> str:
         return (

@@ -186,6 +186,11 @@ class SchedulerCore:
             r.stopped = bool(getattr(request, "multimodal_hashes", None))
             return 0, False
         orch = self._tiers().orchestrator
+        # The scheduling decision: plan() counts it (one lookup, its hits, misses and refusals),
+        # also when nothing is worth loading and the worker never sees this request. Asked again
+        # for the same request on a later step (a reset, a replay, or a request that did not fit
+        # yet), it is a new lookup and counted again. The worker re-plans a load only to route
+        # it; that must not count (plan(count=False)).
         plan = orch.plan(r.keys[:usable], r.gpu_blocks)
         n = plan.loaded
         if n == 0:

@@ -169,7 +169,7 @@ class WorkerCore:
         for spec in meta.loads:
             # The keys were matched (CPU hits pinned) by the scheduler; plan again to route each
             # block to the tier that holds it now.
-            plan = orch.plan(list(spec.keys))
+            plan = orch.plan(list(spec.keys), count=False)  # counted when the scheduler planned it
             if plan.loaded != len(spec.keys):
                 self._unpin(spec)
                 raise KvTierError(

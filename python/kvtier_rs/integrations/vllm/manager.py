@@ -24,6 +24,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
+    Locality,
     LookupResult,
     Medium,
     OffloadingEvent,
@@ -43,6 +44,7 @@ _HIT = LookupResult.HIT
 _MISS = LookupResult.MISS
 _PENDING = LookupResult.HIT_PENDING
 _RETRY = LookupResult.RETRY
+_LOCAL = Locality.LOCAL
 # A key no index holds (keys are 32-byte hashes + 4-byte group): checks that the index's lookup
 # results are vLLM's members before binding the fast path.
 _PROBE_KEY = b"kvtier-lookup-probe"
@@ -150,7 +152,9 @@ class KvtierOffloadingManager(OffloadingManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         # HIT when ready, HIT_PENDING while a GPU->CPU store or a promotion from disk writes it.
         res = self._lookup_result(key)
-        if res is _MISS and self._lower is not None:
+        # The disk tier is vLLM's STORAGE medium, local to this engine: a request whose
+        # kv_load_tiers leave it out (load_tier_filter) is never served from it.
+        if res is _MISS and self._lower is not None and req_context.load_tier_filter.allows(Medium.STORAGE, _LOCAL):
             return self._lower.lookup_and_promote(key, req_context)
         return res
 

@@ -1,0 +1,445 @@
+"""The SLO guard, the cost model and the latency recorder on their own and under the
+orchestrator: thread safety, probation, bad settings and bad measurements, the bound on kept
+trips, and what a load split into region groups tells the cost model. No assertion depends on
+how fast this machine is: clocks are fake where time matters, and measured seconds are replaced
+by fixed ones where the cost model's arithmetic is checked."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import sys
+import threading
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+
+import kvtier_rs as kv
+from kvtier_rs.orchestrator import CostModel, GuardRule, LatencyRecorder, SloGuard, TierOrchestrator
+from kvtier_rs.transfer import BlockLayout, CpuTransferEngine
+
+NAN, INF = float("nan"), float("inf")
+
+
+class FakeClock:
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def orchestrator(*, layers=2, gpu_blocks=32, cpu_blocks=16, engine_cls=CpuTransferEngine, **kw):
+    tensors = [torch.randn(gpu_blocks, 2, 8, 32) for _ in range(layers)]
+    layout = BlockLayout.per_layer(tensors)
+    slot = -(-layout.bytes_per_block // 4096) * 4096
+    host = kv.HostTier(kv.TierConfig(cpu_blocks * slot, layout.bytes_per_block))
+    return TierOrchestrator(host, engine_cls(layout, host.pool), **kw)
+
+
+# ---- 1. thread safety ------------------------------------------------------------------------
+@pytest.mark.parametrize("window_s", [1e-4, 3600.0])
+def test_guard_record_and_stats_race_without_errors(window_s):
+    """The engine thread records promotion latencies while a scrape thread reads stats(). A
+    sub-millisecond window makes record() expire samples as the scrape expires them (the race
+    that raised IndexError on the engine thread); a long one keeps a long window for the scrape
+    to iterate while record() appends (HTTP 500: deque mutated during iteration)."""
+    orch = orchestrator(guards={"cpu": GuardRule(p99_ms=1e6, window_s=window_s, min_samples=10**9)})
+    guard = orch.guards["cpu"]
+    errors: list[str] = []
+    scrapes = 0
+    done = threading.Event()
+
+    def engine():
+        try:
+            i = 0
+            # Until the scrape thread has had its turns too (bounded: the test cannot hang).
+            while (i < 30_000 or scrapes < 200) and i < 300_000 and not errors:
+                guard.record(0.001)
+                if i % 64 == 0:
+                    guard.allows()
+                i += 1
+        except Exception as e:  # noqa: BLE001 - the assertion below reports it
+            errors.append(f"engine thread: {e!r}")
+        finally:
+            done.set()
+
+    def scrape():
+        nonlocal scrapes
+        try:
+            while not done.is_set():
+                # What a scrape reads (stats() -> guard.state()), mostly the guard's part of it.
+                orch.stats() if scrapes % 16 == 0 else guard.state()
+                scrapes += 1
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"scrape thread: {e!r}")
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)  # switch threads often (the default is 5 ms)
+    try:
+        threads = [threading.Thread(target=engine), threading.Thread(target=scrape)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+    finally:
+        sys.setswitchinterval(old)
+    assert not errors, errors
+    assert orch.stats()["guards"]["cpu"]["state"] == "active"
+
+
+# ---- 2. probation ----------------------------------------------------------------------------
+def tripped_guard(clock: FakeClock) -> SloGuard:
+    g = SloGuard("cpu", GuardRule(p99_ms=10, window_s=60, recover_s=5, min_samples=20), clock=clock)
+    for _ in range(20):
+        g.record(0.5)
+        clock.t += 0.01
+    assert g.state()["state"] == "bypassed" and g.state()["trips"] == 1
+    return g
+
+
+def test_probation_starts_with_an_empty_window_and_needs_min_samples_fresh_samples():
+    clock = FakeClock()
+    g = tripped_guard(clock)
+    for _ in range(19):  # loads that were in flight at the trip land while bypassed
+        g.record(0.5)
+        clock.t += 0.01
+    clock.t += 5.0
+    assert g.allows(), "back on probation after recover_s"
+    g.record(0.001)  # one fast promotion on probation
+    st = g.state()
+    assert (st["state"], st["trips"]) == ("active", 1), "the bypassed samples did not count"
+    assert st["p99_ms"] == pytest.approx(1.0), "the window holds the one fresh sample only"
+    for _ in range(18):  # 19 fresh samples, p99 far over: still fewer than min_samples
+        clock.t += 0.01
+        g.record(0.5)
+    assert g.allows() and g.state()["trips"] == 1
+    clock.t += 0.01
+    g.record(0.5)  # the 20th fresh sample
+    assert not g.allows() and g.state()["trips"] == 2
+
+
+def test_a_load_in_flight_at_the_trip_that_lands_after_probation_is_not_counted():
+    clock = FakeClock()
+    g = tripped_guard(clock)
+    tripped_at = g.trips[-1]["at"]
+    clock.t = tripped_at + 6  # past recover_s
+    assert g.allows()
+    g.record(7.0)  # started 7 s ago: before the trip
+    assert g.state()["p99_ms"] == 0.0, "a stale sample is not in the probation window"
+    for _ in range(19):  # with the stale one these would be min_samples slow samples
+        clock.t += 0.01
+        g.record(0.5)
+    assert g.allows() and g.state()["trips"] == 1
+
+
+# ---- 3. bad settings and bad measurements ------------------------------------------------------
+@pytest.mark.parametrize("field", ["p99_ms", "window_s", "recover_s"])
+@pytest.mark.parametrize("bad", [0, -1.0, NAN, INF, "5", None, True])
+def test_guard_rule_thresholds_must_be_finite_positive_numbers(field, bad):
+    kw = {"p99_ms": 5.0, field: bad}
+    with pytest.raises(kv.InvalidArgumentError, match=f"invalid argument `{field}`: must be a positive finite number"):
+        GuardRule(**kw)
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, 20.0, NAN, INF, "20", None, True])
+def test_guard_rule_min_samples_must_be_a_positive_int(bad):
+    with pytest.raises(kv.InvalidArgumentError, match="invalid argument `min_samples`: must be a positive int"):
+        GuardRule(p99_ms=5, min_samples=bad)
+
+
+def test_guard_rule_takes_numpy_and_fraction_numbers_as_floats():
+    r = GuardRule(p99_ms=np.float32(5), window_s=Fraction(1, 2), recover_s=np.int64(3), min_samples=np.int64(4))
+    assert (r.p99_ms, r.window_s, r.recover_s, r.min_samples) == (5.0, 0.5, 3.0, 4)
+    assert type(r.window_s) is float and type(r.min_samples) is int
+
+
+def filled(values, rule=None) -> SloGuard:
+    clock = FakeClock()
+    g = SloGuard("cpu", rule or GuardRule(p99_ms=5, min_samples=20), clock=clock)
+    for v in values:
+        g.record(v)
+        clock.t += 0.001
+    return g
+
+
+def test_non_finite_and_negative_latencies_are_dropped_and_counted_not_blinding_the_guard():
+    g = filled([NAN] + [1.0] * 39)
+    st = g.state()
+    assert st["state"] == "bypassed" and st["dropped_samples"] == 1
+    g = filled([INF, -1.0, -INF] * 10 + [0.001] * 25)
+    st = g.state()
+    assert (st["state"], st["trips"], st["dropped_samples"]) == ("active", 0, 30)
+    assert st["p99_ms"] == pytest.approx(1.0), "only the valid samples are in the window"
+    with pytest.raises(kv.InvalidArgumentError, match="`latency_s`"):
+        g.record("0.5")
+    with pytest.raises(kv.InvalidArgumentError, match="`latency_s`"):
+        g.record(None)
+
+
+def test_the_guard_skips_sorting_only_when_the_p99_cannot_exceed_the_threshold():
+    """record() decides without a percentile when too few samples are over the threshold for
+    the p99 to be over it. At the boundary (the other samples exactly at the threshold, so any
+    over-sample interpolated into the p99 pushes it over) the shortcut must never skip a trip."""
+    for n in [*range(1, 400), 1000, 1100, 1101, 1102, 4095, 4096, 10_001]:
+        for over in {0, 1, max(0, (n - 101) // 100), max(0, (n - 101) // 100) + 1, n}:
+            if over > n:
+                continue
+            clock = FakeClock()
+            g = SloGuard("cpu", GuardRule(p99_ms=1000.0, window_s=3600, min_samples=10**9), clock=clock)
+            for v in [1.0] * (n - over) + [10.0] * over:  # 1.0 s is exactly the 1000 ms threshold
+                g.record(v)
+            with g._lock:
+                shortcut = g._p99_cannot_exceed()
+            exact = g.current_p99_ms()
+            if shortcut:
+                assert exact <= 1000.0, (n, over, exact)
+
+
+def test_the_shortcut_and_the_percentile_trip_alike_on_random_latencies():
+    rng = random.Random(3)
+    for _ in range(40):
+        rule = GuardRule(p99_ms=20, window_s=0.5, recover_s=0.2, min_samples=rng.choice([1, 5, 50]))
+        clock = FakeClock()
+        g = SloGuard("disk", rule, clock=clock)
+        trips = []
+        for _ in range(600):
+            clock.t += rng.expovariate(500)
+            slow = rng.random() < rng.choice([0.001, 0.01, 0.05])
+            v = rng.uniform(0.02, 0.2) if slow else rng.uniform(0.0, 0.019)
+            with g._lock:
+                bypassed = g.bypassed_until is not None and clock.t < g.bypassed_until
+                stale = clock.t - v < g._tripped_at
+                window = [s for t, s in g._samples if t >= clock.t - rule.window_s and not bypassed]
+            expect = (
+                not bypassed
+                and not stale
+                and len(window) + 1 >= rule.min_samples
+                and float(np.percentile([*window, v], 99)) * 1e3 > rule.p99_ms
+            )
+            before = g.trip_count
+            g.record(v)
+            assert (g.trip_count > before) == expect
+            trips.append(expect)
+        assert g.trip_count == sum(trips)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, "8", None])
+def test_latency_recorder_window_must_be_a_positive_int(bad):
+    with pytest.raises(kv.InvalidArgumentError, match="invalid argument `window`: must be a positive int"):
+        LatencyRecorder(window=bad)
+
+
+def test_latency_recorder_drops_and_counts_non_finite_and_negative_samples():
+    r = LatencyRecorder()
+    r.observe(0.001)
+    for bad in (NAN, INF, -INF, -1.0, np.float64(NAN)):
+        r.observe(bad)
+    for _ in range(1000):
+        r.observe(0.002)
+    buckets, count, total = r.histogram()
+    assert r.dropped == 5
+    assert count == 1001 and buckets[-1] == (INF, 1001)
+    assert total == pytest.approx(0.001 + 1000 * 0.002)
+    assert r.percentiles()["p50"] == pytest.approx(0.002)
+    assert dict(buckets)[0.0025] == 1001, "nothing landed in +Inf only"
+    with pytest.raises(kv.InvalidArgumentError, match="`seconds`"):
+        r.observe("0.1")
+
+
+def test_orchestrator_stats_show_what_was_dropped():
+    orch = orchestrator(
+        guards={"cpu": GuardRule(p99_ms=5)},
+        cost=CostModel(prefill_tokens_per_s=1e4, tokens_per_block=16, block_bytes=4096),
+    )
+    orch.latency["cpu_load"].observe(NAN)
+    orch.guards["cpu"].record(-1.0)
+    orch.cost.observe("cpu", 4096, INF)
+    orch.cost.observe("cpu", 4096, 1e-6)  # within the fixed latency: no bandwidth information
+    s = orch.stats()
+    assert s["latency_samples_dropped"] == {"cpu_load": 1, "disk_load": 0, "cpu_store": 0}
+    assert s["guards"]["cpu"]["dropped_samples"] == 1
+    assert s["cost_model"]["observations_dropped"] == 1
+    assert s["cost_model"]["observations_skipped"] == 1
+    assert s["cost_model"]["bandwidth"] == {"cpu": 10e9, "disk": 1e9}
+
+
+# ---- 7. cost model settings --------------------------------------------------------------------
+def cost(**kw) -> CostModel:
+    return CostModel(**{"prefill_tokens_per_s": 1e4, "tokens_per_block": 16, "block_bytes": 1 << 20, **kw})
+
+
+@pytest.mark.parametrize(
+    "kw, name",
+    [
+        ({"bandwidth": {"disk": 1e9}}, "bandwidth"),
+        ({"bandwidth": {"cpu": 1e9}}, "bandwidth"),
+        ({"bandwidth": {"cpu": 1e9, "disk": 1e9, "gpu": 1e9}}, "bandwidth"),
+        ({"bandwidth": 1e9}, "bandwidth"),
+        ({"bandwidth": {"cpu": 0, "disk": 1e9}}, r"bandwidth\['cpu'\]"),
+        ({"bandwidth": {"cpu": NAN, "disk": 1e9}}, r"bandwidth\['cpu'\]"),
+        ({"bandwidth": {"cpu": 1e9, "disk": -1.0}}, r"bandwidth\['disk'\]"),
+        ({"bandwidth": {"cpu": "fast", "disk": 1e9}}, r"bandwidth\['cpu'\]"),
+        ({"latency_s": {"cpu": 0.0}}, "latency_s"),
+        ({"latency_s": {"cpu": NAN, "disk": 2e-4}}, r"latency_s\['cpu'\]"),
+        ({"latency_s": {"cpu": INF, "disk": 2e-4}}, r"latency_s\['cpu'\]"),
+        ({"latency_s": {"cpu": -1.0, "disk": 2e-4}}, r"latency_s\['cpu'\]"),
+        ({"latency_s": {"cpu": 5e-5, "disk": None}}, r"latency_s\['disk'\]"),
+        ({"prefill_tokens_per_s": NAN}, "prefill_tokens_per_s"),
+        ({"prefill_tokens_per_s": INF}, "prefill_tokens_per_s"),
+        ({"prefill_tokens_per_s": "1e4"}, "prefill_tokens_per_s"),
+        ({"prefill_tokens_per_s": 10**400}, "prefill_tokens_per_s"),  # beyond a float: inf
+        ({"tokens_per_block": 2.5}, "tokens_per_block"),
+        ({"tokens_per_block": True}, "tokens_per_block"),
+        ({"block_bytes": 0}, "block_bytes"),
+        ({"block_bytes": 4096.0}, "block_bytes"),
+        ({"alpha": 0}, "alpha"),
+        ({"alpha": 1.5}, "alpha"),
+        ({"alpha": NAN}, "alpha"),
+        ({"alpha": "0.2"}, "alpha"),
+    ],
+)
+def test_cost_model_settings_are_checked_at_construction(kw, name):
+    with pytest.raises(kv.InvalidArgumentError, match=f"invalid argument `{name}"):
+        cost(**kw)
+
+
+def test_cost_model_accepts_a_free_hop_and_zero_latency_and_copies_its_dicts():
+    bw, lat = {"cpu": INF, "disk": 2e9}, {"cpu": 0.0, "disk": 0}
+    c = cost(bandwidth=bw, latency_s=lat)
+    assert c.load_seconds("cpu", 10) == 0.0, "an infinite bandwidth is a free hop"
+    c.observe("disk", 1 << 30, 0.25)
+    assert c.bandwidth["disk"] != 2e9 and bw["disk"] == 2e9, "the caller's dict is not the model's"
+    c.observe("cpu", 1 << 30, 0.25)
+    assert c.bandwidth["cpu"] == INF, "a free hop stays free"
+
+
+def test_a_plan_never_raises_a_bare_key_error_for_a_missing_hop():
+    # Refused at construction, before any plan could reach the missing hop.
+    with pytest.raises(kv.InvalidArgumentError, match="`bandwidth`: expected a dict with keys 'cpu' and 'disk'"):
+        orchestrator(cost=cost(bandwidth={"disk": 1e9}))
+
+
+# ---- 6, 7. what a measurement may move -----------------------------------------------------------
+def test_non_finite_or_negative_observations_are_dropped_and_counted():
+    c = cost()
+    for nbytes, seconds in [(1 << 20, NAN), (1 << 20, INF), (1 << 20, -1e-3), (NAN, 1e-3), (-5, 1e-3), (10**400, 1.0)]:
+        c.observe("cpu", nbytes, seconds)
+    assert c.observations_dropped == 6 and c.bandwidth == {"cpu": 10e9, "disk": 1e9}
+    c.observe("cpu", 1 << 20, 1e-3)  # a good one still moves it
+    assert c.bandwidth["cpu"] == pytest.approx(0.8 * 10e9 + 0.2 * (1 << 20) / (1e-3 - 50e-6))
+    with pytest.raises(kv.InvalidArgumentError, match="`hop`"):
+        c.observe("gpu", 1 << 20, 1e-3)
+    with pytest.raises(kv.InvalidArgumentError, match="`seconds`"):
+        c.observe("cpu", 1 << 20, "1e-3")
+
+
+def test_a_copy_within_twice_the_fixed_latency_carries_no_bandwidth_information():
+    c = cost(prefill_tokens_per_s=1_000_000)  # defaults: cpu 10 GB/s, 50 us fixed
+    c.observe("cpu", 64 << 10, 20e-6)  # 64 KiB in 20 us: faster than the fixed latency alone
+    c.observe("cpu", 64 << 10, 99e-6)  # just under 2x: (seconds - latency) is mostly noise
+    c.observe("cpu", 0, 1.0)  # nothing moved
+    assert c.bandwidth["cpu"] == 10e9 and c.observations_skipped == 3
+    assert not c.worth_loading("cpu", 2000), "2 GiB at 10 GB/s is still slower than recomputing"
+    c.observe("cpu", 64 << 10, 100e-6)  # from 2x on: at most twice the raw 655 MB/s
+    assert c.bandwidth["cpu"] == pytest.approx(0.8 * 10e9 + 0.2 * (64 << 10) / 50e-6)
+    assert (64 << 10) / 50e-6 <= 2 * (64 << 10) / 100e-6
+
+
+# ---- 5. region groups: one observation per part ----------------------------------------------------
+class QueuedEngine(CpuTransferEngine):
+    """Reports each load job as a FIFO copy engine would: job k of a burst finishes `per_job`
+    seconds after job k-1, so its seconds since submission include the queueing behind the
+    earlier ones. The copies themselves are real, inline, so a whole burst is in one poll."""
+
+    per_job = 1e-3
+
+    def __init__(self, layout, pool):
+        super().__init__(layout, pool, inline=True)
+
+    def poll(self):
+        out = super().poll()
+        loads = sorted((r for r in out if r.direction == "h2d"), key=lambda r: r.job_id)
+        first = {id(r): i for i, r in enumerate(loads)}
+        return [dataclasses.replace(r, seconds=(first[id(r)] + 1) * self.per_job) if id(r) in first else r for r in out]
+
+
+class SpyCost(CostModel):
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.calls: list[tuple[str, int, float]] = []
+
+    def observe(self, hop, nbytes, seconds):
+        self.calls.append((hop, nbytes, seconds))
+        super().observe(hop, nbytes, seconds)
+
+
+@pytest.mark.parametrize("layers", [1, 8, 32])
+def test_a_load_split_into_region_groups_is_one_observation_of_all_its_bytes(layers):
+    bpb = 2 * 8 * 32 * 4 * layers
+    spy = SpyCost(
+        prefill_tokens_per_s=1.0,  # recomputing is slow: every load is worth it
+        tokens_per_block=16,
+        block_bytes=bpb,
+        latency_s={"cpu": 0.0, "disk": 0.0},
+    )
+    orch = orchestrator(layers=layers, engine_cls=QueuedEngine, cost=spy)
+    keys = [f"b{i}".encode() for i in range(8)]
+    orch.offload(keys, list(range(8)))
+    orch.drain()
+    groups = [[g] for g in range(layers)]
+    orch.load(keys, list(range(8, 16)), request_id="r", region_groups=groups)
+    (res,) = orch.drain()
+    assert res.loaded_cpu == 8
+    (call,) = spy.calls  # one observation for the whole part, not one per layer
+    hop, nbytes, seconds = call
+    assert (hop, nbytes) == ("cpu", 8 * bpb)
+    # The burst took `layers` job times back to back, as one job of the same bytes would report;
+    # per-job folding saw job k as k+1 job times for 1/layers of the bytes.
+    burst = layers * QueuedEngine.per_job
+    assert burst <= seconds <= burst + res.seconds
+    assert spy.bandwidth["cpu"] == pytest.approx(0.8 * 10e9 + 0.2 * nbytes / seconds)
+    # A load of the same bytes as one job reads the same bandwidth as the per-layer burst.
+    spy.calls.clear()
+    orch.load(keys, list(range(16, 24)), request_id="whole")
+    orch.drain()
+    ((_, whole_bytes, whole_s),) = spy.calls
+    assert whole_bytes == nbytes and whole_s >= QueuedEngine.per_job
+
+
+def test_a_failed_part_measures_nothing():
+    class FailingEngine(CpuTransferEngine):
+        def copy_now(self, direction, block_ids, slots, sub_blocks=None, regions=None):
+            if direction == "h2d" and regions == [1]:
+                raise RuntimeError("injected")
+            super().copy_now(direction, block_ids, slots, sub_blocks, regions)
+
+    spy = SpyCost(prefill_tokens_per_s=1.0, tokens_per_block=16, block_bytes=4096)
+    orch = orchestrator(engine_cls=FailingEngine, cost=spy)
+    orch.offload([b"a"], [0])
+    orch.drain()
+    orch.load([b"a"], [1], request_id="r", region_groups=[[0], [1]])
+    (res,) = orch.drain()
+    assert res.failed == 1 and spy.calls == []
+
+
+# ---- 9. trips: bounded, and in stats() -----------------------------------------------------------
+def test_only_the_most_recent_trips_are_kept_and_all_are_counted():
+    clock = FakeClock()
+    orch = orchestrator(guards={"cpu": GuardRule(p99_ms=1, window_s=1, recover_s=1, min_samples=1)})
+    g = orch.guards["cpu"]
+    g._clock = clock
+    for i in range(SloGuard.MAX_TRIPS + 50):
+        clock.t += 2  # past recover_s: on probation; the sample started after the last trip
+        g.record(1.0 + i / 1000)  # well over 1 ms, and started after the last trip
+    st = orch.stats()["guards"]["cpu"]
+    assert st["trips"] == SloGuard.MAX_TRIPS + 50
+    assert len(st["recent_trips"]) == len(g.trips) == SloGuard.MAX_TRIPS
+    assert st["recent_trips"][-1] == {"at": clock.t, "p99_ms": pytest.approx(1149.0)}
+    assert st["recent_trips"][0]["p99_ms"] == pytest.approx(1050.0), "the oldest kept is the 51st"
+    st["recent_trips"].clear()
+    assert len(g.trips) == SloGuard.MAX_TRIPS, "stats() hands out a copy"
+    assert math.isclose(st["bypassed_for_s"], 1.0)
