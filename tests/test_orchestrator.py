@@ -474,3 +474,15 @@ def test_a_single_key_is_refused_where_a_chain_is_expected(tmp_path, single):
     orch.offload((b"\x05", b"\x06"), iter([3, 4]))
     orch.drain(5)
     assert orch.plan(k for k in (b"\x05", b"\x06")).cpu_hits == 2
+
+
+def test_a_load_the_engine_refuses_is_recomputed_and_leaves_no_pins(tmp_path):
+    orch, layout, _ = make(tmp_path, random.Random(13))
+    keys = [b"a", b"b"]
+    orch.offload(keys, [0, 1])
+    orch.drain()
+    orch.engine.close()  # the engine now refuses copies (ClosedError)
+    res = orch.load(keys, [4, 5], request_id="r")
+    assert (res.loaded_cpu, res.failed) == (0, 2), "the blocks are recomputed"
+    assert orch.pending() == 0 and orch.groups_ready("r") is None
+    assert all(pins == 0 for _, _, pins, _ in orch.host.index.entries())

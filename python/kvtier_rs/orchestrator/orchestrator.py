@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier_rs._core import IndexFailedError, InvalidArgumentError, NoSpaceError, NotReadyError
+from kvtier_rs._core import IndexFailedError, InvalidArgumentError, KvTierError, NoSpaceError, NotReadyError
 from kvtier_rs.events import EventStream
 from kvtier_rs.host_tier import HostTier
 from kvtier_rs.keys import Key, index_list, key_list
@@ -329,7 +329,9 @@ class TierOrchestrator:
                 ld.cpu.failed = True
                 ld.cpu.keys = []
             else:
-                self._submit_copies(ld, ld.cpu, slots, ld.gpu_ids[: plan.load_cpu])
+                if not self._submit_copies(ld, ld.cpu, slots, ld.gpu_ids[: plan.load_cpu]):
+                    ld.cpu.failed = True
+                    ld.cpu.keys = []
         if plan.load_disk and not ld.cpu.failed:
             ld.disk.keys = rest[plan.load_cpu : plan.load_cpu + plan.load_disk]
             job = self.stager.promote(ld.disk.keys)
@@ -348,14 +350,23 @@ class TierOrchestrator:
         self.engine.layout.check_block_ids(ids, "gpu_block_ids", distinct=distinct)
         return ids
 
-    def _submit_copies(self, ld: _Load, part: _Copies, slots: list[int], gpu_ids: list[int]) -> None:
+    def _submit_copies(self, ld: _Load, part: _Copies, slots: list[int], gpu_ids: list[int]) -> bool:
+        """Submit a part's copies (its keys pinned). False when the engine refused the first one
+        (closed, say): the pins are dropped and the part's blocks are recomputed."""
         part.started = time.perf_counter()
         for gi, group in enumerate(ld.groups or [None]):
             # Taken before the call: an inline engine copies (and finishes the job) inside it.
             submitted = time.perf_counter()
-            job = self.engine.load(slots, gpu_ids, regions=group)
+            try:
+                job = self.engine.load(slots, gpu_ids, regions=group)
+            except KvTierError:
+                if part.jobs:
+                    raise  # later groups of a part already copying: not a state to guess about
+                self.host.index.unpin(part.keys)
+                return False
             part.jobs[job] = (gi, submitted)
             self._job_owner[job] = ld.result.request_id
+        return True
 
     def groups_ready(self, request_id: Any) -> int | None:
         """How many leading region groups of a load in flight are on the device (all parts).
@@ -462,7 +473,9 @@ class TierOrchestrator:
             self._maybe_finish(ld)
             return
         first = ld.result.plan.load_cpu
-        self._submit_copies(ld, ld.disk, slots, ld.gpu_ids[first : first + len(ld.disk.keys)])
+        if not self._submit_copies(ld, ld.disk, slots, ld.gpu_ids[first : first + len(ld.disk.keys)]):
+            ld.disk.keys = []
+            self._maybe_finish(ld)
 
     def _maybe_finish(self, ld: _Load) -> None:
         if ld.open_jobs():
