@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import re
 import sys
 import threading
 import time
@@ -291,11 +292,61 @@ def test_bad_metadata_and_unknown_ids_are_clear_errors(tmp_path, engines):
         ({"cpu_bytes": "1MiB", "cpu_policy": "mru"}, "cpu_policy"),
         ({"cpu_bytes": "1MiB", "bogus": 1}, "bogus"),
         ({"cpu_bytes": "1MiB", "block_identity": "sha"}, "block_identity"),
+        # cost_model's rate and load_timeout_s: positive and finite (inf passed; an int beyond
+        # float range raised OverflowError).
+        ({"cpu_bytes": "1MiB", "cost_model": {"prefill_tokens_per_s": float("inf")}}, "cost_model"),
+        ({"cpu_bytes": "1MiB", "cost_model": {"prefill_tokens_per_s": 10**400}}, "cost_model"),
+        ({"cpu_bytes": "1MiB", "cost_model": {"prefill_tokens_per_s": float("nan")}}, "cost_model"),
+        ({"cpu_bytes": "1MiB", "load_timeout_s": 10**400}, "load_timeout_s"),
+        ({"cpu_bytes": "1MiB", "load_timeout_s": float("inf")}, "load_timeout_s"),
+        ({"cpu_bytes": "1MiB", "load_timeout_s": 10**5000}, "load_timeout_s"),
+        ({"cpu_bytes": "1MiB", "disk_root": "/x", "disk_bytes": "1GiB", "disk_queue_depth": "16"}, "disk_queue_depth"),
+        ({"cpu_bytes": "1MiB", "disk_root": "/tmp/a\x00b", "disk_bytes": "1GiB"}, "disk_root"),
+        ({"cpu_bytes": "1MiB", 1: 2, "zz": 3}, 1),  # unknown keys of mixed types: a TypeError before
     ],
 )
 def test_config_errors_name_the_key(cfg, key):
-    with pytest.raises(InvalidArgumentError, match=rf"config\['{key}'\]"):
+    with pytest.raises(InvalidArgumentError, match=rf"config\[{re.escape(repr(key))}\]"):
         parse_options(cfg)
+
+
+@pytest.mark.parametrize(
+    ("text", "what"),
+    [
+        ('{"cpu_bytes": "1MiB", "load_timeout_s": 1' + "0" * 400 + "}", r"config\['load_timeout_s'\]"),
+        ('{"cpu_bytes": "1MiB", "cost_model": {"prefill_tokens_per_s": Infinity}}', r"config\['cost_model'\]"),
+        ('{"cpu_bytes": "1MiB", "load_timeout_s": 1' + "0" * 5000 + "}", "KVTIER_TRTLLM_CONFIG: not usable JSON"),
+        ('{"cpu_bytes": ' + "[" * 100000 + "]" * 100000 + "}", "KVTIER_TRTLLM_CONFIG: not usable JSON"),
+        (b'{"cpu_bytes": "1MiB", "namespace": "caf\xe9"}', "KVTIER_TRTLLM_CONFIG: .* is not UTF-8"),
+    ],
+    ids=["int-401-digits", "Infinity", "int-5000-digits", "nested-100000-deep", "latin-1-file"],
+)
+def test_config_from_environment_errors_are_clear(monkeypatch, tmp_path, text, what):
+    if isinstance(text, bytes):  # a file (Latin-1 here): a UnicodeDecodeError before
+        (tmp_path / "cfg.json").write_bytes(text)
+        text = str(tmp_path / "cfg.json")
+    monkeypatch.setenv("KVTIER_TRTLLM_CONFIG", text)
+    with pytest.raises(InvalidArgumentError, match=what):
+        trtllm.KvtierScheduler(llm_args(TPB))
+
+
+@pytest.mark.parametrize(
+    ("cfg", "key", "reason"),
+    [
+        ({"cpu_bytes": 100}, "cpu_bytes", "cannot hold one block"),
+        ({"disk_bytes": 100}, "disk_bytes", "hold 0 slot"),
+        ({"disk_bytes": 2**62}, "disk_bytes", r"2\^31 slots"),
+        ({"disk_root": "FILE"}, "disk_root", "Not a directory"),
+        ({"disk_root": "FILE/sub"}, "disk_root", "Not a directory"),
+    ],
+)
+def test_what_only_the_tiers_can_check_names_the_key_at_start_up(tmp_path, cfg, key, reason):
+    # Before: the core's "invalid argument `capacity_bytes`", or a DiskIoError naming only the path.
+    (tmp_path / "file").write_bytes(b"x")
+    extra = {"disk_root": str(tmp_path / "disk"), "disk_bytes": 256 * 8192, "disk_io_engine": "pool"}
+    extra.update({k: v.replace("FILE", str(tmp_path / "file")) if isinstance(v, str) else v for k, v in cfg.items()})
+    with pytest.raises(InvalidArgumentError, match=rf"^kvtier trtllm config\['{key}'\]: .*{reason}"):
+        make(tmp_path, **extra)
 
 
 def test_config_from_environment(monkeypatch, tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 import subprocess
 import sys
 
@@ -241,11 +242,205 @@ def test_package_imports_without_vllm():
         ({"cpu_bytes_to_use": 1 << 20, "guard": "off"}, "guard"),
         ({"cpu_bytes_to_use": 1 << 20, "cache_policy_module_path": "x"}, "cache_policy_module_path"),
         ({"cpu_bytes_to_use": 1 << 20, "dsik_root": "/x"}, "dsik_root"),
+        # store_threshold is checked as an int the core's uses:K takes (K <= 255), whether or
+        # not cpu_admission is set (a raw ValueError / TypeError before; 256 blamed `admission`).
+        ({"cpu_bytes_to_use": 1 << 20, "cpu_admission": "always", "store_threshold": "x"}, "store_threshold"),
+        ({"cpu_bytes_to_use": 1 << 20, "cpu_admission": "always", "store_threshold": [2]}, "store_threshold"),
+        ({"cpu_bytes_to_use": 1 << 20, "store_threshold": 256}, "store_threshold"),
+        ({"cpu_bytes_to_use": 1 << 20, "store_threshold": -1}, "store_threshold"),
+        ({"cpu_bytes_to_use": 1 << 20, "store_threshold": 2.0}, "store_threshold"),
+        ({"cpu_bytes_to_use": 1 << 20, "cpu_admission": "always", "store_threshold": 2}, "cpu_admission"),
+        # Keys only vLLM's CPU / tiering specs read: nothing reads them under this spec.
+        ({"cpu_bytes_to_use": 1 << 20, "secondary_tiers": "not-a-list"}, "secondary_tiers"),
+        ({"cpu_bytes_to_use": 1 << 20, "secondary_tiers": [{"type": "fs", "root_dir": "/x"}]}, "secondary_tiers"),
+        ({"cpu_bytes_to_use": 1 << 20, "backpressure": 5}, "backpressure"),
+        ({"cpu_bytes_to_use": 1 << 20, "max_tracker_size": "lots"}, "max_tracker_size"),
+        ({"cpu_bytes_to_use": 1 << 20, "tier_poll_interval_s": -3}, "tier_poll_interval_s"),
+        ({"cpu_bytes_to_use": 1 << 20, "sync_load_budget_bytes": "x"}, "sync_load_budget_bytes"),
+        # cost_model rates: positive and finite (inf passed, 10**400 raised OverflowError).
+        (
+            {
+                "cpu_bytes_to_use": 1 << 20,
+                "disk_root": "/x",
+                "disk_bytes_to_use": "1GiB",
+                "cost_model": {"prefill_tokens_per_s": float("inf"), "disk_read_bytes_per_s": 1e9},
+            },
+            "cost_model",
+        ),
+        (
+            {
+                "cpu_bytes_to_use": 1 << 20,
+                "disk_root": "/x",
+                "disk_bytes_to_use": "1GiB",
+                "cost_model": {"prefill_tokens_per_s": 1000, "disk_read_bytes_per_s": float("inf")},
+            },
+            "cost_model",
+        ),
+        (
+            {
+                "cpu_bytes_to_use": 1 << 20,
+                "disk_root": "/x",
+                "disk_bytes_to_use": "1GiB",
+                "cost_model": {"prefill_tokens_per_s": 10**400, "disk_read_bytes_per_s": 1},
+            },
+            "cost_model",
+        ),
+        (
+            {
+                "cpu_bytes_to_use": 1 << 20,
+                "disk_root": "/x",
+                "disk_bytes_to_use": "1GiB",
+                "cost_model": {"prefill_tokens_per_s": 10**5000, "disk_read_bytes_per_s": 1},
+            },
+            "cost_model",
+        ),
+        (
+            {
+                "cpu_bytes_to_use": 1 << 20,
+                "disk_root": "/x",
+                "disk_bytes_to_use": "1GiB",
+                "cost_model": {"prefill_tokens_per_s": float("nan"), "disk_read_bytes_per_s": 1},
+            },
+            "cost_model",
+        ),
+        (
+            {
+                "cpu_bytes_to_use": 1 << 20,
+                "disk_root": "/x",
+                "disk_bytes_to_use": "1GiB",
+                "cost_model": {"prefill_tokens_per_s": 1000, 1: 2, "zz": 3},
+            },
+            "cost_model",
+        ),
+        (
+            {"cpu_bytes_to_use": 1 << 20, "disk_root": "/x", "disk_bytes_to_use": "1GiB", "disk_queue_depth": "16"},
+            "disk_queue_depth",
+        ),
+        (
+            {"cpu_bytes_to_use": 1 << 20, "disk_root": "/x", "disk_bytes_to_use": "1GiB", "disk_queue_depth": 1025},
+            "disk_queue_depth",
+        ),
+        ({"cpu_bytes_to_use": 1 << 20, "disk_root": "/tmp/a\x00b", "disk_bytes_to_use": "1GiB"}, "disk_root"),
+        ({"cpu_bytes_to_use": 10**5000}, "cpu_bytes_to_use"),
+        ({"cpu_bytes_to_use": 1 << 20, 1: 2, "zz": 3}, 1),  # unknown keys of mixed types
     ],
 )
 def test_bad_extra_config_names_the_key(extra, key_name):
-    with pytest.raises(InvalidArgumentError, match=rf"kv_connector_extra_config\['{key_name}'\]"):
+    with pytest.raises(InvalidArgumentError, match=rf"kv_connector_extra_config\[{re.escape(repr(key_name))}\]"):
         parse_options(extra)
+
+
+@pytest.mark.parametrize(
+    ("key_name", "spec"),
+    [
+        ("secondary_tiers", "TieringOffloadingSpec"),
+        ("backpressure", "TieringOffloadingSpec"),
+        ("sync_load_budget_bytes", "TieringOffloadingSpec"),
+        ("tier_poll_interval_s", "TieringOffloadingSpec"),
+        ("max_tracker_size", "CPUOffloadingSpec"),
+    ],
+)
+def test_keys_of_other_vllm_specs_are_refused_naming_the_spec_that_reads_them(key_name, spec):
+    with pytest.raises(
+        InvalidArgumentError, match=rf"\['{key_name}'\]: read only by vLLM's {spec}.*KvtierOffloadingSpec"
+    ):
+        parse_options({"cpu_bytes_to_use": 1 << 20, key_name: 1})
+
+
+def _offloading_config(extra):
+    import uuid
+
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(32, ("l0", "l1"), 0),),
+        worker_kv_bytes_per_block=32768,
+        enable_kv_cache_events=False,
+        extra_config=extra,
+        engine_id=uuid.uuid4().hex,
+        model=OffloadingModelConfig("tiny/llama", "float32"),
+        cache=OffloadingCacheConfig(32, 1),
+        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, False),
+        kv_cache_layout="LBHNC",
+    )
+
+
+@pytest.mark.parametrize(
+    ("over", "key_name", "reason"),
+    [
+        ({"disk_bytes_to_use": 1}, "disk_bytes_to_use", "hold 0 slot"),
+        ({"disk_bytes_to_use": 2**62}, "disk_bytes_to_use", "2\\^31 slots"),
+        ({"disk_root": "FILE"}, "disk_root", "Not a directory"),
+        ({"disk_root": "FILE/sub"}, "disk_root", "Not a directory"),
+        ({"cpu_bytes_to_use": 2**62}, "cpu_bytes_to_use", "2\\^32 slots"),
+    ],
+)
+def test_what_only_the_tier_can_check_names_the_key_at_start_up(tmp_path, over, key_name, reason):
+    # Before: the core's "invalid argument `capacity_bytes`" / `total_bytes`, or a DiskIoError
+    # with the path, naming no key the user wrote.
+    from kvtier_rs.integrations.vllm.spec import KvtierOffloadingSpec
+
+    (tmp_path / "file").write_bytes(b"x")
+    extra = {"cpu_bytes_to_use": 4 * 32768, "disk_root": str(tmp_path / "disk"), "disk_bytes_to_use": "1MiB"}
+    extra.update({k: v.replace("FILE", str(tmp_path / "file")) if isinstance(v, str) else v for k, v in over.items()})
+    with pytest.raises(InvalidArgumentError, match=rf"^kv_connector_extra_config\['{key_name}'\]: .*{reason}"):
+        KvtierOffloadingSpec(_offloading_config(extra)).get_manager()
+
+
+@pytest.mark.parametrize(
+    ("kw", "key_name"),
+    [
+        ({"locality": "MARS"}, "locality"),
+        ({"locality": "local"}, "locality"),
+        ({"queue_depth": "16"}, "queue_depth"),
+        ({"queue_depth": 4.5}, "queue_depth"),
+        ({"queue_depth": 0}, "queue_depth"),
+        ({"queue_depth": 10**6}, "queue_depth"),
+        ({"io_engine": ["pool"]}, "io_engine"),
+        ({"root": "/x"}, "root"),  # unknown key: a TypeError from the signature before
+        ({"root_dir": "/tmp/a\x00b"}, "root_dir"),
+        ({"root_dir": "FILE"}, "root_dir"),  # a DiskIoError naming only the path before
+        ({"capacity_bytes": 10}, "capacity_bytes"),  # the core's `capacity_bytes`, no prefix
+        ({"capacity_bytes": 2**62}, "capacity_bytes"),
+    ],
+)
+def test_bad_tiering_disk_tier_option_names_the_key(tmp_path, kw, key_name):
+    import mmap
+    import types
+
+    from kvtier_rs.integrations.vllm.secondary import KvtierDiskTier
+
+    (tmp_path / "file").write_bytes(b"x")
+    mm = mmap.mmap(-1, 8 * 32768)
+    view = memoryview(mm).cast("B", (8, 32768))
+    spec = types.SimpleNamespace(config=_offloading_config({"cpu_bytes_to_use": 8 * 32768}))
+    opts = {"root_dir": str(tmp_path / "disk"), "capacity_bytes": "1MiB"}
+    opts.update({k: v.replace("FILE", str(tmp_path / "file")) if isinstance(v, str) else v for k, v in kw.items()})
+    with pytest.raises(InvalidArgumentError, match=rf"^secondary_tiers\[type=KvtierDiskTier\]\['{key_name}'\]: "):
+        KvtierDiskTier(spec, view, "KvtierDiskTier", None, **opts)
+
+
+def test_tiering_disk_tier_takes_a_path_and_an_enum_locality(tmp_path):
+    import mmap
+    import types
+
+    from vllm.v1.kv_offload.base import Locality
+
+    from kvtier_rs.integrations.vllm.secondary import KvtierDiskTier
+
+    mm = mmap.mmap(-1, 8 * 32768)
+    view = memoryview(mm).cast("B", (8, 32768))
+    spec = types.SimpleNamespace(config=_offloading_config({"cpu_bytes_to_use": 8 * 32768}))
+    for loc, want in ((None, Locality.LOCAL), ("REMOTE", Locality.REMOTE), (Locality.REMOTE, Locality.REMOTE)):
+        t = KvtierDiskTier(spec, view, "KvtierDiskTier", None, root_dir=tmp_path, capacity_bytes="1MiB", locality=loc)
+        assert t.locality is want
+        t.shutdown()
 
 
 def test_good_extra_config():

@@ -1,39 +1,70 @@
 """Validation of engine adapters' option dicts (vLLM's kv_connector_extra_config, TensorRT-LLM's
 KVTIER_TRTLLM_CONFIG): one set of checks, so every adapter accepts the same values and reports a
-bad one the same way, naming the key: `<where>['<key>']: <what is wrong>`."""
+bad one the same way, naming the key: `<where>['<key>']: <what is wrong>`.
+
+``OptionReader.naming`` does the same for what only the tier itself can check at start-up (a
+capacity that holds no slot of the engine's block size, a directory that cannot be opened): the
+core's reason, under the key the user wrote."""
 
 from __future__ import annotations
 
+import math
+import os
+import re
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
-from kvtier_rs._core import InvalidArgumentError, parse_admission, policy_names
-from kvtier_rs.config import parse_bytes
+from kvtier_rs._core import DirectoryLockedError, DiskIoError, InvalidArgumentError, parse_admission, policy_names
+from kvtier_rs.config import MAX_BYTES, parse_bytes
+
+#: The disk tier's I/O engines, as every adapter spells them.
+DISK_IO_ENGINES = ("auto", "io_uring", "pool")
+#: Disk I/O requests in flight: the pool engine runs one thread per request.
+QUEUE_DEPTH_MAX = 1024
+
+# The core's InvalidArgumentError text: "invalid argument `<arg>`: <reason>".
+_CORE_ARG = re.compile(r"invalid argument `([^`]+)`: (.*)", re.S)
+
+
+def show(value: Any) -> str:
+    """``repr`` for an error message: bounded (a 400-digit int is not echoed, and one of over
+    4300 digits, which ``repr`` refuses, does not raise)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"an integer of about {int(abs(value).bit_length() * math.log10(2)) + 1} digits"
+    try:
+        r = repr(value)
+    except Exception:  # noqa: BLE001 - a value whose repr fails is still reported
+        return f"a {type(value).__name__}"
+    return r if len(r) <= 100 else r[:97] + "..."
 
 
 class OptionReader:
     def __init__(self, where: str) -> None:
         self.where = where  # e.g. "kv_connector_extra_config"
 
-    def error(self, key: str, msg: str) -> InvalidArgumentError:
+    def error(self, key: Any, msg: str) -> InvalidArgumentError:
         return InvalidArgumentError(f"{self.where}[{key!r}]: {msg}")
 
     def policy(self, key: str, value: Any) -> str:
         names = policy_names()
         if not isinstance(value, str) or value.lower() not in names:
-            raise self.error(key, f"unknown eviction policy {value!r}; kvtier has " + ", ".join(names))
+            raise self.error(key, f"unknown eviction policy {show(value)}; kvtier has " + ", ".join(names))
         return value.lower()
 
     def admission(self, key: str, value: Any) -> str:
         """An admission rule in canonical form ("always", "uses:K", "priority:T"), checked by
         the core's own parser."""
         if not isinstance(value, str):
-            raise self.error(key, f'expected a string such as "always", "uses:2" or "priority:50", got {value!r}')
+            raise self.error(key, f'expected a string such as "always", "uses:2" or "priority:50", got {show(value)}')
         try:
             return parse_admission(value)
         except InvalidArgumentError as e:
             raise self.error(key, str(e).split(": ", 1)[-1]) from None
 
     def size(self, key: str, value: Any) -> int:
+        if isinstance(value, int) and not isinstance(value, bool) and value > MAX_BYTES:
+            raise self.error(key, f"{show(value)} is more than the maximum, 2**62 bytes (4 EiB)")
         try:
             return parse_bytes(value, name=key)
         except InvalidArgumentError as e:
@@ -41,5 +72,66 @@ class OptionReader:
 
     def int_in(self, key: str, value: Any, lo: int, hi: int) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-            raise self.error(key, f"expected an int in {lo}..{hi}, got {value!r}")
+            raise self.error(key, f"expected an int in {lo}..{hi}, got {show(value)}")
         return value
+
+    def queue_depth(self, key: str, value: Any) -> int:
+        """Disk I/O requests in flight."""
+        return self.int_in(key, value, 1, QUEUE_DEPTH_MAX)
+
+    def positive(self, key: str, value: Any, *, field: str | None = None, unit: str = "") -> float:
+        """A positive, finite number (int or float) as a float; ``field`` names a sub-field of
+        ``key`` (``cost_model``'s rates)."""
+        what = f"{field} must be" if field else "expected"
+        unit = f" {unit}" if unit else ""
+        bad = self.error(key, f"{what} a positive finite number{unit}, got {show(value)}")
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise bad
+        try:
+            f = float(value)
+        except OverflowError:  # an int beyond float range
+            raise bad from None
+        if not (math.isfinite(f) and f > 0):
+            raise bad
+        return f
+
+    def choice(self, key: str, value: Any, choices: tuple[str, ...]) -> str:
+        if not isinstance(value, str) or value not in choices:
+            raise self.error(key, f"{show(value)} is not one of " + ", ".join(choices))
+        return value
+
+    def disk_io_engine(self, key: str, value: Any) -> str:
+        return self.choice(key, value, DISK_IO_ENGINES)
+
+    def directory(self, key: str, value: Any) -> str:
+        """A directory path (str or os.PathLike) as a str; whether it can be used is the tier's
+        to say at open (see ``naming``)."""
+        path = os.fspath(value) if isinstance(value, os.PathLike) else value
+        if not isinstance(path, str) or not path:
+            raise self.error(key, f"expected a directory path, got {show(value)}")
+        if "\0" in path:
+            raise self.error(key, f"a path cannot contain a NUL byte, got {show(path)}")
+        return path
+
+    @contextmanager
+    def naming(self, args: Mapping[str, str], *, path_key: str | None = None) -> Iterator[None]:
+        """Build a tier from the options inside this block: an error of the core's naming one of
+        its arguments (``args``: core argument -> the user's key) is re-raised naming the user's
+        key, with the core's reason; an OS error opening the tier's directory names
+        ``path_key`` (as an InvalidArgumentError; a directory another tier holds stays a
+        DirectoryLockedError). Any other error passes unchanged."""
+        try:
+            yield
+        except InvalidArgumentError as e:
+            m = _CORE_ARG.fullmatch(str(e))
+            if m is None or m.group(1) not in args:
+                raise
+            raise self.error(args[m.group(1)], m.group(2)) from None
+        except DirectoryLockedError as e:
+            if path_key is None:
+                raise
+            raise DirectoryLockedError(f"{self.where}[{path_key!r}]: {e}") from None
+        except DiskIoError as e:
+            if path_key is None:
+                raise
+            raise self.error(path_key, f"cannot open the disk tier there: {e}") from None

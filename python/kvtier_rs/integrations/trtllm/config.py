@@ -23,7 +23,7 @@ from typing import Any
 
 from kvtier_rs._core import InvalidArgumentError
 from kvtier_rs.integrations.trtllm.identity import SCHEMES
-from kvtier_rs.options import OptionReader
+from kvtier_rs.options import OptionReader, show
 
 ENV_VAR = "KVTIER_TRTLLM_CONFIG"
 
@@ -51,11 +51,27 @@ KEYS: dict[str, str] = {
 }
 
 _IO_ENGINES = ("auto", "cpu", "cuda")
-_DISK_ENGINES = ("auto", "io_uring", "pool")
 
 
-_opts = OptionReader("kvtier trtllm config")
+#: The reader of this config; ``naming`` maps the tiers' own arguments to its keys.
+READER = OptionReader("kvtier trtllm config")
+_opts = READER
 _err = _opts.error
+#: The CPU tier's (TierConfig, HostPool) and the disk tier's constructor arguments -> the keys
+#: they come from (for READER.naming).
+CPU_TIER_KEYS = {
+    "capacity_bytes": "cpu_bytes",
+    "total_bytes": "cpu_bytes",
+    "policy": "cpu_policy",
+    "admission": "cpu_admission",
+}
+DISK_TIER_KEYS = {
+    "capacity_bytes": "disk_bytes",
+    "policy": "disk_policy",
+    "admission": "disk_admission",
+    "engine": "disk_io_engine",
+    "queue_depth": "disk_queue_depth",
+}
 
 
 def _admission(key: str, value: Any, *, allow_priority: bool) -> str:
@@ -94,7 +110,7 @@ def parse_options(raw: Mapping[str, Any]) -> ConnectorOptions:
     """Validate a config dict; every error names its key."""
     if not isinstance(raw, Mapping):
         raise InvalidArgumentError(f"kvtier trtllm config: expected a dict, got {type(raw).__name__}")
-    unknown = sorted(set(raw) - set(KEYS))
+    unknown = sorted((k for k in raw if k not in KEYS), key=str)
     if unknown:
         raise _err(unknown[0], "unknown key; known keys: " + ", ".join(sorted(KEYS)))
     if raw.get("cpu_bytes") in (None, "", 0):
@@ -109,43 +125,28 @@ def parse_options(raw: Mapping[str, Any]) -> ConnectorOptions:
         if disk_keys:
             raise _err(disk_keys[0], "needs disk_root (the disk tier is off without it)")
     else:
-        if not isinstance(root, str | os.PathLike) or not str(root):
-            raise _err("disk_root", f"expected a directory path, got {root!r}")
+        kw["disk_root"] = _opts.directory("disk_root", root)
         if "disk_bytes" not in raw:
             raise _err("disk_bytes", "required with disk_root: capacity of the disk tier")
-        kw["disk_root"] = str(root)
         kw["disk_bytes"] = _opts.size("disk_bytes", raw["disk_bytes"])
         kw["disk_policy"] = _opts.policy("disk_policy", raw.get("disk_policy", "priority"))
         kw["disk_admission"] = _admission("disk_admission", raw.get("disk_admission", "always"), allow_priority=True)
-        eng = raw.get("disk_io_engine", "auto")
-        if eng not in _DISK_ENGINES:
-            raise _err("disk_io_engine", f"{eng!r} is not one of " + ", ".join(_DISK_ENGINES))
-        kw["disk_io_engine"] = eng
-        kw["disk_queue_depth"] = _opts.int_in("disk_queue_depth", raw.get("disk_queue_depth", 16), 1, 1024)
-    io = raw.get("io_engine", "auto")
-    if io not in _IO_ENGINES:
-        raise _err("io_engine", f"{io!r} is not one of " + ", ".join(_IO_ENGINES))
-    kw["io_engine"] = io
+        kw["disk_io_engine"] = _opts.disk_io_engine("disk_io_engine", raw.get("disk_io_engine", "auto"))
+        kw["disk_queue_depth"] = _opts.queue_depth("disk_queue_depth", raw.get("disk_queue_depth", 16))
+    kw["io_engine"] = _opts.choice("io_engine", raw.get("io_engine", "auto"), _IO_ENGINES)
     cm = raw.get("cost_model")
     if cm is not None:
         if not isinstance(cm, Mapping) or set(cm) != {"prefill_tokens_per_s"}:
-            raise _err("cost_model", f"expected null or {{'prefill_tokens_per_s': <number>}}, got {cm!r}")
-        rate = cm["prefill_tokens_per_s"]
-        if isinstance(rate, bool) or not isinstance(rate, int | float) or not rate > 0:
-            raise _err("cost_model", f"prefill_tokens_per_s must be a positive number, got {rate!r}")
-        kw["prefill_tokens_per_s"] = float(rate)
+            raise _err("cost_model", f"expected null or {{'prefill_tokens_per_s': <number>}}, got {show(cm)}")
+        kw["prefill_tokens_per_s"] = _opts.positive(
+            "cost_model", cm["prefill_tokens_per_s"], field="prefill_tokens_per_s"
+        )
     ns = raw.get("namespace")
     if ns is not None and not isinstance(ns, str):
-        raise _err("namespace", f"expected a string, got {ns!r}")
+        raise _err("namespace", f"expected a string, got {show(ns)}")
     kw["namespace"] = ns
-    t = raw.get("load_timeout_s", 60.0)
-    if isinstance(t, bool) or not isinstance(t, int | float) or not t > 0:
-        raise _err("load_timeout_s", f"expected a positive number of seconds, got {t!r}")
-    kw["load_timeout_s"] = float(t)
-    ident = raw.get("block_identity", "auto")
-    if ident not in SCHEMES:
-        raise _err("block_identity", f"{ident!r} is not one of " + ", ".join(SCHEMES))
-    kw["block_identity"] = ident
+    kw["load_timeout_s"] = _opts.positive("load_timeout_s", raw.get("load_timeout_s", 60.0), unit="of seconds")
+    kw["block_identity"] = _opts.choice("block_identity", raw.get("block_identity", "auto"), SCHEMES)
     return ConnectorOptions(**kw)
 
 
@@ -163,9 +164,16 @@ def load_options(class_config: Mapping[str, Any] | None) -> ConnectorOptions:
         path = Path(text)
         if not path.is_file():
             raise InvalidArgumentError(f"{ENV_VAR}: {text!r} is neither a JSON object nor an existing file")
-        text = path.read_text()
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise InvalidArgumentError(f"{ENV_VAR}: {text!r} is not UTF-8 text (JSON is UTF-8): {e}") from None
+        except OSError as e:
+            raise InvalidArgumentError(f"{ENV_VAR}: cannot read {text!r}: {e}") from None
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as e:
         raise InvalidArgumentError(f"{ENV_VAR}: not valid JSON: {e}") from None
+    except (ValueError, RecursionError) as e:  # an integer of over 4300 digits, nesting too deep
+        raise InvalidArgumentError(f"{ENV_VAR}: not usable JSON: {e}") from None
     return parse_options(raw)

@@ -28,7 +28,7 @@ from kvtier_rs.config import TierConfig
 from kvtier_rs.disk_tier import open_disk_tier
 from kvtier_rs.host_tier import HostTier
 from kvtier_rs.integrations.trtllm import shared
-from kvtier_rs.integrations.trtllm.config import ConnectorOptions, load_options
+from kvtier_rs.integrations.trtllm.config import CPU_TIER_KEYS, DISK_TIER_KEYS, READER, ConnectorOptions, load_options
 from kvtier_rs.integrations.trtllm.metadata import KvtierConnectorMetadata, validate_metadata
 from kvtier_rs.integrations.trtllm.scheduler import tokens_per_block_of
 from kvtier_rs.orchestrator import CostModel, TierOrchestrator
@@ -102,7 +102,12 @@ class WorkerCore:
             raise KvTierError("kvtier: register_kv_caches called twice")
         layout = layer_layout(kv_cache_tensor)
         o = self.options
-        host = HostTier(TierConfig(o.cpu_bytes, layout.bytes_per_block, policy=o.cpu_policy, admission=o.cpu_admission))
+        # What only the tiers can check (a capacity that holds no block of this engine's size, a
+        # directory the disk tier cannot open) is reported under the key the user wrote.
+        with READER.naming(CPU_TIER_KEYS):
+            host = HostTier(
+                TierConfig(o.cpu_bytes, layout.bytes_per_block, policy=o.cpu_policy, admission=o.cpu_admission)
+            )
         factory = type(self).engine_factory
         if factory is not None:
             engine = factory(layout, host.pool)
@@ -118,15 +123,16 @@ class WorkerCore:
             # reads another's blocks.
             sub = f"{self.engine.replace('/', '_')}_{layout.bytes_per_block}b_{len(layout.regions)}l"
             path = Path(o.disk_root) / sub
-            disk = open_disk_tier(
-                path,
-                o.disk_bytes,
-                host.pool.slot_bytes,
-                policy=o.disk_policy,
-                admission=o.disk_admission,
-                engine=o.disk_io_engine,
-                queue_depth=o.disk_queue_depth,
-            )
+            with READER.naming(DISK_TIER_KEYS, path_key="disk_root"):
+                disk = open_disk_tier(
+                    path,
+                    o.disk_bytes,
+                    host.pool.slot_bytes,
+                    policy=o.disk_policy,
+                    admission=o.disk_admission,
+                    engine=o.disk_io_engine,
+                    queue_depth=o.disk_queue_depth,
+                )
         cost = None
         if o.prefill_tokens_per_s is not None:
             cost = CostModel(o.prefill_tokens_per_s, self.tokens_per_block, layout.bytes_per_block)

@@ -132,16 +132,21 @@ class DiskLayer:
         cpu_index: BlockIndex,
         tokens_per_chunk: int,
     ) -> DiskLayer:
+        from kvtier_rs.integrations.vllm.options import DISK_TIER_KEYS, READER
+
         path = tier_dir(options.disk_root, config, host.slot_bytes)
-        disk = open_disk_tier(
-            path,
-            options.disk_bytes,
-            host.slot_bytes,
-            policy=options.disk_policy,
-            admission=options.disk_admission,
-            engine=options.disk_io_engine,
-            queue_depth=options.disk_queue_depth,
-        )
+        # What only the tier can check (a capacity holding no slot of this chunk size, a
+        # directory it cannot open) is reported under the key the user wrote.
+        with READER.naming(DISK_TIER_KEYS, path_key="disk_root"):
+            disk = open_disk_tier(
+                path,
+                options.disk_bytes,
+                host.slot_bytes,
+                policy=options.disk_policy,
+                admission=options.disk_admission,
+                engine=options.disk_io_engine,
+                queue_depth=options.disk_queue_depth,
+            )
         return cls(disk, host, cpu_index, options, tokens_per_chunk)
 
     # ---- called by the manager ------------------------------------------------------------------

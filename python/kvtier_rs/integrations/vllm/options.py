@@ -14,10 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier_rs._core import policy_names
-from kvtier_rs.options import OptionReader
+from kvtier_rs.options import OptionReader, show
 
-# Keys that vLLM itself reads from the same dict (0.32; 0.33 adds the last two). They are
-# accepted and left to vLLM, which validates them.
+# vLLM's keys that KvtierOffloadingSpec honours: those vLLM itself reads from the same dict
+# whichever spec runs (spec_name .. self_describing_kv_events; vLLM validates them), and the CPU
+# spec's cpu_bytes_to_use, eviction_policy and store_threshold, which kvtier reads with vLLM's
+# meaning and validates here.
 VLLM_KEYS = frozenset(
     {
         "spec_name",
@@ -30,13 +32,23 @@ VLLM_KEYS = frozenset(
         "cpu_bytes_to_use",
         "eviction_policy",
         "store_threshold",
-        "max_tracker_size",
-        "secondary_tiers",
-        "backpressure",
-        "sync_load_budget_bytes",
-        "tier_poll_interval_s",
     }
 )
+
+_TIERING = (
+    "vLLM's TieringOffloadingSpec (spec_name 'TieringOffloadingSpec', or "
+    "'KvtierTieringOffloadingSpec' on vLLM's CPU build)"
+)
+# Keys only other vLLM specs read: under KvtierOffloadingSpec nothing would, so they are refused
+# (naming the spec that reads them) rather than accepted and ignored.
+OTHER_SPEC_KEYS: dict[str, str] = {
+    "max_tracker_size": "vLLM's CPUOffloadingSpec (the size of its store_threshold tracker; kvtier "
+    "counts a chunk's offers in its own index, without that limit)",
+    "secondary_tiers": _TIERING + "; kvtier's disk tier here is disk_root and disk_bytes_to_use",
+    "backpressure": _TIERING,
+    "sync_load_budget_bytes": _TIERING + " (vLLM 0.33)",
+    "tier_poll_interval_s": _TIERING + " (vLLM 0.33)",
+}
 
 # kvtier's own keys, with a one-line description used in error messages and docs.
 KVTIER_KEYS: dict[str, str] = {
@@ -53,12 +65,20 @@ KVTIER_KEYS: dict[str, str] = {
     "guard": '"checksum" (default): a disk block whose checksum does not match is a miss',
 }
 
-_IO_ENGINES = ("auto", "io_uring", "pool")
 _GUARDS = ("checksum",)
 
-
-_opts = OptionReader("kv_connector_extra_config")
+#: The reader of this dict; ``naming`` maps the disk tier's own arguments to these keys.
+READER = OptionReader("kv_connector_extra_config")
+_opts = READER
 _err = _opts.error
+#: The disk tier's constructor arguments -> the keys they come from (for READER.naming).
+DISK_TIER_KEYS = {
+    "capacity_bytes": "disk_bytes_to_use",
+    "policy": "disk_policy",
+    "admission": "disk_admission",
+    "engine": "disk_io_engine",
+    "queue_depth": "disk_queue_depth",
+}
 
 
 @dataclass(frozen=True)
@@ -104,20 +124,16 @@ def _cost_model(value: Any) -> CostModel:
     if not isinstance(value, Mapping):
         raise _err(
             key,
-            f'expected "always_load" or a dict with prefill_tokens_per_s and disk_read_bytes_per_s, got {value!r}',
+            f'expected "always_load" or a dict with prefill_tokens_per_s and disk_read_bytes_per_s, got {show(value)}',
         )
-    unknown = set(value) - {"prefill_tokens_per_s", "disk_read_bytes_per_s"}
+    fields = ("prefill_tokens_per_s", "disk_read_bytes_per_s")
+    unknown = set(value) - set(fields)
     if unknown:
         raise _err(
             key,
-            f"unknown field(s) {sorted(unknown)}; expected prefill_tokens_per_s and disk_read_bytes_per_s",
+            f"unknown field(s) {sorted(map(str, unknown))}; expected prefill_tokens_per_s and disk_read_bytes_per_s",
         )
-    rates = {}
-    for f in ("prefill_tokens_per_s", "disk_read_bytes_per_s"):
-        v = value.get(f)
-        if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
-            raise _err(key, f"{f} must be a positive number, got {v!r}")
-        rates[f] = float(v)
+    rates = {f: _opts.positive(key, value.get(f), field=f) for f in fields}
     return CostModel(**rates)
 
 
@@ -142,7 +158,15 @@ class KvtierOptions:
 
 def parse_options(extra: Mapping[str, Any]) -> KvtierOptions:
     """Validate ``extra`` (the connector's extra config) and return kvtier's options."""
-    unknown = sorted(set(extra) - VLLM_KEYS - set(KVTIER_KEYS))
+    known = VLLM_KEYS | set(KVTIER_KEYS)
+    other = sorted((k for k in extra if k in OTHER_SPEC_KEYS), key=str)
+    if other:
+        raise _err(
+            other[0],
+            f"read only by {OTHER_SPEC_KEYS[other[0]]}; KvtierOffloadingSpec does not use it "
+            "and would ignore it, so it is refused",
+        )
+    unknown = sorted((k for k in extra if k not in known and k != "cache_policy_module_path"), key=str)
     if unknown:
         raise _err(
             unknown[0],
@@ -157,19 +181,18 @@ def parse_options(extra: Mapping[str, Any]) -> KvtierOptions:
             "kvtier runs its policies in its Rust core; "
             "choose one of " + ", ".join(policy_names()) + " with eviction_policy",
         )
-    if "cpu_bytes_to_use" not in extra or not extra["cpu_bytes_to_use"]:
+    if "cpu_bytes_to_use" not in extra or extra["cpu_bytes_to_use"] in (None, "", 0):
         raise _err("cpu_bytes_to_use", "required: total bytes of the CPU tier, e.g. 4294967296 or '4GiB'")
     cpu_bytes = _opts.size("cpu_bytes_to_use", extra["cpu_bytes_to_use"])
     policy = _opts.policy("eviction_policy", extra.get("eviction_policy", "lru"))
-    if "cpu_admission" in extra and int(extra.get("store_threshold", 0) or 0) >= 2:
+    # vLLM's "store a chunk on its N-th offer" (N >= 2; 0 and 1 store every chunk) is kvtier's
+    # uses:N admission, whose N the core takes up to 255.
+    st = _opts.int_in("store_threshold", extra.get("store_threshold", 0), 0, 255)
+    if "cpu_admission" in extra and st >= 2:
         raise _err("cpu_admission", "set either cpu_admission or store_threshold, not both")
     admission = _opts.admission("cpu_admission", extra.get("cpu_admission", "always"))
-    st = extra.get("store_threshold", 0)
-    if isinstance(st, bool) or not isinstance(st, int) or st < 0:
-        raise _err("store_threshold", f"expected a non-negative int, got {st!r}")
     if st >= 2:
-        # vLLM's "store a chunk on its N-th offer" is kvtier's uses:N admission.
-        admission = f"uses:{st}"
+        admission = _opts.admission("store_threshold", f"uses:{st}")
 
     disk_root = extra.get("disk_root")
     disk_keys = [
@@ -189,22 +212,17 @@ def parse_options(extra: Mapping[str, Any]) -> KvtierOptions:
             raise _err(disk_keys[0], "needs disk_root (the disk tier is off without it)")
         disk_bytes = None
     else:
-        if not isinstance(disk_root, str) or not disk_root:
-            raise _err("disk_root", f"expected a directory path, got {disk_root!r}")
+        disk_root = _opts.directory("disk_root", disk_root)
         if "disk_bytes_to_use" not in extra:
             raise _err("disk_bytes_to_use", "required with disk_root: capacity of the disk tier")
         disk_bytes = _opts.size("disk_bytes_to_use", extra["disk_bytes_to_use"])
-    engine = extra.get("disk_io_engine", "auto")
-    if engine not in _IO_ENGINES:
-        raise _err("disk_io_engine", f"{engine!r} is not one of " + ", ".join(_IO_ENGINES))
-    qd = extra.get("disk_queue_depth", 16)
-    if isinstance(qd, bool) or not isinstance(qd, int) or not 1 <= qd <= 1024:
-        raise _err("disk_queue_depth", f"expected an int in 1..1024, got {qd!r}")
+    engine = _opts.disk_io_engine("disk_io_engine", extra.get("disk_io_engine", "auto"))
+    qd = _opts.queue_depth("disk_queue_depth", extra.get("disk_queue_depth", 16))
     guard = extra.get("guard", "checksum")
     if guard not in _GUARDS:
         raise _err(
             "guard",
-            f"{guard!r} is not supported; kvtier always verifies disk checksums "
+            f"{show(guard)} is not supported; kvtier always verifies disk checksums "
             '("checksum"): serving unverified KV is never an option',
         )
     return KvtierOptions(

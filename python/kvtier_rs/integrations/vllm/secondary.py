@@ -82,16 +82,32 @@ class KvtierDiskTier(SecondaryTierManager):
         io_engine: str = "auto",
         queue_depth: int = 16,
         locality: str | None = None,
+        **unknown: Any,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        if not isinstance(root_dir, str) or not root_dir:
-            raise _tier_err("root_dir", f"required: the disk tier's directory, got {root_dir!r}")
+        # vLLM passes the tier's config entries (less type, module_path and backpressure) as
+        # keywords: every one is checked here, before anything is allocated.
+        if unknown:
+            raise _tier_err(
+                sorted(unknown, key=str)[0],
+                "unknown key; KvtierDiskTier keys: admission, capacity_bytes, io_engine, locality, "
+                "policy, queue_depth, root_dir (and vLLM's type, module_path, backpressure)",
+            )
+        if root_dir is None:
+            raise _tier_err("root_dir", "required: the disk tier's directory, got None")
+        root_dir = _opts.directory("root_dir", root_dir)
         if capacity_bytes is None:
             raise _tier_err("capacity_bytes", "required: the disk tier's size, e.g. '64GiB'")
         cap = _opts.size("capacity_bytes", capacity_bytes)
-        if io_engine not in ("auto", "io_uring", "pool"):
-            raise _tier_err("io_engine", f"{io_engine!r} is not one of auto, io_uring, pool")
-        self.locality = Locality(locality) if locality else Locality.LOCAL
+        policy = _opts.policy("policy", policy)
+        admission = _opts.admission("admission", admission)
+        io_engine = _opts.disk_io_engine("io_engine", io_engine)
+        queue_depth = _opts.queue_depth("queue_depth", queue_depth)
+        if locality is None or isinstance(locality, Locality):
+            self.locality = locality or Locality.LOCAL
+        else:
+            names = tuple(loc.value for loc in Locality)
+            self.locality = Locality(_opts.choice("locality", locality, names))
         row = self.block_size_bytes
         try:
             # Slot i of this pool is primary row i: the disk tier's I/O uses the rows in place.
@@ -103,15 +119,27 @@ class KvtierDiskTier(SecondaryTierManager):
                 "shared offload region provides"
             ) from None
         path = tier_dir(root_dir, offloading_spec.config, row)
-        self.disk = open_disk_tier(
-            path,
-            cap,
-            row,
-            policy=_opts.policy("policy", policy),
-            admission=_opts.admission("admission", admission),
-            engine=io_engine,
-            queue_depth=queue_depth,
-        )
+        # What only the tier can check (a capacity holding no block of this size, a directory
+        # it cannot open) is reported under the key the user wrote.
+        with _opts.naming(
+            {
+                "capacity_bytes": "capacity_bytes",
+                "policy": "policy",
+                "admission": "admission",
+                "engine": "io_engine",
+                "queue_depth": "queue_depth",
+            },
+            path_key="root_dir",
+        ):
+            self.disk = open_disk_tier(
+                path,
+                cap,
+                row,
+                policy=policy,
+                admission=admission,
+                engine=io_engine,
+                queue_depth=queue_depth,
+            )
         # disk job id -> (vLLM job id, keys, True for a read)
         self._jobs: dict[int, tuple[int, list[bytes], bool]] = {}
         self._done: list[JobResult] = []

@@ -22,7 +22,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from kvtier_rs._core import BlockIndex, HostPool, InvalidArgumentError
 from kvtier_rs.integrations.vllm import metrics as m
 from kvtier_rs.integrations.vllm.manager import KvtierOffloadingManager
-from kvtier_rs.integrations.vllm.options import KvtierOptions, parse_options
+from kvtier_rs.integrations.vllm.options import READER, KvtierOptions, parse_options
 from kvtier_rs.integrations.vllm.worker import KvtierWorker, chunk_bytes
 
 _PAGE = 4096
@@ -92,7 +92,9 @@ class KvtierOffloadingSpec(OffloadingSpec):
                         f"kv_connector_extra_config['cpu_bytes_to_use']: {self.options.cpu_bytes} bytes "
                         f"cannot hold one chunk of {chunk_bytes} bytes"
                     )
-                st = _EngineState(pool=HostPool(self.options.cpu_bytes, chunk_bytes), slot_bytes=chunk_bytes)
+                with READER.naming({"total_bytes": "cpu_bytes_to_use"}):
+                    pool = HostPool(self.options.cpu_bytes, chunk_bytes)
+                st = _EngineState(pool=pool, slot_bytes=chunk_bytes)
                 _engines[self.engine_id] = st
             elif st.slot_bytes < chunk_bytes:
                 raise RuntimeError(
