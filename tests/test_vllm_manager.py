@@ -44,6 +44,26 @@ def store(mg, keys, c=None):
     return out
 
 
+def disk_backed(tmp_path, *, events: bool = False):
+    """A manager over a 2-chunk CPU tier with kvtier's disk tier below it, and the disk tier;
+    key(1) has been written through and pushed out of the CPU tier (it is only on disk)."""
+    from kvtier_rs import DiskTier, HostPool
+    from kvtier_rs.integrations.vllm.disk_layer import DiskLayer
+
+    pool = HostPool(2 * 4096, 4096)
+    cpu = BlockIndex(pool=pool)
+    disk = DiskTier(str(tmp_path / "d"), 16 * 8192, 4096, admission="always", engine="pool")
+    opts = parse_options({"cpu_bytes_to_use": 2 * 4096, "disk_root": str(tmp_path), "disk_bytes_to_use": 1 << 20})
+    layer = DiskLayer(disk, pool, cpu, opts, tokens_per_chunk=16)
+    mg = KvtierOffloadingManager(cpu, enable_events=events, lower=layer)
+    for keys in ([key(1)], [key(2), key(3)]):
+        store(mg, keys)
+        disk.wait_idle(10)
+        mg.on_schedule_end(None)  # collects the write-through
+    assert cpu.state(key(1)) is None and disk.contains([key(1)]) == [True]
+    return mg, disk
+
+
 def test_lookup_miss_pending_hit():
     mg, c = mgr(), ctx()
     k = key(1)
@@ -521,20 +541,7 @@ def test_a_disk_hit_is_reported_as_one_after_prepare_load(tmp_path):
     # get_external_cache_hit_sources): the answer must still be DISK for a promoted chunk.
     from vllm.v1.kv_offload.base import CacheHitSource
 
-    from kvtier_rs import DiskTier, HostPool
-    from kvtier_rs.integrations.vllm.disk_layer import DiskLayer
-
-    pool = HostPool(2 * 4096, 4096)
-    cpu = BlockIndex(pool=pool)
-    disk = DiskTier(str(tmp_path / "d"), 16 * 8192, 4096, admission="always", engine="pool")
-    opts = parse_options({"cpu_bytes_to_use": 2 * 4096, "disk_root": str(tmp_path), "disk_bytes_to_use": 1 << 20})
-    mg = KvtierOffloadingManager(cpu, lower=DiskLayer(disk, pool, cpu, opts, tokens_per_chunk=16))
-    store(mg, [key(1)])
-    disk.wait_idle(10)
-    mg.on_schedule_end(None)  # collects the write-through
-    store(mg, [key(2), key(3)])  # key(1) now only on disk
-    disk.wait_idle(10)
-    mg.on_schedule_end(None)
+    mg, disk = disk_backed(tmp_path)
     r = ctx("r")
     mg.on_new_request(r)
     assert mg.lookup(key(1), r) == LookupResult.HIT_PENDING
@@ -553,21 +560,8 @@ def test_events_of_the_lower_tier_keep_their_place_in_the_stream(tmp_path):
     # A promotion lands (the disk layer queues "stored in CPU"), then prepare_store evicts that
     # chunk ("removed"): take_events must yield them in that order, or a consumer replaying the
     # stream believes the chunk is still in the CPU tier.
-    from kvtier_rs import DiskTier, HostPool
-    from kvtier_rs.integrations.vllm.disk_layer import DiskLayer
-
-    pool = HostPool(2 * 4096, 4096)
-    cpu = BlockIndex(pool=pool)
-    disk = DiskTier(str(tmp_path / "d"), 16 * 8192, 4096, admission="always", engine="pool")
-    opts = parse_options({"cpu_bytes_to_use": 2 * 4096, "disk_root": str(tmp_path), "disk_bytes_to_use": 1 << 20})
-    mg = KvtierOffloadingManager(cpu, enable_events=True, lower=DiskLayer(disk, pool, cpu, opts, tokens_per_chunk=16))
-    k = key(1)
-    store(mg, [k])
-    disk.wait_idle(10)
-    mg.on_schedule_end(None)
-    store(mg, [key(2), key(3)])  # k now only on disk
-    disk.wait_idle(10)
-    mg.on_schedule_end(None)
+    mg, disk = disk_backed(tmp_path, events=True)
+    cpu, k = mg.cpu_index, key(1)
     list(mg.take_events())
     r = ctx("r")
     mg.on_new_request(r)
@@ -588,20 +582,7 @@ def test_a_request_that_excludes_storage_is_not_served_from_disk(tmp_path):
     # skips the storage tiers it excludes, and so does kvtier's disk tier (Medium.STORAGE).
     from vllm.v1.kv_offload.base import TierFilter, TierMatcher
 
-    from kvtier_rs import DiskTier, HostPool
-    from kvtier_rs.integrations.vllm.disk_layer import DiskLayer
-
-    pool = HostPool(2 * 4096, 4096)
-    cpu = BlockIndex(pool=pool)
-    disk = DiskTier(str(tmp_path / "d"), 16 * 8192, 4096, admission="always", engine="pool")
-    opts = parse_options({"cpu_bytes_to_use": 2 * 4096, "disk_root": str(tmp_path), "disk_bytes_to_use": 1 << 20})
-    mg = KvtierOffloadingManager(cpu, lower=DiskLayer(disk, pool, cpu, opts, tokens_per_chunk=16))
-    store(mg, [key(1)])
-    disk.wait_idle(10)
-    mg.on_schedule_end(None)
-    store(mg, [key(2), key(3)])  # key(1) now only on disk
-    disk.wait_idle(10)
-    mg.on_schedule_end(None)
+    mg, disk = disk_backed(tmp_path)
     cpu_only = ReqContext(req_id="c", load_tier_filter=TierFilter(matchers=(TierMatcher(medium=Medium.CPU),)))
     mg.on_new_request(cpu_only)
     assert mg.lookup(key(1), cpu_only) == LookupResult.MISS

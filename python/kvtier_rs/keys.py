@@ -37,18 +37,19 @@ def key_list(keys: Iterable[Key], name: str = "keys") -> list[Key]:
     return _as_list(keys, name, "key")
 
 
-def index_list(values: Iterable[int], name: str, item: str = "block id") -> list[int]:
-    """`values` as a list of Python ints. Only integers are taken (ints, numpy/torch integer
-    scalars: operator.index), never floats, which int() would silently truncate, nor bools."""
-    out = []
-    for v in _as_list(values, name, item):
-        try:
-            i = None if isinstance(v, bool) else operator.index(v)
-        except TypeError:
-            i = None
-        if i is None:
-            raise InvalidArgumentError(
-                f"invalid argument `{name}`: {item}s must be integers, got {type(v).__name__} {v!r}"
-            )
-        out.append(i)
+def integer(value: object, name: str, what: str = "must be an integer") -> int:
+    """`value` as a Python int, with operator.index semantics (ints, numpy/torch integer
+    scalars), never a float, which int() would silently truncate (ids, offsets and byte counts
+    feed address arithmetic), nor a bool, an int only by accident."""
+    try:
+        out = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        out = None
+    if out is None:
+        raise InvalidArgumentError(f"invalid argument `{name}`: {what}, got {type(value).__name__} {value!r}")
     return out
+
+
+def index_list(values: Iterable[int], name: str, item: str = "block id") -> list[int]:
+    """`values` as a list of Python ints (`integer`)."""
+    return [integer(v, name, f"{item}s must be integers") for v in _as_list(values, name, item)]

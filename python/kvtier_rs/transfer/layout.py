@@ -17,7 +17,6 @@ engine whose slot reserves more bytes per region than it copies).
 
 from __future__ import annotations
 
-import operator
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,23 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtier_rs._core import InvalidArgumentError
-from kvtier_rs.keys import index_list
-
-
-def integer(value: object, arg: str) -> int:
-    """`value` as a Python int, with operator.index semantics (ints, numpy/torch integer
-    scalars). Byte counts feed address arithmetic: a float would be truncated somewhere
-    downstream (numpy int64 spans, pointer sums) and copy the wrong bytes without an error, and
-    a bool is an int only by accident. The single-value twin of `keys.index_list`."""
-    try:
-        out = None if isinstance(value, bool) else operator.index(value)
-    except TypeError:
-        out = None
-    if out is None:
-        raise InvalidArgumentError(
-            f"invalid argument `{arg}`: must be an integer, got {type(value).__name__} {value!r}"
-        )
-    return out
+from kvtier_rs.keys import index_list, integer
 
 
 def _refuse_repeats(values: Sequence, arg: str, what: str) -> None:
