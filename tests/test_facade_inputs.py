@@ -122,3 +122,11 @@ def test_parse_bytes_refuses_absurdly_long_numbers_clearly():
     for text in ("1" * 5000, "0." + "0" * 5000 + "1"):
         with pytest.raises(kv.InvalidArgumentError, match="invalid argument `cap`"):
             parse_bytes(text, name="cap")
+
+
+def test_a_huge_integer_size_is_refused_without_echoing_it():
+    # repr() of an int over 4300 digits raises ValueError: the message must not try it.
+    from kvtier_rs.config import parse_bytes
+
+    with pytest.raises(kv.InvalidArgumentError, match=r"an integer of about 5001 digits is more than the maximum"):
+        parse_bytes(10**5000, name="cpu")

@@ -6,9 +6,11 @@ before any memory is allocated; the Rust core validates again (it is also used d
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Any
 
 from kvtier_rs._core import InvalidArgumentError, parse_admission, policy_names
 
@@ -28,6 +30,18 @@ _UNITS = {
 #: The largest size taken (4 EiB): far beyond any real tier, and sums and offsets of sizes up
 #: to it stay within the Rust core's 64-bit integers.
 MAX_BYTES = 2**62
+
+
+def show(value: Any) -> str:
+    """``repr`` for an error message: bounded (a 400-digit int is not echoed, and one of over
+    4300 digits, which ``repr`` refuses, does not raise)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"an integer of about {int(abs(value).bit_length() * math.log10(2)) + 1} digits"
+    try:
+        r = repr(value)
+    except Exception:  # noqa: BLE001 - a value whose repr fails is still reported
+        return f"a {type(value).__name__}"
+    return r if len(r) <= 100 else r[:97] + "..."
 
 
 def parse_bytes(value: int | str, *, name: str = "size") -> int:
@@ -56,10 +70,10 @@ def parse_bytes(value: int | str, *, name: str = "size") -> int:
     else:
         raise InvalidArgumentError(f"invalid argument `{name}`: expected int or str, got {type(value).__name__}")
     if n <= 0:
-        raise InvalidArgumentError(f"invalid argument `{name}`: must be positive, got {value!r}")
+        raise InvalidArgumentError(f"invalid argument `{name}`: must be positive, got {show(value)}")
     if n > MAX_BYTES:
         raise InvalidArgumentError(
-            f"invalid argument `{name}`: {value!r} is more than the maximum, 2**62 bytes (4 EiB)"
+            f"invalid argument `{name}`: {show(value)} is more than the maximum, 2**62 bytes (4 EiB)"
         )
     return n
 

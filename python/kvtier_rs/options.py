@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from kvtier_rs._core import DirectoryLockedError, DiskIoError, InvalidArgumentError, parse_admission, policy_names
-from kvtier_rs.config import MAX_BYTES, parse_bytes
+from kvtier_rs.config import MAX_BYTES, parse_bytes, show
 
 #: The disk tier's I/O engines, as every adapter spells them.
 DISK_IO_ENGINES = ("auto", "io_uring", "pool")
@@ -25,18 +25,6 @@ QUEUE_DEPTH_MAX = 1024
 
 # The core's InvalidArgumentError text: "invalid argument `<arg>`: <reason>".
 _CORE_ARG = re.compile(r"invalid argument `([^`]+)`: (.*)", re.S)
-
-
-def show(value: Any) -> str:
-    """``repr`` for an error message: bounded (a 400-digit int is not echoed, and one of over
-    4300 digits, which ``repr`` refuses, does not raise)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
-        return f"an integer of about {int(abs(value).bit_length() * math.log10(2)) + 1} digits"
-    try:
-        r = repr(value)
-    except Exception:  # noqa: BLE001 - a value whose repr fails is still reported
-        return f"a {type(value).__name__}"
-    return r if len(r) <= 100 else r[:97] + "..."
 
 
 class OptionReader:
