@@ -341,11 +341,11 @@ def run_without_read_override(*argv: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "kvtier_rs.cli", *argv]
     if os.geteuid() == 0:
         if not shutil.which("setpriv"):
-            pytest.skip("running as root without setpriv: cannot make a file unreadable")
+            pytest.skip("SKIPPED LOUDLY: running as root without setpriv (util-linux): cannot make a file unreadable")
         cmd = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", *cmd]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.stderr.startswith("setpriv:"):
-        pytest.skip(f"setpriv cannot drop capabilities here: {r.stderr.strip()}")
+        pytest.skip(f"SKIPPED LOUDLY: setpriv cannot drop capabilities here: {r.stderr.strip()}")
     return r
 
 

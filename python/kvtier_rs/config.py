@@ -6,13 +6,12 @@ before any memory is allocated; the Rust core validates again (it is also used d
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
 
 from kvtier_rs._core import InvalidArgumentError, parse_admission, policy_names
+from kvtier_rs.checks import show
 
 _UNITS = {
     "": 1,
@@ -30,18 +29,6 @@ _UNITS = {
 #: The largest size taken (4 EiB): far beyond any real tier, and sums and offsets of sizes up
 #: to it stay within the Rust core's 64-bit integers.
 MAX_BYTES = 2**62
-
-
-def show(value: Any) -> str:
-    """``repr`` for an error message: bounded (a 400-digit int is not echoed, and one of over
-    4300 digits, which ``repr`` refuses, does not raise)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
-        return f"an integer of about {int(abs(value).bit_length() * math.log10(2)) + 1} digits"
-    try:
-        r = repr(value)
-    except Exception:  # noqa: BLE001 - a value whose repr fails is still reported
-        return f"a {type(value).__name__}"
-    return r if len(r) <= 100 else r[:97] + "..."
 
 
 def parse_bytes(value: int | str, *, name: str = "size") -> int:

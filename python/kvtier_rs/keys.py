@@ -4,11 +4,11 @@ so every entry point refuses the same shapes with the same words as the Rust cor
 from __future__ import annotations
 
 import numbers
-import operator
 from collections.abc import Iterable
 from typing import Any
 
 from kvtier_rs._core import InvalidArgumentError
+from kvtier_rs.checks import integer
 
 Key = int | bytes
 
@@ -35,19 +35,6 @@ def key_list(keys: Iterable[Key], name: str = "keys") -> list[Key]:
     """`keys` as a list; a single key (or any bytes-like or str object) is refused, as the Rust
     core's batch methods do. The keys themselves are checked by the core."""
     return _as_list(keys, name, "key")
-
-
-def integer(value: object, name: str, what: str = "must be an integer") -> int:
-    """`value` as a Python int, with operator.index semantics (ints, numpy/torch integer
-    scalars), never a float, which int() would silently truncate (ids, offsets and byte counts
-    feed address arithmetic), nor a bool, an int only by accident."""
-    try:
-        out = None if isinstance(value, bool) else operator.index(value)
-    except TypeError:
-        out = None
-    if out is None:
-        raise InvalidArgumentError(f"invalid argument `{name}`: {what}, got {type(value).__name__} {value!r}")
-    return out
 
 
 def index_list(values: Iterable[int], name: str, item: str = "block id") -> list[int]:

@@ -8,7 +8,6 @@ core's reason, under the key the user wrote."""
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from collections.abc import Iterator, Mapping
@@ -16,7 +15,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from kvtier_rs._core import DirectoryLockedError, DiskIoError, InvalidArgumentError, parse_admission, policy_names
-from kvtier_rs.config import MAX_BYTES, parse_bytes, show
+from kvtier_rs.checks import check_number, show
+from kvtier_rs.config import MAX_BYTES, parse_bytes
 
 #: The disk tier's I/O engines, as every adapter spells them.
 DISK_IO_ENGINES = ("auto", "io_uring", "pool")
@@ -73,15 +73,12 @@ class OptionReader:
         what = f"{field} must be" if field else "expected"
         unit = f" {unit}" if unit else ""
         bad = self.error(key, f"{what} a positive finite number{unit}, got {show(value)}")
-        if isinstance(value, bool) or not isinstance(value, int | float):
+        if not isinstance(value, int | float):  # JSON numbers only, not Fractions or numpy
             raise bad
         try:
-            f = float(value)
-        except OverflowError:  # an int beyond float range
+            return check_number(field or key, value)
+        except InvalidArgumentError:
             raise bad from None
-        if not (math.isfinite(f) and f > 0):
-            raise bad
-        return f
 
     def choice(self, key: str, value: Any, choices: tuple[str, ...]) -> str:
         if not isinstance(value, str) or value not in choices:

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvtier_rs._core import InvalidArgumentError
-from kvtier_rs.orchestrator.latency import check_count, check_number, usable_sample
+from kvtier_rs.checks import check_count, check_number, usable_sample
 
 #: Promotion hops: "cpu" = host -> device, "disk" = disk -> host.
 HOPS = ("cpu", "disk")

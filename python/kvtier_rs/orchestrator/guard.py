@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtier_rs.orchestrator.latency import check_count, check_number, usable_sample
+from kvtier_rs.checks import check_count, check_number, usable_sample
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from kvtier_rs._core import InvalidArgumentError
-from kvtier_rs.keys import index_list, integer
+from kvtier_rs.checks import integer
+from kvtier_rs.keys import index_list
 
 
 def _refuse_repeats(values: Sequence, arg: str, what: str) -> None:

@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from kvtier_rs._core import InvalidArgumentError
+from kvtier_rs.checks import show
 from kvtier_rs.integrations.trtllm.identity import SCHEMES
-from kvtier_rs.options import OptionReader, show
+from kvtier_rs.options import OptionReader
 
 ENV_VAR = "KVTIER_TRTLLM_CONFIG"
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier_rs._core import policy_names
-from kvtier_rs.options import OptionReader, show
+from kvtier_rs.checks import show
+from kvtier_rs.options import OptionReader
 
 # vLLM's keys that KvtierOffloadingSpec honours: those vLLM itself reads from the same dict
 # whichever spec runs (spec_name .. self_describing_kv_events; vLLM validates them), and the CPU
