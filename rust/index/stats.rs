@@ -1,44 +1,97 @@
 //! Counters of one tier index. Relaxed atomics: each counter is exact, the snapshot is not a
 //! single instant across counters (good enough for metrics, and documented as such).
 
-use std::cell::Cell;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Mutex;
 
 use crossbeam_utils::CachePadded;
 
-/// Stripes of the lookup counters; threads take them round-robin.
+/// Stripes of the lookup counters. A thread owns one of the first `SHARED` for as long as it
+/// lives; threads beyond that many, alive at once, share the last.
 const STRIPES: usize = 16;
+const SHARED: usize = STRIPES - 1;
 
 /// The lookup counters of one stripe.
 #[derive(Debug, Default)]
 struct LookupCounts {
     lookups: AtomicU64,
     /// One-key lookups that hit and that missed, counted apart so that the engines' per-key hot
-    /// path pays one atomic add instead of three (each is a full barrier on x86, measurable at
-    /// ~100 ns a lookup); folded into `lookups`, `lookup_keys` and `hit_blocks` by `snapshot`.
+    /// path bumps one counter instead of three; folded into `lookups`, `lookup_keys` and
+    /// `hit_blocks` by `snapshot`.
     single_hits: AtomicU64,
     single_misses: AtomicU64,
     lookup_keys: AtomicU64,
     hit_blocks: AtomicU64,
 }
 
-static NEXT_STRIPE: AtomicUsize = AtomicUsize::new(0);
-
-thread_local! {
-    static STRIPE: Cell<usize> = const { Cell::new(usize::MAX) };
+/// Owned stripes no live thread holds; the ones never handed out are `next_fresh..SHARED`.
+struct FreeStripes {
+    returned: Vec<usize>,
+    next_fresh: usize,
 }
 
-/// This thread's stripe, assigned at its first lookup.
+static FREE_STRIPES: Mutex<FreeStripes> = Mutex::new(FreeStripes { returned: Vec::new(), next_fresh: 0 });
+
+/// A thread's stripe; an owned one goes back to `FREE_STRIPES` when the thread exits.
+struct StripeLease(usize);
+
+impl FreeStripes {
+    /// An owned stripe nobody holds, else the shared one.
+    fn take(&mut self) -> usize {
+        self.returned.pop().unwrap_or_else(|| {
+            let fresh = self.next_fresh;
+            self.next_fresh = (fresh + 1).min(SHARED);
+            fresh
+        })
+    }
+
+    fn give_back(&mut self, stripe: usize) {
+        if stripe != SHARED {
+            self.returned.push(stripe);
+        }
+    }
+}
+
+fn free_stripes() -> std::sync::MutexGuard<'static, FreeStripes> {
+    // Poisoning cannot leave the list inconsistent (each step is one push or pop).
+    FREE_STRIPES.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl StripeLease {
+    fn take() -> Self {
+        StripeLease(free_stripes().take())
+    }
+}
+
+impl Drop for StripeLease {
+    fn drop(&mut self) {
+        // The thread's last adds happen before this push, and the next owner's pop takes the
+        // same mutex: it continues from the counts this thread left.
+        free_stripes().give_back(self.0);
+    }
+}
+
+thread_local! {
+    static STRIPE: StripeLease = StripeLease::take();
+}
+
+/// This thread's stripe, taken at its first lookup (the shared one if its thread-local is
+/// already gone, during the thread's exit).
 #[inline]
 fn stripe() -> usize {
-    STRIPE.with(|s| match s.get() {
-        usize::MAX => {
-            let v = NEXT_STRIPE.fetch_add(1, Relaxed) % STRIPES;
-            s.set(v);
-            v
-        }
-        v => v,
-    })
+    STRIPE.try_with(|s| s.0).unwrap_or(SHARED)
+}
+
+/// Add `n` to a counter of stripe `stripe`. The owner of a stripe is its only writer, so a plain
+/// load and store keeps the count exact without a locked add (a full barrier on x86, the largest
+/// single cost of a one-key lookup after the lookup itself); the shared stripe's adds are atomic.
+#[inline(always)]
+fn bump(counter: &AtomicU64, stripe: usize, n: u64) {
+    if stripe == SHARED {
+        counter.fetch_add(n, Relaxed);
+    } else {
+        counter.store(counter.load(Relaxed).wrapping_add(n), Relaxed);
+    }
 }
 
 #[derive(Debug, Default)]
@@ -47,9 +100,9 @@ pub struct IndexStats {
     /// its own: readers never wait on writers, and with one shared set of counters two reader
     /// threads still pulled the same line back and forth on every call (criterion
     /// `lookup_threads`: 2 threads 1.1-1.4x one thread's throughput, 1.6-1.7x without the
-    /// counters). Stripes go to threads round-robin in the order they first look up, and are
-    /// never handed back: the first STRIPES such threads each have one to themselves, later
-    /// ones may share (a cost in speed only: the adds stay atomic).
+    /// counters). A thread owns a stripe from its first lookup until it exits (`StripeLease`);
+    /// while more than SHARED threads that look up are alive, the extra ones share the last
+    /// stripe (a cost in speed only: its adds are atomic).
     lookup_stripes: [CachePadded<LookupCounts>; STRIPES],
     pub stores_prepared: AtomicU64,
     pub store_skipped: AtomicU64,
@@ -66,24 +119,18 @@ pub struct IndexStats {
 }
 
 impl IndexStats {
-    fn mine(&self) -> &LookupCounts {
-        &self.lookup_stripes[stripe()]
-    }
-
     pub fn record_single_lookup(&self, hit: bool) {
-        let c = self.mine();
-        if hit {
-            c.single_hits.fetch_add(1, Relaxed);
-        } else {
-            c.single_misses.fetch_add(1, Relaxed);
-        }
+        let stripe = stripe();
+        let c = &self.lookup_stripes[stripe];
+        bump(if hit { &c.single_hits } else { &c.single_misses }, stripe, 1);
     }
 
     pub fn record_lookup(&self, keys: usize, hits: usize) {
-        let c = self.mine();
-        c.lookups.fetch_add(1, Relaxed);
-        c.lookup_keys.fetch_add(keys as u64, Relaxed);
-        c.hit_blocks.fetch_add(hits as u64, Relaxed);
+        let stripe = stripe();
+        let c = &self.lookup_stripes[stripe];
+        bump(&c.lookups, stripe, 1);
+        bump(&c.lookup_keys, stripe, keys as u64);
+        bump(&c.hit_blocks, stripe, hits as u64);
     }
 
     /// One lookup counter summed over the stripes.
@@ -170,5 +217,55 @@ impl StatsSnapshot {
             ("removals", self.removals),
             ("failed", self.failed),
         ]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Barrier};
+
+    /// The stripes of `n` threads alive at once.
+    fn stripes_of_live_threads(n: usize) -> Vec<usize> {
+        let all_started = Arc::new(Barrier::new(n));
+        let threads: Vec<_> = (0..n)
+            .map(|_| {
+                let all_started = all_started.clone();
+                std::thread::spawn(move || {
+                    let mine = stripe();
+                    all_started.wait(); // nobody exits (and hands a stripe back) before all have one
+                    mine
+                })
+            })
+            .collect();
+        threads.into_iter().map(|t| t.join().unwrap()).collect()
+    }
+
+    #[test]
+    fn live_threads_never_own_the_same_stripe() {
+        // Other tests' threads hold stripes too, so only uniqueness is certain here.
+        for _wave in 0..3 {
+            let stripes = stripes_of_live_threads(2 * STRIPES);
+            let mut owned: Vec<_> = stripes.iter().copied().filter(|&s| s != SHARED).collect();
+            let n_owned = owned.len();
+            owned.sort_unstable();
+            owned.dedup();
+            assert_eq!(owned.len(), n_owned, "two live threads owned one stripe: {stripes:?}");
+            assert!(stripes.iter().all(|&s| s < STRIPES));
+            assert!(stripes.contains(&SHARED), "more threads than owned stripes: some share");
+        }
+    }
+
+    #[test]
+    fn owned_stripes_are_handed_out_once_and_reused_after_release() {
+        let mut free = FreeStripes { returned: Vec::new(), next_fresh: 0 };
+        let taken: Vec<_> = (0..SHARED).map(|_| free.take()).collect();
+        assert_eq!(taken, (0..SHARED).collect::<Vec<_>>());
+        assert_eq!(free.take(), SHARED, "all owned: the next thread shares");
+        free.give_back(SHARED); // the shared stripe is never anyone's to return
+        assert_eq!(free.take(), SHARED);
+        free.give_back(3);
+        assert_eq!(free.take(), 3, "a released stripe is owned again");
+        assert_eq!(free.take(), SHARED);
     }
 }

@@ -507,6 +507,38 @@ fn an_injected_store_panic_fails_the_index_and_keeps_the_reason_given() {
 }
 
 #[test]
+fn lookups_count_exactly_when_stripes_pass_to_new_threads() {
+    // Waves of threads: each wave's threads take the stripes the last wave handed back, and
+    // more are alive at once than there are owned stripes, so some share the last one.
+    let ix = Arc::new(index(64, PolicyKind::Lru));
+    store(&ix, &keys(0..4));
+    let rounds = 10_000;
+    for _wave in 0..4 {
+        let all_started = Arc::new(std::sync::Barrier::new(24));
+        let threads: Vec<_> = (0..24)
+            .map(|t| {
+                let (ix, all_started) = (ix.clone(), all_started.clone());
+                std::thread::spawn(move || {
+                    all_started.wait(); // all at once: the shared stripe's adds race
+                    for _ in 0..rounds {
+                        assert_eq!(ix.lookup_state(&k(t % 4)), Some(BlockState::Ready));
+                        assert_eq!(ix.lookup_prefix(&keys(0..4)), 4);
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+    }
+    let s = ix.stats();
+    let per_kind = 4 * 24 * rounds;
+    assert_eq!(s.lookups, 2 * per_kind);
+    assert_eq!(s.lookup_keys, per_kind + per_kind * 4);
+    assert_eq!(s.hit_blocks, per_kind + per_kind * 4);
+}
+
+#[test]
 fn lookups_from_many_threads_are_all_counted() {
     // More threads than stripes, so some share one: every lookup still counts exactly once.
     let ix = Arc::new(index(64, PolicyKind::Lru));
