@@ -261,6 +261,13 @@ def test_series_move_as_the_tiers_are_driven(tmp_path):
         assert tr.now("kvtier_pinned_bytes", tier="cpu") == 0
         assert tr.now("kvtier_promotions_in_flight", tier="cpu") == 0
 
+        # A reservation given back unloaded (its request asked again, say).
+        o.reserve(b, request_id="given-back")
+        o.release("given-back")
+        x = tr.step()
+        assert d(x, "kvtier_load_released_total") == len(b)
+        assert tr.now("kvtier_pinned_bytes", tier="cpu") == 0
+
         # Pressure: 8 new blocks push a and b out of the CPU tier (8 slots) and, written
         # through, out of the disk tier (8 slots, 6 of them held by a and b).
         c = keys("c", 8)

@@ -486,3 +486,108 @@ def test_a_load_the_engine_refuses_is_recomputed_and_leaves_no_pins(tmp_path):
     assert (res.loaded_cpu, res.failed) == (0, 2), "the blocks are recomputed"
     assert orch.pending() == 0 and orch.groups_ready("r") is None
     assert all(pins == 0 for _, _, pins, _ in orch.host.index.entries())
+
+
+def _chain_on_disk_only(orch, layout, rng, name, n=4):
+    """A chain of `n` blocks written through to disk and pushed out of the CPU tier (8 slots)."""
+    keys = [f"{name}-{i}".encode() for i in range(n)]
+    src = rng.sample(range(32), n)
+    want = [block_bytes_of(layout, b) for b in src]
+    orch.offload(keys, src)
+    orch.drain()
+    other = [f"{name}-push-{i}".encode() for i in range(8)]
+    orch.offload(other, list(range(24, 32)))
+    orch.drain()
+    assert orch.host.index.lookup_prefix(keys) == 0 and orch.stager.disk.lookup_prefix(keys) == n
+    return keys, want
+
+
+def test_a_reservation_holds_its_blocks_until_bound(tmp_path):
+    # What TensorRT-LLM needs: the hits it was promised cannot be evicted, or lose their CPU
+    # staging slots, between the answer and the load.
+    rng = random.Random(11)
+    orch, layout, tensors = make(tmp_path, rng)
+    disk_keys, want_disk = _chain_on_disk_only(orch, layout, rng, "d", 3)
+    cpu_keys = [f"c-{i}".encode() for i in range(2)]
+    cpu_src = [20, 21]
+    want_cpu = [block_bytes_of(layout, b) for b in cpu_src]
+    orch.offload(cpu_keys, cpu_src)
+    orch.drain()
+    # A chain whose head is in the CPU tier and whose tail is on disk.
+    keys = cpu_keys + disk_keys
+    res = orch.reserve(keys, request_id="r")
+    assert (res.cpu, res.disk, res.blocks) == (2, 3, 5)
+    # The reservation itself is no job in flight: only its read is (drain must not wait on it).
+    assert orch.stager.reads_in_flight == 1 and orch.pending() == 1
+    idx = orch.host.index.stats()
+    assert (idx["pinned_blocks"], idx["writing_blocks"]) == (2, 3)
+    # Everything else wants the CPU tier's 8 slots now: only the 3 unreserved ones are free.
+    orch.drain()  # the read lands (and stays pinned, unbound)
+    for i in range(4):
+        orch.offload([f"flood-{i}-{j}".encode() for j in range(3)], [8 + j for j in range(3)])
+        orch.drain()
+    assert orch.host.index.lookup_prefix(keys) == 5, "a reserved block was evicted"
+    scramble(tensors)
+    dst = [0, 1, 2, 3, 4]
+    orch.bind("r", dst)
+    (result,) = orch.drain()
+    assert (result.loaded_cpu, result.loaded_disk, result.failed) == (2, 3, 0)
+    assert [block_bytes_of(layout, b) for b in dst] == want_cpu + want_disk
+    assert orch.host.index.stats()["pinned_blocks"] == 0
+
+
+def test_a_disk_hit_without_a_cpu_slot_is_not_reserved(tmp_path):
+    rng = random.Random(12)
+    orch, layout, _ = make(tmp_path, rng)
+    keys, _ = _chain_on_disk_only(orch, layout, rng, "d", 3)
+    resident = [k for k, state, _, _ in orch.host.index.entries() if state == "ready"]
+    orch.host.index.pin_for_load(resident)  # every CPU slot held by loads in flight
+    plan = orch.plan(keys)
+    assert plan.load_disk == 3  # the plan alone would promise these
+    res = orch.reserve(keys, request_id="r", plan=plan)
+    assert res.blocks == 0
+    orch.release("r")
+    assert orch.stats()["tiers"]["disk"]["index"]["pinned_blocks"] == 0
+
+
+def test_release_gives_a_reservation_back_and_keeps_the_promotion(tmp_path):
+    rng = random.Random(13)
+    orch, layout, _ = make(tmp_path, rng)
+    keys, _ = _chain_on_disk_only(orch, layout, rng, "d", 3)
+    orch.offload([b"head"], [5])
+    orch.drain()
+    res = orch.reserve([b"head", *keys], request_id="r")
+    assert (res.cpu, res.disk) == (1, 3)
+    orch.release("r")
+    assert orch.host.index.stats()["pinned_blocks"] == 0
+    assert orch.drain() == []  # the read finishes; no load result for a released reservation
+    # The read became an ordinary promotion: the chain is cached in the CPU tier, unpinned.
+    assert orch.host.index.lookup_prefix(keys) == 3
+    assert orch.host.index.stats()["pinned_blocks"] == 0
+    st = orch.stats()
+    assert st["load_released"] == 4 and st["load_failed"] == 0
+    assert st["tiers"]["disk"]["promotions"] == 0  # nothing reached a device
+
+
+def test_reservation_misuse_is_a_clear_error(tmp_path):
+    rng = random.Random(14)
+    orch, layout, _ = make(tmp_path, rng)
+    orch.offload([b"a", b"b"], [1, 2])
+    orch.drain()
+    with pytest.raises(kv.InvalidArgumentError, match="'nope' has no unbound reservation to bind.*never reserved"):
+        orch.bind("nope", [0])
+    orch.reserve([b"a", b"b"], request_id="r")
+    with pytest.raises(kv.InvalidArgumentError, match="already has a load in flight"):
+        orch.reserve([b"a"], request_id="r")
+    with pytest.raises(kv.InvalidArgumentError, match="1 ids for 2 reserved blocks"):
+        orch.bind("r", [0])
+    with pytest.raises(kv.InvalidArgumentError, match="gpu_block_ids"):
+        orch.bind("r", [0, 0])
+    assert orch.host.index.stats()["pinned_blocks"] == 2  # refused binds changed nothing
+    orch.bind("r", [3, 4])
+    with pytest.raises(kv.InvalidArgumentError, match="to release.*already bound"):
+        orch.release("r")
+    orch.drain()
+    with pytest.raises(kv.InvalidArgumentError, match="to release.*never reserved, or finished"):
+        orch.release("r")
+    assert orch.host.index.stats()["pinned_blocks"] == 0

@@ -91,16 +91,22 @@ def test_partial_native_match_is_topped_up_to_a_block_boundary(tmp_path, engines
     assert eng.matched[2] == 6  # up to 12 tokens
 
 
+def _evicted_to_disk(eng, first):
+    """Run `first` as a request, then push its blocks out of the 4-slot CPU tier to disk."""
+    eng.run_request(Request(1, first + [1]))
+    for i in range(4):
+        eng.worker.tiers.orchestrator.drain()  # write-throughs pin slots until done
+        eng.run_request(Request(10 + i, prompt(40 + i, 12) + [1]))
+    orch = eng.worker.tiers.orchestrator
+    orch.drain()
+    return orch
+
+
 def test_loads_are_byte_identical_after_eviction_to_disk(tmp_path, engines):
     eng = make(tmp_path, cpu_blocks=4, disk=True)
     engines.append(eng)
     first = prompt(3, 12)
-    eng.run_request(Request(1, first + [1]))
-    for i in range(4):  # push the first chain out of the 4-slot CPU tier
-        eng.worker.tiers.orchestrator.drain()  # write-throughs pin slots until done
-        eng.run_request(Request(10 + i, prompt(40 + i, 12) + [1]))
-    eng.worker.tiers.orchestrator.drain()
-    orch = eng.worker.tiers.orchestrator
+    orch = _evicted_to_disk(eng, first)
     plan_before = orch.stats()["tiers"]["disk"]["promotions"]
     cpu_before = orch.stats()["tiers"]["cpu"]["promotions"]
     r = Request(2, first + [2])
@@ -114,6 +120,66 @@ def test_loads_are_byte_identical_after_eviction_to_disk(tmp_path, engines):
         for layer in range(eng.layers):
             want = eng.token_kv(first[: pos + 1], layer)
             assert torch.equal(eng._slot(r.block_ids[pos // TPB], pos, layer), want)
+
+
+def test_a_disk_hit_with_no_cpu_slot_to_stage_through_is_recomputed_not_promised(tmp_path, engines):
+    # TensorRT-LLM cannot be told that a load fell short, so a promised disk hit that then found
+    # no CPU slot stopped the engine (KvTierError in the forward pass). Now the scheduler
+    # promises only what it could reserve.
+    eng = make(tmp_path, cpu_blocks=4, disk=True)
+    engines.append(eng)
+    first = prompt(3, 12)
+    orch = _evicted_to_disk(eng, first)
+    index = orch.host.index
+    resident = [k for k, state, _, _ in index.entries() if state == "ready"]
+    index.pin_for_load(resident)  # every CPU slot held (by loads of other requests, say)
+    r = Request(2, first + [2])
+    eng.step([r])  # the forward pass checks every token's KV: the request recomputed its prefix
+    assert eng.matched[2] == 0
+    st = orch.stats()
+    assert st["tiers"]["disk"]["hits"] >= 3 and st["tiers"]["disk"]["promotions"] == 0
+    assert st["load_released"] == 0 and st["load_failed"] == 0
+    index.unpin(resident)
+    assert index.stats()["pinned_blocks"] == 0
+
+
+def test_promised_disk_hits_are_read_from_the_answer_on(tmp_path, engines):
+    # The reservation starts the disk read when the scheduler answers; the CPU slots it reads
+    # into are neither readable nor evictable until verified.
+    eng = make(tmp_path, cpu_blocks=4, disk=True)
+    engines.append(eng)
+    first = prompt(3, 12)
+    orch = _evicted_to_disk(eng, first)
+    r = Request(2, first + [2])
+    assert eng.sched.get_num_new_matched_tokens(r, 0) == (12, False)
+    assert orch.host.index.stats()["writing_blocks"] == 3 and orch.stager.reads_in_flight == 1
+    # Asked again before it was scheduled: the reservation goes back, but its read still lands
+    # in the CPU tier, so the second answer is served from there.
+    eng.sched._release_reservation(eng.sched._reqs[2])
+    orch.drain()
+    cpu_before = orch.stats()["tiers"]["cpu"]["promotions"]
+    eng.step([r])  # the forward pass checks every loaded token's KV
+    st = orch.stats()
+    assert eng.matched[2] == 12 and st["tiers"]["cpu"]["promotions"] - cpu_before == 3
+    assert st["load_released"] == 3 and orch.host.index.stats()["pinned_blocks"] == 0
+
+
+def test_an_unscheduled_request_gives_its_reservation_back(tmp_path, engines):
+    eng = make(tmp_path)
+    engines.append(eng)
+    shared = prompt(5, 12)
+    eng.run_request(Request(1, shared + [1]))
+    index = eng.worker.tiers.orchestrator.host.index
+    r = Request(2, shared + [2])
+    assert eng.sched.get_num_new_matched_tokens(r, 0) == (12, False)
+    assert index.stats()["pinned_blocks"] == 3
+    # Asked again (a reset): the first reservation goes, a new one is made.
+    assert eng.sched.get_num_new_matched_tokens(r, 0) == (12, False)
+    assert index.stats()["pinned_blocks"] == 3
+    # Finished (cancelled) before it was ever scheduled: nothing stays pinned.
+    assert eng.sched.request_finished(r, []) is False
+    assert index.stats()["pinned_blocks"] == 0
+    assert eng.worker.tiers.orchestrator.stats()["load_released"] == 6
 
 
 def test_block_below_min_priority_is_not_offloaded(tmp_path, engines):
@@ -264,9 +330,17 @@ def test_bad_metadata_and_unknown_ids_are_clear_errors(tmp_path, engines):
     w.bind_connector_meta({"loads": []})
     with pytest.raises(InvalidArgumentError, match="expected KvtierConnectorMetadata"):
         w.start_load_kv(None)
-    bad = KvtierConnectorMetadata(0, loads=(LoadSpec(1, (b"x" * 16,), (10_000,)),))
+    bad = KvtierConnectorMetadata(0, loads=(LoadSpec(1, (b"x" * 16,), (10_000,), ("trtllm", 1, 0)),))
     w.bind_connector_meta(bad)
     with pytest.raises(InvalidArgumentError, match=r"loads\[0\].*outside the KV pool"):
+        w.start_load_kv(None)
+    bad = KvtierConnectorMetadata(0, loads=(LoadSpec(1, (b"x" * 16,), (1,), ("trtllm", 1)),))
+    w.bind_connector_meta(bad)
+    with pytest.raises(InvalidArgumentError, match=r"loads\[0\].*reservation must be \(str, int, int\)"):
+        w.start_load_kv(None)
+    # A reservation the orchestrator does not hold (never made, or released): refused before any copy.
+    w.bind_connector_meta(KvtierConnectorMetadata(0, loads=(LoadSpec(1, (b"x" * 16,), (1,), ("trtllm", 1, 99)),)))
+    with pytest.raises(InvalidArgumentError, match="no unbound reservation"):
         w.start_load_kv(None)
     bad = KvtierConnectorMetadata(0, saves=(SaveSpec(1, (b"k" * 16,), (1,), (101,), (None,)),))
     w.bind_connector_meta(bad)

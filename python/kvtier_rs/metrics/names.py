@@ -84,6 +84,11 @@ SERIES: tuple[Series, ...] = (
         "Planned hits that could not be loaded (evicted, corrupt, copy error): recomputed.",
     ),
     Series(
+        "kvtier_load_released",
+        "counter",
+        "Reserved hits given back unloaded: the request was asked again or ended before it was scheduled.",
+    ),
+    Series(
         "kvtier_refusals",
         "counter",
         "Blocks turned away. Load: hits not loaded (cost model, back-pressure, SLO guard). "

@@ -4,7 +4,13 @@ from kvtier_rs.orchestrator.cost import CostModel
 from kvtier_rs.orchestrator.disk_stager import DiskStager, PromotionDone
 from kvtier_rs.orchestrator.guard import GuardRule, SloGuard
 from kvtier_rs.orchestrator.latency import BUCKETS, LatencyRecorder
-from kvtier_rs.orchestrator.orchestrator import LoadPlan, LoadResult, OffloadTicket, TierOrchestrator
+from kvtier_rs.orchestrator.orchestrator import (
+    LoadPlan,
+    LoadResult,
+    OffloadTicket,
+    Reservation,
+    TierOrchestrator,
+)
 
 __all__ = [
     "BUCKETS",
@@ -16,6 +22,7 @@ __all__ = [
     "LoadResult",
     "OffloadTicket",
     "PromotionDone",
+    "Reservation",
     "SloGuard",
     "TierOrchestrator",
 ]

@@ -8,6 +8,11 @@ and the disk tier. Engine adapters call it; it never imports an engine.
                                       counted: one lookup, its hits, misses and refusals
     load(keys, gpu_block_ids, ...)    CPU hits -> device; disk hits -> CPU -> device (staged);
                                       plans (and counts) first unless given the plan
+    reserve(keys, ...) / bind(...)    the same load in two steps, for an engine that must promise
+                                      its hits before it allocates their destinations: reserve
+                                      pins the CPU hits and starts the disk reads into reserved
+                                      CPU slots; bind gives the destinations; release gives
+                                      an unbound reservation back
     poll()                            progress every job; returns requests whose load finished
 
 Everything is asynchronous: calls submit copies and return; `poll` (once per engine step)
@@ -56,6 +61,23 @@ class LoadPlan:
     @property
     def loaded(self) -> int:
         return self.load_cpu + self.load_disk
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """What a reserved load holds (`TierOrchestrator.reserve`): the first `cpu` blocks after
+    the GPU hits are pinned in the CPU tier, and the `disk` blocks after them have CPU slots
+    reserved and their reads started. Nothing can evict or take these; only a disk block that
+    fails verification can still make the load shorter."""
+
+    request_id: Any
+    plan: LoadPlan
+    cpu: int
+    disk: int
+
+    @property
+    def blocks(self) -> int:
+        return self.cpu + self.disk
 
 
 @dataclass
@@ -108,18 +130,33 @@ class _Copies:
 class _Load:
     result: LoadResult
     keys: list[Key]  # blocks after the GPU hits
-    gpu_ids: list[int]
-    started: float
-    groups: list[list[int]] | None  # region groups, in the order they are needed
+    started: float  # when it was reserved (the disk read starts then)
     cpu: _Copies = field(default_factory=_Copies)
     disk: _Copies = field(default_factory=_Copies)
     disk_read: int | None = None
+    cpu_slots: list[int] = field(default_factory=list)  # of the CPU part, pinned at reserve
+    disk_slots: list[int] | None = None  # of the disk part once read and pinned, before bind
+    # Set by bind: the destinations (for keys, in order), the region groups in the order they
+    # are needed, and when.
+    gpu_ids: list[int] | None = None
+    groups: list[list[int]] | None = None
+    bound_at: float = 0.0
+
+    @property
+    def bound(self) -> bool:
+        return self.gpu_ids is not None
+
+    @property
+    def reserved(self) -> int:
+        return len(self.cpu.keys) + len(self.disk.keys)
 
     def open_jobs(self) -> bool:
         return bool(self.cpu.jobs or self.disk.jobs or self.disk_read is not None)
 
     def groups_ready(self) -> int:
         """Leading region groups in place on the device for every part of this load."""
+        if not self.bound:
+            return 0
         n = len(self.groups) if self.groups else 1
         ready = n
         for part, pending in ((self.cpu, False), (self.disk, self.disk_read is not None)):
@@ -294,54 +331,154 @@ class TierOrchestrator:
         that the first layers are in place while later ones are still copying.
 
         Given a `plan` (from `plan()`, which counted it), the load counts no lookup; without
-        one it plans and counts one, once the arguments are checked."""
+        one it plans and counts one, once the arguments are checked. `reserve` + `bind` is the
+        same load in two steps."""
         # Every argument is checked before the load is registered, a block pinned or the plan
         # counted, so a bad call leaves no trace (the engine's own checks would only run after
         # the pins).
         keys = key_list(keys)
         gpu_ids = self._gpu_block_ids(gpu_block_ids, distinct=True)
-        planned_here = plan is None
-        if plan is None:
-            plan = self.plan(keys, gpu_hit_blocks, count=False)
-        rest = keys[plan.gpu_hits :]
+        groups = self._region_groups(region_groups)
+        plan, planned_here = self._plan_for(keys, gpu_hit_blocks, plan)
         if len(gpu_ids) < plan.loaded:
             raise InvalidArgumentError(
                 f"invalid argument `gpu_block_ids`: {len(gpu_ids)} ids for {plan.loaded} blocks to load"
             )
+        ld = self._reserve(keys, self._new_request_id(request_id), plan, planned_here)
+        return self._bind(ld, gpu_ids, groups)
+
+    def reserve(
+        self,
+        keys: Sequence[Key],
+        *,
+        request_id: Any = None,
+        gpu_hit_blocks: int = 0,
+        plan: LoadPlan | None = None,
+    ) -> Reservation:
+        """The first step of a load: hold what it needs before the engine is told how many
+        blocks it will get. The CPU hits are pinned; the disk hits get CPU slots, unreadable
+        and unevictable until their reads (started now) are verified. An engine that promises
+        its hits before it allocates their destinations (TensorRT-LLM) promises
+        `Reservation.blocks`: what a plan alone says can be evicted, or find no CPU slot to
+        stage through, before the load starts.
+
+        `bind(request_id, gpu_block_ids)` then starts the copies; `release(request_id)` gives
+        an unbound reservation back. Plans and counts like `load`."""
+        keys = key_list(keys)
+        plan, planned_here = self._plan_for(keys, gpu_hit_blocks, plan)
+        ld = self._reserve(keys, self._new_request_id(request_id), plan, planned_here)
+        return Reservation(ld.result.request_id, plan, len(ld.cpu.keys), len(ld.disk.keys))
+
+    def bind(
+        self,
+        request_id: Any,
+        gpu_block_ids: Sequence[int],
+        *,
+        region_groups: Sequence[Sequence[int]] | None = None,
+    ) -> LoadResult:
+        """Give a reservation its destinations (for its blocks, in order: at least
+        `Reservation.blocks` ids) and start its copies; the rest is as for `load`."""
+        ld = self._unbound(request_id, "bind")
+        gpu_ids = self._gpu_block_ids(gpu_block_ids, distinct=True)
+        groups = self._region_groups(region_groups)
+        if len(gpu_ids) < ld.reserved:
+            raise InvalidArgumentError(
+                f"invalid argument `gpu_block_ids`: {len(gpu_ids)} ids for {ld.reserved} reserved blocks"
+            )
+        return self._bind(ld, gpu_ids, groups)
+
+    def release(self, request_id: Any) -> None:
+        """Give back a reservation that was never bound (its request was cancelled, or asked
+        again). The pins go; a disk read still in flight finishes into the CPU tier as an
+        ordinary promotion, owned by no load. No result is reported for it."""
+        ld = self._unbound(request_id, "release")
+        if ld.cpu.keys:
+            self.host.index.unpin(ld.cpu.keys)
+        if ld.disk_slots is not None and ld.disk.keys:
+            self.host.index.unpin(ld.disk.keys)
+        if ld.disk_read is not None:
+            self._read_owner.pop(ld.disk_read, None)
+        self.counts["load_released_blocks"] += ld.reserved
+        del self._loads[request_id]
+
+    def _unbound(self, request_id: Any, where: str) -> _Load:
+        ld = self._loads.get(request_id)
+        if ld is None or ld.bound:
+            raise InvalidArgumentError(
+                f"invalid argument `request_id`: {request_id!r} has no unbound reservation to {where} "
+                f"({'already bound' if ld is not None else 'never reserved, or finished or released'})"
+            )
+        return ld
+
+    def _plan_for(self, keys: list[Key], gpu_hit_blocks: int, plan: LoadPlan | None) -> tuple[LoadPlan, bool]:
+        """The caller's plan (counted when it was made), or a new one (counted once the load
+        is registered): (plan, whether to count it)."""
+        if plan is not None:
+            return plan, False
+        return self.plan(keys, gpu_hit_blocks, count=False), True
+
+    def _new_request_id(self, request_id: Any) -> Any:
         request_id = next(self._ids) if request_id is None else request_id
         if request_id in self._loads:
             raise InvalidArgumentError(f"invalid argument `request_id`: {request_id!r} already has a load in flight")
-        groups = None
-        if region_groups is not None:
-            groups = [self.engine.layout.check_regions(g) for g in region_groups]
-            if not groups:
-                raise InvalidArgumentError("invalid argument `region_groups`: give at least one group, or None")
-        if planned_here:
+        return request_id
+
+    def _region_groups(self, region_groups: Sequence[Sequence[int]] | None) -> list[list[int]] | None:
+        if region_groups is None:
+            return None
+        groups = [self.engine.layout.check_regions(g) for g in region_groups]
+        if not groups:
+            raise InvalidArgumentError("invalid argument `region_groups`: give at least one group, or None")
+        return groups
+
+    def _reserve(self, keys: list[Key], request_id: Any, plan: LoadPlan, count: bool) -> _Load:
+        """Register a load and hold its parts: pin the CPU part, start the disk part's read."""
+        if count:
             self._count_plan(plan)
-        ld = _Load(LoadResult(request_id, plan), rest, gpu_ids, time.perf_counter(), groups)
+        rest = keys[plan.gpu_hits :]
+        ld = _Load(LoadResult(request_id, plan), rest, time.perf_counter())
         self._loads[request_id] = ld
         if plan.load_cpu:
             ld.cpu.keys = rest[: plan.load_cpu]
             try:
-                slots = self.host.index.pin_for_load(ld.cpu.keys)
+                ld.cpu_slots = self.host.index.pin_for_load(ld.cpu.keys)
             except (NotReadyError, IndexFailedError):
-                # Evicted (or the index failed) between plan and load: everything is recomputed.
+                # Evicted (or the index failed) since the plan: everything is recomputed.
                 ld.cpu.failed = True
                 ld.cpu.keys = []
-            else:
-                if not self._submit_copies(ld, ld.cpu, slots, ld.gpu_ids[: plan.load_cpu]):
-                    ld.cpu.failed = True
-                    ld.cpu.keys = []
         if plan.load_disk and not ld.cpu.failed:
             ld.disk.keys = rest[plan.load_cpu : plan.load_cpu + plan.load_disk]
             job = self.stager.promote(ld.disk.keys)
             if job is None:
-                ld.disk.keys = []
+                ld.disk.keys = []  # no CPU slot to stage through: recomputed
             else:
                 ld.disk_read = job
                 self._read_owner[job] = request_id
+        return ld
+
+    def _bind(self, ld: _Load, gpu_ids: list[int], groups: list[list[int]] | None) -> LoadResult:
+        """Set a reserved load's destinations and submit the copies of what is in the CPU tier."""
+        ld.gpu_ids, ld.groups, ld.bound_at = gpu_ids, groups, time.perf_counter()
+        if ld.cpu.keys and not self._submit_copies(ld, ld.cpu, ld.cpu_slots, gpu_ids[: len(ld.cpu.keys)]):
+            ld.cpu.failed = True
+            ld.cpu.keys = []
+        if ld.disk_slots is not None:  # read and pinned before the destinations were known
+            slots, ld.disk_slots = ld.disk_slots, None
+            self._copy_promoted(ld, slots)
         self._maybe_finish(ld)
         return ld.result
+
+    def _copy_promoted(self, ld: _Load, slots: list[int]) -> None:
+        """Submit the copies of the disk part (read, verified and pinned in the CPU tier)."""
+        if ld.cpu.failed:
+            # The chain broke at its first CPU block: nothing after it is usable either.
+            self.host.index.unpin(ld.disk.keys)
+            ld.disk.keys = []
+            return
+        assert ld.gpu_ids is not None
+        first = ld.result.plan.load_cpu
+        if not self._submit_copies(ld, ld.disk, slots, ld.gpu_ids[first : first + len(ld.disk.keys)]):
+            ld.disk.keys = []
 
     def _gpu_block_ids(self, gpu_block_ids: Sequence[int], *, distinct: bool = False) -> list[int]:
         """Device block ids as ints in the layout's range; `distinct` for a load, where two
@@ -443,7 +580,8 @@ class TierOrchestrator:
                     # One host -> device transfer: all its bytes over first submission to last
                     # completion (see _Copies). A failed part measures nothing.
                     self.cost.observe("cpu", part.bytes, part.finished - part.started)
-                elapsed = time.perf_counter() - ld.started
+                # A CPU part's time runs from its copies' start; a disk part's from its read's.
+                elapsed = time.perf_counter() - (ld.bound_at if tier == "cpu" else ld.started)
                 if tier == "cpu":
                     ld.result.loaded_cpu = len(part.keys)
                 else:
@@ -472,13 +610,14 @@ class TierOrchestrator:
             ld.disk.keys = []
             self._maybe_finish(ld)
             return
-        first = ld.result.plan.load_cpu
-        if not self._submit_copies(ld, ld.disk, slots, ld.gpu_ids[first : first + len(ld.disk.keys)]):
-            ld.disk.keys = []
-            self._maybe_finish(ld)
+        if not ld.bound:
+            ld.disk_slots = slots  # pinned until bind gives the destinations
+            return
+        self._copy_promoted(ld, slots)
+        self._maybe_finish(ld)
 
     def _maybe_finish(self, ld: _Load) -> None:
-        if ld.open_jobs():
+        if ld.open_jobs() or not ld.bound:
             return
         res = ld.result
         if ld.cpu.failed:
@@ -498,8 +637,10 @@ class TierOrchestrator:
         self._done.append(res)
 
     def pending(self) -> int:
+        """Jobs in flight. A reservation not bound yet is not a job: only its read (counted by
+        the stager) is."""
         return (
-            len(self._loads)
+            sum(1 for ld in self._loads.values() if ld.bound)
             + len(self._stores)
             + (self.stager.write_backlog + self.stager.reads_in_flight if self.stager else 0)
         )
@@ -598,6 +739,7 @@ class TierOrchestrator:
             "lookups": c["lookups"],
             "misses": c["miss_blocks"],
             "load_failed": c["load_failed_blocks"],
+            "load_released": c["load_released_blocks"],
             "bytes": {"d2h": c["d2h_bytes"], "h2d": c["h2d_bytes"]},
             "tiers": tiers,
             "guards": {t: g.state() for t, g in self.guards.items()},

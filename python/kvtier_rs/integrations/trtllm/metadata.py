@@ -17,15 +17,20 @@ KEY_BYTES = 16  # every block key, under either identity scheme (see identity.py
 DEFAULT_PRIORITY = 35
 
 
+#: How the scheduler names a reservation in the orchestrator: (tag, request id, sequence).
+Reservation = tuple[str, int, int]
+
+
 @dataclass(frozen=True)
 class LoadSpec:
-    """Load `keys` (consecutive blocks of one request) into device blocks `block_ids`.
-    The first `pinned` keys were pinned in the CPU tier by the scheduler when it matched them."""
+    """Load `keys` (consecutive blocks of one request) into device blocks `block_ids`: the
+    blocks the scheduler reserved (CPU hits pinned, disk hits being read into reserved CPU
+    slots) under `reservation` when it matched them."""
 
     request_id: int
     keys: tuple[bytes, ...]
     block_ids: tuple[int, ...]
-    pinned: int = 0
+    reservation: Reservation
 
 
 @dataclass(frozen=True)
@@ -72,8 +77,13 @@ def validate_metadata(meta: Any, num_blocks: int) -> KvtierConnectorMetadata:
                 raise _bad(where, f"block ids {bad_ids[:5]} outside the KV pool (0..{num_blocks - 1})")
             if len(set(s.block_ids)) != len(s.block_ids):
                 raise _bad(where, "a device block id appears twice")
-            if isinstance(s, LoadSpec) and not 0 <= s.pinned <= len(s.keys):
-                raise _bad(where, f"pinned={s.pinned} not in 0..{len(s.keys)}")
+            if isinstance(s, LoadSpec) and not (
+                isinstance(s.reservation, tuple)
+                and len(s.reservation) == 3
+                and isinstance(s.reservation[0], str)
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in s.reservation[1:])
+            ):
+                raise _bad(where, f"reservation must be (str, int, int), got {s.reservation!r}")
             if isinstance(s, SaveSpec):
                 if not (len(s.priorities) == len(s.durations_s) == len(s.keys)):
                     raise _bad(where, "priorities and durations_s must have one entry per key")

@@ -8,7 +8,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier_rs._core import IndexFailedError, InvalidArgumentError, KvTierError, NotReadyError
+from kvtier_rs._core import InvalidArgumentError, KvTierError
 from kvtier_rs.integrations.trtllm import shared
 from kvtier_rs.integrations.trtllm.config import ConnectorOptions, load_options
 from kvtier_rs.integrations.trtllm.identity import HASH_MASK, block_identity
@@ -16,6 +16,7 @@ from kvtier_rs.integrations.trtllm.metadata import (
     DEFAULT_PRIORITY,
     KvtierConnectorMetadata,
     LoadSpec,
+    Reservation,
     SaveSpec,
     block_retention,
 )
@@ -51,7 +52,7 @@ class _Req:
     gpu_blocks: int = 0  # blocks TensorRT-LLM matched itself
     external_tokens: int = 0
     load_keys: list[bytes] = field(default_factory=list)
-    pinned: list[bytes] = field(default_factory=list)  # CPU hits pinned until the worker loads them
+    reservation: Reservation | None = None  # the load's blocks, held until the worker binds them
     load_dst: list[int] | None = None
     saved: int = 0  # leading blocks already handed to a SaveSpec (or skipped as GPU/loaded)
     stopped: bool = False  # a block fell below min_offload_priority: nothing later is offloaded
@@ -74,6 +75,7 @@ class SchedulerCore:
         self.identity = block_identity(self.options.block_identity, self.namespace, self.tokens_per_block)
         self._reqs: dict[int, _Req] = {}
         self._steps = itertools.count()
+        self._reservations = itertools.count()  # one id per reservation, never reused
         self.counts = {
             "matched_blocks": 0,
             "saved_blocks": 0,
@@ -139,12 +141,12 @@ class SchedulerCore:
             )
         r.hashes_checked = n
 
-    def _release_pins(self, r: _Req) -> None:
-        if r.pinned:
+    def _release_reservation(self, r: _Req) -> None:
+        if r.reservation is not None:
             t = shared.lookup(self.engine)
             if t is not None:
-                t.orchestrator.host.index.unpin(r.pinned)
-            r.pinned = []
+                t.orchestrator.release(r.reservation)
+            r.reservation = None
 
     # ---- TensorRT-LLM interface --------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -155,7 +157,7 @@ class SchedulerCore:
         rid = request.request_id
         old = self._reqs.pop(rid, None)
         if old is not None:  # asked again (a reset or replay): start over
-            self._release_pins(old)
+            self._release_reservation(old)
         tokens = list(request.get_tokens(0))
         salt = getattr(request, "cache_salt_id", None)
         if salt is None:
@@ -192,20 +194,24 @@ class SchedulerCore:
         # yet), it is a new lookup and counted again. The worker re-plans a load only to route
         # it; that must not count (plan(count=False)).
         plan = orch.plan(r.keys[:usable], r.gpu_blocks)
-        n = plan.loaded
-        if n == 0:
+        if plan.loaded == 0:
             return 0, False
+        # The engine will treat the tokens answered here as computed, and TensorRT-LLM has no
+        # way to report a load that fell short: so answer only what is held now. The CPU hits
+        # are pinned; the disk hits get CPU slots to stage through and their reads start at
+        # once. A disk hit with no CPU slot free is recomputed instead of promised.
+        res = orch.reserve(
+            r.keys[:usable],
+            request_id=("trtllm", rid, next(self._reservations)),
+            gpu_hit_blocks=r.gpu_blocks,
+            plan=plan,
+        )
+        n = res.blocks
+        if n == 0:
+            orch.release(res.request_id)
+            return 0, False
+        r.reservation = res.request_id
         r.load_keys = r.keys[r.gpu_blocks : r.gpu_blocks + n]
-        if plan.load_cpu:
-            # Pin CPU hits now: nothing may evict them between this answer and the load, because
-            # the engine will treat these tokens as computed.
-            cpu = r.load_keys[: plan.load_cpu]
-            try:
-                orch.host.index.pin_for_load(cpu)
-            except (NotReadyError, IndexFailedError):
-                r.load_keys = []
-                return 0, False
-            r.pinned = cpu
         r.external_tokens = (r.gpu_blocks + n) * tpb - num_computed_tokens
         self.counts["matched_blocks"] += n
         return r.external_tokens, False
@@ -267,8 +273,9 @@ class SchedulerCore:
                     raise KvTierError(
                         f"kvtier: request {data.request_id} has a load but update_state_after_alloc never ran"
                     )
-                loads.append(LoadSpec(data.request_id, tuple(r.load_keys), tuple(r.load_dst), len(r.pinned)))
-                r.pinned = []  # the worker unpins them once loaded
+                assert r.reservation is not None
+                loads.append(LoadSpec(data.request_id, tuple(r.load_keys), tuple(r.load_dst), r.reservation))
+                r.reservation = None  # the worker binds it; the orchestrator unpins once loaded
                 r.load_keys = []
             # Blocks whose KV is complete after this forward pass. computed_position of a new
             # request excludes what the connector matched; add it back.
@@ -313,7 +320,7 @@ class SchedulerCore:
         r = self._reqs.pop(request.request_id, None)
         if r is None:
             return False  # never matched (e.g. cancelled before scheduling): nothing of ours
-        self._release_pins(r)
+        self._release_reservation(r)
         return r.ever_saved
 
     def request_finished_by_layer_group(self, request: Any, cache_block_ids_by_layer_group: list[list[int]]) -> bool:

@@ -173,29 +173,15 @@ class WorkerCore:
         if meta is None:
             return
         for spec in meta.loads:
-            # The keys were matched (CPU hits pinned) by the scheduler; plan again to route each
-            # block to the tier that holds it now.
-            plan = orch.plan(list(spec.keys), count=False)  # counted when the scheduler planned it
-            if plan.loaded != len(spec.keys):
-                self._unpin(spec)
-                raise KvTierError(
-                    f"kvtier: request {spec.request_id}: only {plan.loaded} of {len(spec.keys)} matched blocks "
-                    "can still be loaded; the engine would read KV that is not there"
-                )
-            rid = ("load", meta.step, spec.request_id)
-            orch.load(
-                list(spec.keys),
+            # The scheduler reserved these blocks when it matched them (CPU hits pinned, disk
+            # hits being read into reserved CPU slots): give the reservation its destinations.
+            res = orch.bind(
+                spec.reservation,
                 list(spec.block_ids),
-                request_id=rid,
-                plan=plan,
                 region_groups=[[layer] for layer in range(self.tiers.num_layers)],
             )
-            self._pending_loads[rid] = spec
+            self._pending_loads[res.request_id] = spec
             self._loads_done = False
-
-    def _unpin(self, spec: Any) -> None:
-        if spec.pinned:
-            self._orch("unpin").host.index.unpin(list(spec.keys[: spec.pinned]))
 
     def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
         if self.tiers is None:
@@ -240,13 +226,13 @@ class WorkerCore:
             spec = self._pending_loads.pop(res.request_id, None)
             if spec is None:
                 continue
-            self._unpin(spec)
             self.load_results.append(res)
-            if res.failed or res.loaded != len(spec.keys):
+            if res.loaded != len(spec.keys):
+                # Everything promised was held (see the scheduler), so only a fault gets here.
                 raise KvTierError(
-                    f"kvtier: request {spec.request_id}: {res.failed} of {len(spec.keys)} blocks failed to "
-                    "load (copy error, or a disk block failed its checksum); refusing to run the layer on "
-                    "missing KV"
+                    f"kvtier: request {spec.request_id}: {len(spec.keys) - res.loaded} of {len(spec.keys)} blocks "
+                    "failed to load (copy error, or a disk block failed its checksum); refusing to run the layer "
+                    "on missing KV"
                 )
             self.counts["loaded_blocks"] += res.loaded
 
