@@ -404,13 +404,16 @@ def _offloading_config(extra):
 def test_what_only_the_tier_can_check_names_the_key_at_start_up(tmp_path, over, key_name, reason):
     # Before: the core's "invalid argument `capacity_bytes`" / `total_bytes`, or a DiskIoError
     # with the path, naming no key the user wrote.
-    from kvtier_rs.integrations.vllm.spec import KvtierOffloadingSpec
+    from kvtier_rs.integrations.vllm.spec import KvtierOffloadingSpec, engine_state
 
     (tmp_path / "file").write_bytes(b"x")
     extra = {"cpu_bytes_to_use": 4 * 32768, "disk_root": str(tmp_path / "disk"), "disk_bytes_to_use": "1MiB"}
     extra.update({k: v.replace("FILE", str(tmp_path / "file")) if isinstance(v, str) else v for k, v in over.items()})
+    cfg = _offloading_config(extra)
     with pytest.raises(InvalidArgumentError, match=rf"^kv_connector_extra_config\['{key_name}'\]: .*{reason}"):
-        KvtierOffloadingSpec(_offloading_config(extra)).get_manager()
+        KvtierOffloadingSpec(cfg).get_manager()
+    # A failed start-up leaves no host memory behind for the engine id.
+    assert engine_state(cfg.engine_id) is None
 
 
 @pytest.mark.parametrize(
@@ -442,8 +445,15 @@ def test_bad_tiering_disk_tier_option_names_the_key(tmp_path, kw, key_name):
     spec = types.SimpleNamespace(config=_offloading_config({"cpu_bytes_to_use": 8 * 32768}))
     opts = {"root_dir": str(tmp_path / "disk"), "capacity_bytes": "1MiB"}
     opts.update({k: v.replace("FILE", str(tmp_path / "file")) if isinstance(v, str) else v for k, v in kw.items()})
-    with pytest.raises(InvalidArgumentError, match=rf"^secondary_tiers\[type=KvtierDiskTier\]\['{key_name}'\]: "):
+    with pytest.raises(
+        InvalidArgumentError, match=rf"^secondary_tiers\[type=KvtierDiskTier\]\['{key_name}'\]: "
+    ) as refused:
         KvtierDiskTier(spec, view, "KvtierDiskTier", None, **opts)
+    # While the error (and so its traceback and the half-built tier) is alive, as when an
+    # engine logs or re-raises it, the tier holds no export of vLLM's region: vLLM can unmap it.
+    assert refused.value is not None
+    view.release()
+    mm.close()
 
 
 def test_tiering_disk_tier_takes_a_path_and_an_enum_locality(tmp_path):

@@ -131,15 +131,21 @@ class KvtierDiskTier(SecondaryTierManager):
             },
             path_key="root_dir",
         ):
-            self.disk = open_disk_tier(
-                path,
-                cap,
-                row,
-                policy=policy,
-                admission=admission,
-                engine=io_engine,
-                queue_depth=queue_depth,
-            )
+            try:
+                self.disk = open_disk_tier(
+                    path,
+                    cap,
+                    row,
+                    policy=policy,
+                    admission=admission,
+                    engine=io_engine,
+                    queue_depth=queue_depth,
+                )
+            except BaseException:
+                # The error's traceback keeps this half-built tier alive; without this its
+                # export of vLLM's mapped region would keep vLLM from unmapping it.
+                self.pool = None
+                raise
         # disk job id -> (vLLM job id, keys, True for a read)
         self._jobs: dict[int, tuple[int, list[bytes], bool]] = {}
         self._done: list[JobResult] = []

@@ -124,13 +124,17 @@ class KvtierOffloadingSpec(OffloadingSpec):
             if o.disk_enabled:
                 from kvtier_rs.integrations.vllm.disk_layer import DiskLayer
 
-                lower = DiskLayer.open(
-                    o,
-                    self.config,
-                    host=st.pool,
-                    cpu_index=index,
-                    tokens_per_chunk=self.tokens_per_block[0] * self.blocks_per_chunk,
-                )
+                try:
+                    lower = DiskLayer.open(
+                        o,
+                        self.config,
+                        host=st.pool,
+                        cpu_index=index,
+                        tokens_per_chunk=self.tokens_per_block[0] * self.blocks_per_chunk,
+                    )
+                except BaseException:
+                    self._release()  # the host memory goes too, unless the worker holds it
+                    raise
             st.manager = KvtierOffloadingManager(
                 index, enable_events=self.kv_events_config.enable_kv_cache_events, lower=lower
             )
@@ -141,7 +145,11 @@ class KvtierOffloadingSpec(OffloadingSpec):
         need = chunk_bytes(kv_caches, self.blocks_per_chunk)
         st = self._state(max(need, self.chunk_bytes))
         if st.worker is None:
-            st.worker = self.worker_cls(kv_caches, st.pool, self.blocks_per_chunk)
+            try:
+                st.worker = self.worker_cls(kv_caches, st.pool, self.blocks_per_chunk)
+            except BaseException:
+                self._release()  # the host memory goes too, unless the manager holds it
+                raise
             st.worker.on_shutdown = self._worker_closed
         return st.worker
 
