@@ -367,7 +367,7 @@ def test_keys_of_other_vllm_specs_are_refused_naming_the_spec_that_reads_them(ke
         parse_options({"cpu_bytes_to_use": 1 << 20, key_name: 1})
 
 
-def _offloading_config(extra):
+def _offloading_config(extra, *, dp_index=0, dp_size=1):
     import uuid
 
     from vllm.v1.kv_offload.config import (
@@ -386,7 +386,7 @@ def _offloading_config(extra):
         engine_id=uuid.uuid4().hex,
         model=OffloadingModelConfig("tiny/llama", "float32"),
         cache=OffloadingCacheConfig(32, 1),
-        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, False),
+        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, dp_index, dp_size, None, False),
         kv_cache_layout="LBHNC",
     )
 
@@ -414,6 +414,26 @@ def test_what_only_the_tier_can_check_names_the_key_at_start_up(tmp_path, over, 
         KvtierOffloadingSpec(cfg).get_manager()
     # A failed start-up leaves no host memory behind for the engine id.
     assert engine_state(cfg.engine_id) is None
+
+
+def test_data_parallel_replicas_get_a_disk_directory_each(tmp_path):
+    # Before: both replicas derived one directory and the second failed to start
+    # (DirectoryLockedError), though vLLM's spec accepts the set-up.
+    from kvtier_rs.integrations.vllm.spec import KvtierOffloadingSpec
+
+    extra = {"cpu_bytes_to_use": 4 * 32768, "disk_root": str(tmp_path), "disk_bytes_to_use": "1MiB"}
+    managers = [KvtierOffloadingSpec(_offloading_config(extra, dp_index=i, dp_size=2)).get_manager() for i in (0, 1)]
+    try:
+        dirs = sorted(p.name for p in tmp_path.iterdir())
+        assert len(dirs) == 2
+        assert [d.split("_dp")[1][0] for d in dirs] == ["0", "1"]
+    finally:
+        for mgr in managers:
+            mgr.shutdown()
+    # A replica restarted with the same index reopens its own directory.
+    again = KvtierOffloadingSpec(_offloading_config(extra, dp_index=1, dp_size=2)).get_manager()
+    again.shutdown()
+    assert sorted(p.name for p in tmp_path.iterdir()) == dirs
 
 
 @pytest.mark.parametrize(

@@ -71,6 +71,11 @@ def tier_dir(root: str, config: Any, chunk_bytes: int) -> Path:
     }
     digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:12]
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", str(config.model.name).strip("/"))[-64:]
+    # Data-parallel replicas are separate engines, each with its own CPU tier: each gets its
+    # own directory (one tier per directory, locked), stable across restarts by replica index.
+    par = getattr(config, "parallel", None)
+    if getattr(par, "data_parallel_size", 1) > 1:
+        name += f"_dp{par.data_parallel_index}"
     return Path(root) / f"{name}_{digest}"
 
 
