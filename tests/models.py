@@ -35,6 +35,9 @@ class FifoModel:
         if self.refresh_on_touch and key in self.order:
             self.order.move_to_end(key)
 
+    def renew(self, key, priority, duration_ns, now):
+        pass  # the order ignores the hint, and a renewal is not a use
+
     def remove(self, key):
         self.order.pop(key, None)
 
@@ -94,6 +97,9 @@ class ArcModel:
         elif key in self.t2:
             self.t2.move_to_end(key)
 
+    def renew(self, key, priority, duration_ns, now):
+        pass  # the order ignores the hint, and a renewal is not a use
+
     def remove(self, key):
         self.t1.pop(key, None)
         self.t2.pop(key, None)
@@ -131,17 +137,24 @@ class PriorityModel:
         self.seq = 0
         self.meta: dict = {}  # key -> [level, seq, expires_at or None]
 
-    def insert(self, key, priority, duration_ns, now):
-        if key in self.meta:
-            return
+    def _place(self, key, priority, duration_ns, now):
         self.seq += 1
         expires = now + duration_ns if duration_ns is not None and priority != DEFAULT_PRIORITY else None
         self.meta[key] = [priority, self.seq, expires]
+
+    def insert(self, key, priority, duration_ns, now):
+        if key not in self.meta:
+            self._place(key, priority, duration_ns, now)
 
     def touch(self, key, now):
         if key in self.meta:
             self.seq += 1
             self.meta[key][1] = self.seq
+
+    def renew(self, key, priority, duration_ns, now):
+        # A later claim overrides the earlier one: placed as if inserted now with this hint.
+        if key in self.meta:
+            self._place(key, priority, duration_ns, now)
 
     def remove(self, key):
         self.meta.pop(key, None)
@@ -185,6 +198,9 @@ class S3FifoModel:
         q = self.small if key in self.small else self.main if key in self.main else None
         if q is not None:
             q[key] = min(q[key] + 1, 3)
+
+    def renew(self, key, priority, duration_ns, now):
+        pass  # the order ignores the hint, and a renewal is not a use
 
     def remove(self, key):
         self.small.pop(key, None)
@@ -344,6 +360,14 @@ class IndexModel:
         for k in reversed(keys):
             if k in self.entries:
                 self.policy.touch(k, self.now)
+
+    def renew(self, keys, priority=DEFAULT_PRIORITY, duration_ns=None) -> int:
+        """Every present key (ready or being written), tail-first like a store's inserts;
+        returns how many distinct keys were renewed."""
+        for k in reversed(keys):
+            if k in self.entries:
+                self.policy.renew(k, priority, duration_ns, self.now)
+        return len({k for k in keys if k in self.entries})
 
     def remove(self, keys):
         removed = []

@@ -1,7 +1,8 @@
 """Every policy, through the real Rust index, against the plain-Python reference models.
 
 The state machine drives a `BlockIndex` and an `IndexModel` with the same operations (stores
-of key chains, failed stores, lookups, pins, unpins, touches, removals, clears, clock moves)
+of key chains, failed stores, lookups, pins, unpins, touches, renewals, removals, clears, clock
+moves)
 and requires identical outcomes after every step: the same victims in the same order, the
 same resident keys with the same states and pin counts, the same errors. Invariants checked
 on the Rust side alone: never over capacity, slots unique, counters consistent.
@@ -33,7 +34,7 @@ def make_machine(policy: str, min_priority: int | None = None, key_domain: int =
             self.ix = kv.BlockIndex(capacity, policy=policy, admission=admission, manual_clock=True)
             self.model = IndexModel(capacity, policy, min_priority)
             self.slots_exact = True
-            self.stats = {"evictions": 0, "refused": 0}
+            self.stats = {"evictions": 0, "refused": 0, "renewals": 0}
 
         @rule(keys=chains, priority=PRIORITIES, duration=st.sampled_from([None, 0.5, 2.0]), ok=st.booleans())
         def store(self, keys, priority, duration, ok):
@@ -119,6 +120,17 @@ def make_machine(policy: str, min_priority: int | None = None, key_domain: int =
             self.ix.touch(keys)
             self.model.touch(keys)
 
+        @rule(keys=chains, priority=PRIORITIES, duration=st.sampled_from([None, 0.5, 2.0]), one=st.booleans())
+        def renew(self, keys, priority, duration, one):
+            # A later claim of blocks already present overrides their priority and duration.
+            duration_ns = None if duration is None else int(duration * 1e9)
+            want = self.model.renew(keys[:1] if one else keys, priority, duration_ns)
+            if one:
+                assert self.ix.renew_one(keys[0], priority=priority, duration_s=duration) is (want == 1)
+            else:
+                assert self.ix.renew(keys, priority=priority, duration_s=duration) == want
+            self.stats["renewals"] += want
+
         @rule(keys=chains, roll=st.integers(0, 2))
         def remove(self, keys, roll):
             if roll:
@@ -151,6 +163,7 @@ def make_machine(policy: str, min_priority: int | None = None, key_domain: int =
             assert s["resident_blocks"] == len(model)
             assert s["evictions"] == self.stats["evictions"]
             assert s["store_refused"] == self.stats["refused"]
+            assert s["renewals"] == self.stats["renewals"]
             assert s["pinned_blocks"] == sum(1 for _, p in model.values() if p > 0)
 
     IndexVersusModel.TestCase.settings = settings(max_examples=120, stateful_step_count=60, deadline=None)

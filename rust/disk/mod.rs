@@ -446,6 +446,12 @@ impl DiskTier {
         self.shared.index.touch(keys);
         Ok(())
     }
+    /// `TierIndex::renew` on the tier's index. Like a write's own hint, the renewed priority is
+    /// not written to disk: blocks recovered at open rank at the default level.
+    pub fn renew(&self, keys: &[BlockKey], hint: InsertHint) -> KvResult<usize> {
+        self.check_open()?;
+        self.shared.index.renew(keys, hint)
+    }
     pub fn record_use(&self, keys: &[BlockKey]) -> KvResult<()> {
         self.check_open()?;
         self.shared.index.record_use(keys);

@@ -9,10 +9,10 @@
 //!   first, cost 2-3x more per insert+remove under the constant churn of a full tier;
 //!   benches/rust/index.rs measures the store path.)
 //! - Every operation that changes residency or policy order (prepare store, failed store, pin,
-//!   touch, remove, clear) takes one short mutex around the policy. Pins are taken under it, so
-//!   a block's evictability can only *grow* while the mutex is held (a lock-free `unpin` may
-//!   free a block, nothing can pin one). That is what makes "an eviction of n blocks frees n or
-//!   changes nothing" checkable up front.
+//!   touch, renew, remove, clear) takes one short mutex around the policy. Pins are taken under
+//!   it, so a block's evictability can only *grow* while the mutex is held (a lock-free `unpin`
+//!   may free a block, nothing can pin one). That is what makes "an eviction of n blocks frees n
+//!   or changes nothing" checkable up front.
 //! - An evicted entry is first claimed (Ready -> Evicting, one CAS that races safely with pins,
 //!   see `entry_state`), then removed from the map, and only then is its slot freed. A reused
 //!   slot starts a new generation, and every lock-free access checks the generation it read
@@ -830,6 +830,38 @@ impl TierIndex {
             }
         }
         self.stats.touches.fetch_add(keys.len() as u64, Ordering::Relaxed);
+    }
+
+    /// Renew the retention hint of every present key (ready or being written, pinned or not;
+    /// absent keys are ignored): TensorRT-LLM's "a later claim with a new priority always
+    /// overrides the old one", which `prepare_store` cannot do since it leaves present keys
+    /// alone. Each key's entry records the new priority, and the policy ranks the block as if it
+    /// had just been stored with `hint` (`EvictionPolicy::renew`: the priority policy moves it to
+    /// the new level, most recent there, and restarts or clears its expiry from now; the other
+    /// policies' order ignores the hint and stays as it was). Not a use (no recency, frequency
+    /// or admission count), never an eviction, and admission is not asked again. Applied
+    /// tail-first like stores and touches, so a renewed chain's head ranks as the more recent.
+    /// Returns how many distinct keys were renewed. An invalid hint is an error; on a failed
+    /// index it does nothing and returns 0, like the other writes that are not stores.
+    pub fn renew(&self, keys: &[BlockKey], hint: InsertHint) -> KvResult<usize> {
+        Self::check_hint(hint)?;
+        let now = self.clock.now_ns();
+        let Ok(mut inner) = self.write() else { return Ok(0) };
+        let guard = Guard::new();
+        let mut renewed: Vec<u32> = Vec::with_capacity(keys.len());
+        for k in keys.iter().rev() {
+            if let Some(r) = self.find(&k.as_probe(), &guard) {
+                self.entry(r.slot).priority.store(hint.priority, Ordering::Relaxed);
+                inner.policy.renew(&Resident::of(r.slot, k), hint, now);
+                renewed.push(r.slot);
+            }
+        }
+        // A key repeated in the batch is renewed once per occurrence (the head-most one ranks
+        // it last) but counted once.
+        renewed.sort_unstable();
+        renewed.dedup();
+        self.stats.renewals.fetch_add(renewed.len() as u64, Ordering::Relaxed);
+        Ok(renewed.len())
     }
 
     /// Count a use toward admission without storing (e.g. a hit served by another tier).

@@ -115,6 +115,8 @@ pub struct IndexStats {
     pub pin_failures: AtomicU64,
     pub unpins: AtomicU64,
     pub touches: AtomicU64,
+    /// Distinct present keys whose retention hint a `renew` call set.
+    pub renewals: AtomicU64,
     pub removals: AtomicU64,
 }
 
@@ -161,6 +163,7 @@ impl IndexStats {
             pin_failures: self.pin_failures.load(Relaxed),
             unpins: self.unpins.load(Relaxed),
             touches: self.touches.load(Relaxed),
+            renewals: self.renewals.load(Relaxed),
             removals: self.removals.load(Relaxed),
             failed: u64::from(failed),
         }
@@ -187,6 +190,7 @@ pub struct StatsSnapshot {
     pub pin_failures: u64,
     pub unpins: u64,
     pub touches: u64,
+    pub renewals: u64,
     pub removals: u64,
     /// 1 once the index has failed (see `index::failure`), else 0.
     pub failed: u64,
@@ -194,7 +198,7 @@ pub struct StatsSnapshot {
 
 impl StatsSnapshot {
     /// (name, value) pairs in a fixed order: the one list the Python layer and metrics read.
-    pub fn fields(&self) -> [(&'static str, u64); 20] {
+    pub fn fields(&self) -> [(&'static str, u64); 21] {
         [
             ("capacity_blocks", self.capacity_blocks),
             ("resident_blocks", self.resident_blocks),
@@ -214,6 +218,7 @@ impl StatsSnapshot {
             ("pin_failures", self.pin_failures),
             ("unpins", self.unpins),
             ("touches", self.touches),
+            ("renewals", self.renewals),
             ("removals", self.removals),
             ("failed", self.failed),
         ]

@@ -435,6 +435,114 @@ fn random_stores_and_removals_of_colliding_keys_match_a_set() {
     assert!(most_collided >= 2, "the test never made keys collide");
 }
 
+fn manual(cap: usize, policy: PolicyKind) -> TierIndex {
+    TierIndex::new(IndexConfig { policy, manual_clock: true, ..IndexConfig::new(cap) }).unwrap()
+}
+
+fn store_with(ix: &TierIndex, ks: &[BlockKey], priority: u8, duration_ns: Option<u64>) {
+    let out = ix.prepare_store(ks, InsertHint { priority, duration_ns }).unwrap();
+    assert_eq!(out.to_write.len(), ks.len(), "stored anew");
+    ix.complete_store(ks, true);
+}
+
+fn hint(priority: u8, duration_ns: Option<u64>) -> InsertHint {
+    InsertHint { priority, duration_ns }
+}
+
+/// The keys a store of `new` evicts.
+fn evicted_by(ix: &TierIndex, new: &[BlockKey]) -> Vec<BlockKey> {
+    let out = ix.prepare_store(new, InsertHint::default()).unwrap();
+    ix.complete_store(new, true);
+    out.evicted.into_iter().map(|(k, _)| k).collect()
+}
+
+#[test]
+fn a_renewal_overrides_the_priority_of_a_present_block() {
+    let ix = manual(2, PolicyKind::Priority);
+    store_with(&ix, &[k(1)], 80, None);
+    store_with(&ix, &[k(2)], 35, None);
+    // A store cannot do it: it leaves present keys alone.
+    assert_eq!(ix.prepare_store(&[k(1)], hint(10, None)).unwrap().already_present_pos, vec![0]);
+    assert_eq!(ix.with_entry(&k(1), |e| e.priority.load(Ordering::Relaxed)), Some(80));
+    assert_eq!(ix.renew(&[k(1)], hint(10, None)).unwrap(), 1);
+    assert_eq!(ix.with_entry(&k(1), |e| e.priority.load(Ordering::Relaxed)), Some(10));
+    assert_eq!(evicted_by(&ix, &[k(3)]), vec![k(1)], "at 10, below the default-level block");
+    assert_eq!(ix.stats().renewals, 1);
+}
+
+#[test]
+fn a_renewal_with_a_duration_falls_back_to_the_default_level_when_it_lapses() {
+    let ix = manual(2, PolicyKind::Priority);
+    store_with(&ix, &[k(2)], 35, None);
+    store_with(&ix, &[k(1)], 80, None); // for good, until renewed
+    assert_eq!(ix.renew(&[k(1)], hint(80, Some(1_000))).unwrap(), 1);
+    ix.clock().advance(999).unwrap();
+    assert_eq!(evicted_by(&ix, &[k(3)]), vec![k(2)], "still at 80");
+    ix.clock().advance(1).unwrap();
+    // Back at 35, where it ranks by its renewal, before k(3)'s store.
+    assert_eq!(evicted_by(&ix, &[k(4)]), vec![k(1)]);
+}
+
+#[test]
+fn a_renewal_without_a_duration_clears_the_earlier_one() {
+    let ix = manual(2, PolicyKind::Priority);
+    store_with(&ix, &[k(1)], 80, Some(1_000));
+    assert_eq!(ix.renew(&[k(1)], hint(80, None)).unwrap(), 1);
+    store_with(&ix, &[k(2)], 35, None);
+    ix.clock().advance(1_000_000).unwrap();
+    assert_eq!(evicted_by(&ix, &[k(3)]), vec![k(2)], "k(1) stays at 80 for good");
+    assert_eq!(evicted_by(&ix, &[k(4)]), vec![k(3)]);
+}
+
+#[test]
+fn a_renewed_chain_keeps_its_head_the_more_recent() {
+    // Applied tail-first like a store: at the new level the tail goes before the head.
+    let ix = manual(3, PolicyKind::Priority);
+    store(&ix, &keys(0..3));
+    assert_eq!(ix.renew(&keys(0..2), hint(10, None)).unwrap(), 2);
+    assert_eq!(evicted_by(&ix, &keys(10..12)), vec![k(1), k(0)]);
+}
+
+#[test]
+fn a_renewal_ignores_absent_keys_and_counts_each_present_key_once() {
+    let ix = manual(8, PolicyKind::Priority);
+    store(&ix, &keys(0..3));
+    ix.prepare_store(&[k(5)], InsertHint::default()).unwrap(); // being written
+    ix.pin_for_load(&[k(1)]).unwrap();
+    let batch = [k(0), k(99), k(0), k(5), k(1), k(98)];
+    assert_eq!(ix.renew(&batch, hint(90, Some(10))).unwrap(), 3, "k(0), k(5) and the pinned k(1)");
+    for key in [k(0), k(1), k(5)] {
+        assert_eq!(ix.with_entry(&key, |e| e.priority.load(Ordering::Relaxed)), Some(90), "{key:?}");
+    }
+    assert_eq!(ix.with_entry(&k(2), |e| e.priority.load(Ordering::Relaxed)), Some(DEFAULT_PRIORITY));
+    assert_eq!(ix.renew(&[k(99)], InsertHint::default()).unwrap(), 0);
+    assert_eq!(ix.renew(&[], InsertHint::default()).unwrap(), 0);
+    assert_eq!((ix.len(), ix.policy_len()), (4, 4), "nothing stored, nothing evicted");
+    assert_eq!(ix.stats().renewals, 3);
+    // A renewed block being written is still completed as usual.
+    assert_eq!(ix.complete_store(&[k(5)], true), 1);
+    // Validated like a store's hint, before anything changes.
+    let err = ix.renew(&[k(0)], hint(101, None)).unwrap_err();
+    assert!(matches!(err, KvError::InvalidArgument { arg: "priority", .. }), "{err}");
+    assert_eq!(ix.stats().renewals, 3);
+}
+
+#[test]
+fn a_renewal_changes_no_order_where_the_policy_ignores_the_hint() {
+    for policy in [PolicyKind::Lru, PolicyKind::Fifo, PolicyKind::Arc, PolicyKind::S3Fifo] {
+        let run = |renew: bool| {
+            let ix = index(4, policy);
+            store(&ix, &keys(0..4)); // tail first: 3 is the least recent
+            if renew {
+                assert_eq!(ix.renew(&keys(2..4), hint(100, None)).unwrap(), 2);
+                assert_eq!(ix.with_entry(&k(3), |e| e.priority.load(Ordering::Relaxed)), Some(100));
+            }
+            (evicted_by(&ix, &keys(10..12)), ix.stats().touches)
+        };
+        assert_eq!(run(true), run(false), "{policy:?}");
+    }
+}
+
 /// Every operation of an index that has failed: reads miss, stores and pins are refused, the
 /// other writes change nothing, stats say so.
 fn assert_failed_closed(ix: &TierIndex, resident: &[BlockKey]) {
@@ -448,10 +556,16 @@ fn assert_failed_closed(ix: &TierIndex, resident: &[BlockKey]) {
     assert_eq!(ix.complete_store(resident, true), 0);
     assert_eq!(ix.complete_store(resident, false), 0);
     assert!(ix.remove(resident).is_empty());
+    assert_eq!(ix.renew(resident, InsertHint { priority: 90, duration_ns: None }).unwrap(), 0);
+    assert!(matches!(
+        ix.renew(resident, InsertHint { priority: 101, duration_ns: None }),
+        Err(KvError::InvalidArgument { .. })
+    ));
     assert_eq!(ix.clear(), 0);
     ix.unpin(resident).unwrap();
     assert!(ix.snapshot().is_empty());
     assert_eq!(ix.stats().failed, 1);
+    assert_eq!(ix.stats().renewals, 0);
 }
 
 #[test]

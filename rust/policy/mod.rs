@@ -1,8 +1,9 @@
 //! Eviction policies behind one trait.
 //!
 //! A policy only orders resident keys; it never owns data or slots. The index tells it what
-//! became resident (`insert`), what was used (`touch`) and what left outside eviction
-//! (`remove`), and asks it for victims (`select_victims`).
+//! became resident (`insert`), what was used (`touch`), which resident key was claimed again
+//! with a new retention hint (`renew`) and what left outside eviction (`remove`), and asks it
+//! for victims (`select_victims`).
 //!
 //! Contract shared by every policy (the hypothesis and proptest models check it):
 //! - `select_victims(n, ..)` is all-or-nothing: it returns exactly `n` victims, removed from the
@@ -76,6 +77,15 @@ pub trait EvictionPolicy<K: PolicyKey>: Send {
     fn insert(&mut self, key: &K, hint: InsertHint, now_ns: u64);
     /// `key` was used. Unknown keys are ignored.
     fn touch(&mut self, key: &K, now_ns: u64);
+    /// `key`, resident, was claimed again with `hint` (TensorRT-LLM: "a later claim with a new
+    /// priority always overrides the old one"): it ranks as if it had just been inserted with
+    /// `hint` at `now_ns`. A renewal is not a use: it never counts toward recency or frequency.
+    /// Unknown keys are ignored. The default does nothing, which is right for every policy whose
+    /// order ignores the hint (FIFO, LRU, ARC, S3-FIFO: their insert reads no hint, and moving a
+    /// key as if re-inserted would be a use in disguise); the priority policy overrides it.
+    fn renew(&mut self, key: &K, hint: InsertHint, now_ns: u64) {
+        let _ = (key, hint, now_ns);
+    }
     /// `key` left the tier without being evicted (removed, or its store failed). No ghost entry.
     fn remove(&mut self, key: &K);
     /// Choose and detach exactly `n` victims, or change nothing and return None.

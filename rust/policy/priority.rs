@@ -7,6 +7,11 @@
 //! so it lands among the default-level blocks by how recently it was used. That ordered insert
 //! is why this policy keeps an ordered map where the others thread lists through their keys'
 //! dense ids (`dense_lists`); its per-key level and order do sit at the key's dense id.
+//!
+//! A renewal (`renew`: a later claim of a resident block with a new hint) overrides the old
+//! level and duration: the block moves to the new level as the most recent there, as a fresh
+//! insert would place it, and its expiry restarts from the renewal (or is cleared when the new
+//! hint has no duration, or is at the default level).
 
 use std::collections::BTreeMap;
 
@@ -125,6 +130,12 @@ impl<K: PolicyKey> EvictionPolicy<K> for Priority<K> {
             self.expiry.insert((at, seq), k);
         }
         self.order.insert((old.level, seq), k);
+    }
+
+    fn renew(&mut self, key: &K, hint: InsertHint, now_ns: u64) {
+        if self.detach(key).is_some() {
+            self.insert(key, hint, now_ns);
+        }
     }
 
     fn remove(&mut self, key: &K) {

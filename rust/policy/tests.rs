@@ -12,6 +12,7 @@ use super::*;
 enum Op {
     Insert(u8, u8),
     Touch(u8),
+    Renew(u8, u8, Option<u64>),
     Remove(u8),
     Pin(u8),
     Unpin(u8),
@@ -22,6 +23,7 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         4 => (0u8..24, prop_oneof![Just(35u8), 0u8..=100]).prop_map(|(k, p)| Op::Insert(k, p)),
         3 => (0u8..24).prop_map(Op::Touch),
+        1 => (0u8..24, 0u8..=100, prop_oneof![Just(None), Just(Some(25u64))]).prop_map(|(k, p, d)| Op::Renew(k, p, d)),
         1 => (0u8..24).prop_map(Op::Remove),
         1 => (0u8..24).prop_map(Op::Pin),
         1 => (0u8..24).prop_map(Op::Unpin),
@@ -56,6 +58,7 @@ fn check_contract(kind: PolicyKind, ops: &[Op]) {
                 resident.insert(k);
             }
             Op::Touch(k) => p.touch(&k, now),
+            Op::Renew(k, prio, d) => p.renew(&k, InsertHint { priority: prio, duration_ns: d }, now),
             Op::Remove(k) => {
                 if !pinned.contains(&k) {
                     p.remove(&k);
@@ -124,6 +127,8 @@ proptest! {
                         model.push(k);
                     }
                 }
+                // Not a use: LRU's order ignores the hint, so a renewal leaves it as it was.
+                Op::Renew(k, prio, d) => p.renew(&k, InsertHint { priority: prio, duration_ns: d }, 0),
                 Op::Evict(n) => {
                     let got = p.select_victims(n as usize, 0, &mut |_| true);
                     if model.len() >= n as usize {
@@ -153,6 +158,102 @@ fn priority_evicts_lowest_level_then_lru_and_durations_expire() {
     assert_eq!(p.level_of(&1), Some(80));
     assert_eq!(p.select_victims(1, 100, &mut |_| true), Some(vec![1]));
     assert_eq!(p.select_victims(1, 100, &mut |_| true), Some(vec![3]));
+}
+
+/// Victims, one at a time, until the policy is empty.
+fn drain(p: &mut dyn EvictionPolicy<u32>, now: u64) -> Vec<u32> {
+    std::iter::from_fn(|| p.select_victims(1, now, &mut |_| true).map(|v| v[0])).collect()
+}
+
+#[test]
+fn a_renewal_overrides_the_level_and_ranks_as_a_fresh_insert() {
+    let mut p = Priority::<u32>::new();
+    p.insert(&1, InsertHint { priority: 80, duration_ns: None }, 0);
+    p.insert(&2, InsertHint::default(), 0);
+    p.insert(&3, InsertHint { priority: 10, duration_ns: None }, 0);
+    // 1 moves from 80 to 10, where it is more recent than 3: evicted after 3, before 2.
+    p.renew(&1, InsertHint { priority: 10, duration_ns: None }, 0);
+    assert_eq!(p.level_of(&1), Some(10));
+    assert_eq!(drain(&mut p, 0), vec![3, 1, 2]);
+    // Renewing at the same level still ranks the key as freshly inserted there.
+    for k in [1, 2, 3] {
+        p.insert(&k, InsertHint::default(), 0);
+    }
+    p.renew(&1, InsertHint::default(), 0);
+    assert_eq!(drain(&mut p, 0), vec![2, 3, 1]);
+}
+
+#[test]
+fn a_renewal_restarts_or_clears_the_duration() {
+    let hint = |priority, duration_ns| InsertHint { priority, duration_ns };
+    // Restarted from the renewal: stored at t=0 for 100 ns, renewed at t=50 for 100 ns, the
+    // block stays at 80 until t=150 (not t=100).
+    let mut p = Priority::<u32>::new();
+    p.insert(&1, hint(80, Some(100)), 0);
+    p.insert(&2, InsertHint::default(), 0);
+    p.renew(&1, hint(80, Some(100)), 50);
+    assert_eq!(p.select_victims(1, 120, &mut |_| true), Some(vec![2]));
+    assert_eq!(p.level_of(&1), Some(80), "the first duration no longer applies");
+    p.insert(&2, InsertHint::default(), 120);
+    assert_eq!(p.select_victims(1, 150, &mut |_| true), Some(vec![1]), "back at 35, and used before 2");
+    // Cleared by a renewal without one: the block stays at its level for good.
+    let mut p = Priority::<u32>::new();
+    p.insert(&1, hint(80, Some(100)), 0);
+    p.insert(&2, InsertHint::default(), 0);
+    p.renew(&1, hint(80, None), 10);
+    assert_eq!(drain(&mut p, 1_000_000), vec![2, 1]);
+    // A renewal gives a duration to a block stored without one, which then falls back to 35.
+    let mut p = Priority::<u32>::new();
+    p.insert(&1, hint(80, None), 0);
+    p.insert(&2, InsertHint::default(), 0);
+    p.renew(&1, hint(80, Some(100)), 10);
+    assert_eq!(p.select_victims(1, 109, &mut |_| true), Some(vec![2]));
+    p.insert(&2, InsertHint::default(), 109);
+    assert_eq!(drain(&mut p, 110), vec![1, 2], "at 35 from t=110, and renewed before 2 was stored");
+}
+
+#[test]
+fn a_renewal_of_an_unknown_key_changes_nothing() {
+    for kind in PolicyKind::ALL {
+        let mut p: Box<dyn EvictionPolicy<u32>> = kind.build(4);
+        p.insert(&1, InsertHint::default(), 0);
+        p.renew(&7, InsertHint { priority: 90, duration_ns: Some(5) }, 0);
+        assert!(!p.contains(&7), "{kind:?}");
+        assert_eq!(p.len(), 1, "{kind:?}");
+    }
+}
+
+#[test]
+fn a_renewal_is_not_a_use_for_the_policies_whose_order_ignores_the_hint() {
+    // The same operations with renewals, with nothing, and with touches in between: renewals
+    // change no victim and no order, where touches would (except for FIFO, which ignores both).
+    #[derive(Clone, Copy, PartialEq)]
+    enum Between {
+        Nothing,
+        Renewals,
+        Touches,
+    }
+    for kind in [PolicyKind::Fifo, PolicyKind::Lru, PolicyKind::Arc, PolicyKind::S3Fifo] {
+        let run = |between: Between| {
+            let mut p: Box<dyn EvictionPolicy<u32>> = kind.build(10);
+            for k in 0..10 {
+                p.insert(&k, InsertHint::default(), 0);
+            }
+            p.touch(&5, 0);
+            for k in [0, 1, 5] {
+                match between {
+                    Between::Nothing => {}
+                    Between::Renewals => p.renew(&k, InsertHint { priority: 100, duration_ns: None }, 0),
+                    Between::Touches => p.touch(&k, 0),
+                }
+            }
+            drain(p.as_mut(), 0)
+        };
+        assert_eq!(run(Between::Renewals), run(Between::Nothing), "{kind:?}");
+        if kind != PolicyKind::Fifo {
+            assert_ne!(run(Between::Touches), run(Between::Nothing), "{kind:?}: the test would not see a use");
+        }
+    }
 }
 
 #[test]

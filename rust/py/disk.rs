@@ -371,6 +371,21 @@ impl PyDiskTier {
         self.contain(|| Ok(py.detach(|| self.inner.touch(&keys))?))
     }
 
+    /// Set the retention priority and duration of blocks on disk (or being written) as if just
+    /// written with them (`BlockIndex.renew`); returns how many were renewed. Not persisted.
+    #[pyo3(signature = (keys, *, priority=35, duration_s=None))]
+    fn renew(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        priority: i64,
+        duration_s: Option<f64>,
+    ) -> PyResult<usize> {
+        let hint = convert::insert_hint(priority, duration_s)?;
+        let keys = keys_from_py(keys)?;
+        self.contain(|| Ok(py.detach(|| self.inner.renew(&keys, hint))?))
+    }
+
     /// Count uses toward disk admission without writing (e.g. hits served by the CPU tier).
     fn record_use(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<()> {
         let keys = keys_from_py(keys)?;

@@ -353,6 +353,23 @@ impl BlockIndex {
         })
     }
 
+    /// Set the retention priority and duration of the present keys (ready or being written;
+    /// absent keys are ignored) as if they had just been stored with them: a later claim
+    /// overrides an earlier one. Only the priority policy's order reads them; a renewal is not a
+    /// use. Returns how many keys were renewed.
+    #[pyo3(signature = (keys, *, priority=35, duration_s=None))]
+    fn renew(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        priority: i64,
+        duration_s: Option<f64>,
+    ) -> PyResult<usize> {
+        let hint = insert_hint(priority, duration_s)?;
+        let keys = keys_from_py(keys)?;
+        self.contain(|| Ok(py.detach(|| self.inner.renew(&keys, hint))?))
+    }
+
     /// Count uses toward the admission rule without storing.
     fn record_use(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<()> {
         let keys = keys_from_py(keys)?;
@@ -419,6 +436,13 @@ impl BlockIndex {
             self.inner.touch(std::slice::from_ref(&k));
             Ok(())
         })
+    }
+
+    /// `renew` for one key: whether it was present (and renewed).
+    #[pyo3(signature = (key, *, priority=35, duration_s=None))]
+    fn renew_one(&self, key: &Bound<'_, PyAny>, priority: i64, duration_s: Option<f64>) -> PyResult<bool> {
+        let (k, hint) = (key_from_py(key)?, insert_hint(priority, duration_s)?);
+        self.contain(|| Ok(self.inner.renew(std::slice::from_ref(&k), hint)? == 1))
     }
 
     fn remove_one(&self, key: &Bound<'_, PyAny>) -> PyResult<bool> {
