@@ -219,6 +219,36 @@ def test_priorities_order_eviction_and_durations_expire(tmp_path, engines):
     assert eng.matched[3] == 0
 
 
+def test_a_later_claim_overrides_the_priority_of_blocks_already_held(tmp_path, engines):
+    # TensorRT-LLM: "a later claim with a new priority always overrides the old one". The
+    # second request's blocks are all in the CPU tier already, so nothing new is stored.
+    eng = make(tmp_path, cpu_blocks=4)
+    engines.append(eng)
+    keep = prompt(7, 8)  # 2 blocks
+    eng.run_request(Request(1, keep + [1], retention=Retention([TokenRange(0, None, 90, None)])))
+    # 31: above min_offload_priority (30), so the blocks are offered again, and below 35.
+    eng.run_request(Request(2, keep + [2], retention=Retention([TokenRange(0, None, 31, None)])))
+    assert eng.matched[2] == 8
+    for i in range(2):  # two default-priority chains need the whole 4-slot tier
+        eng.run_request(Request(10 + i, prompt(70 + i, 8) + [1]))
+    r = Request(3, keep + [3])
+    eng.step([r])
+    assert eng.matched[3] == 0, "renewed to priority 31, the chain goes before default-priority ones"
+    assert eng.worker.tiers.orchestrator.host.index.stats()["renewals"] >= 2
+
+
+def test_a_later_claim_renews_the_disk_copies_too(tmp_path, engines):
+    eng = make(tmp_path, cpu_blocks=4, disk=True)
+    engines.append(eng)
+    keep = prompt(8, 8)
+    eng.run_request(Request(1, keep + [1], retention=Retention([TokenRange(0, None, 90, None)])))
+    eng.worker.tiers.orchestrator.drain()
+    disk = eng.worker.tiers.orchestrator.stager.disk
+    before = disk.stats()["renewals"]
+    eng.run_request(Request(2, keep + [2], retention=Retention([TokenRange(0, None, 31, None)])))
+    assert disk.stats()["renewals"] - before == 2
+
+
 def test_a_duration_longer_than_the_index_counts_never_expires():
     # timedelta.max (~2.7 million years) is beyond the index's u64 nanosecond clock: it is passed
     # on as "no duration" (never falls back to 35), which the index accepts, not as a number it

@@ -227,7 +227,8 @@ class TierOrchestrator:
     ) -> OffloadTicket:
         """Copy the new blocks among `keys` (a chain, head first) from the device to the CPU
         tier. Never blocks on the copy. When the CPU tier cannot take the blocks now (every slot
-        pinned or being written), nothing changes and the ticket says `no_space`."""
+        pinned or being written), nothing changes and the ticket says `no_space`. Blocks of
+        `keys` that a tier already holds are renewed with `priority` and `duration_s`."""
         keys = key_list(keys)
         gpu_ids = self._gpu_block_ids(gpu_block_ids)
         if len(keys) != len(gpu_ids):
@@ -245,6 +246,13 @@ class TierOrchestrator:
             return OffloadTicket(None, [], [], [], [])
         ticket = OffloadTicket(None, list(out.keys), list(out.skipped), list(out.refused), list(out.evicted))
         self.counts["cpu_store_refused"] += len(out.refused)
+        # A later claim overrides an earlier one (TensorRT-LLM's retention rule): blocks a tier
+        # already holds take this offload's priority and duration. The ones stored now get them
+        # from the store itself (and their disk copies from the write-through).
+        if out.skipped:
+            self.host.index.renew(out.skipped, priority=priority, duration_s=duration_s)
+        if self.stager is not None:
+            self.stager.disk.renew(keys, priority=priority, duration_s=duration_s)
         if self.events is not None:
             self.events.publish("removed", "cpu", out.evicted, reason="evicted")
         if not out.keys:
