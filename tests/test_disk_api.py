@@ -51,6 +51,28 @@ def test_round_trip_restart_and_engine_name(tmp_path, engine):
         assert read(tier, host, list(reversed(keys))) == {k: payload(k) for k in keys}
 
 
+def test_clear_forgets_every_block_for_good_and_is_refused_while_jobs_run(tmp_path, engine):
+    host = Host(8)
+    with make_tier(tmp_path, engine) as tier:
+        write(tier, host, [1, 2, 3])
+        job = tier.submit_read([1, 2], host.pool, [4, 5])
+        try:
+            dropped = tier.clear()  # the read may have finished already
+        except InvalidArgumentError as e:  # it was still running: nothing changed
+            assert "`clear`" in str(e) and "wait_idle() first" in str(e)
+            assert len(tier) == 3
+            tier.wait(job)
+            dropped = tier.clear()
+        assert dropped == 3
+        assert len(tier) == 0 and tier.lookup_prefix([1]) == 0
+        write(tier, host, [4])
+    with make_tier(tmp_path, engine) as tier:
+        assert len(tier) == 1 and tier.contains([1, 4]) == [False, True]
+    tier.close()
+    with pytest.raises(ClosedError):
+        tier.clear()
+
+
 def test_auto_engine_picks_io_uring_when_the_probe_passes(tmp_path):
     with DiskTier(str(tmp_path), 4 * stride(), BLOCK) as tier:
         why = io_uring_probe()

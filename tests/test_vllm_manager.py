@@ -6,6 +6,7 @@ import hashlib
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 from vllm_support import engine as E
@@ -44,7 +45,7 @@ def store(mg, keys, c=None):
     return out
 
 
-def disk_backed(tmp_path, *, events: bool = False):
+def disk_backed(tmp_path, *, events: bool = False, **extra):
     """A manager over a 2-chunk CPU tier with kvtier's disk tier below it, and the disk tier;
     key(1) has been written through and pushed out of the CPU tier (it is only on disk)."""
     from kvtier_rs import DiskTier, HostPool
@@ -53,7 +54,9 @@ def disk_backed(tmp_path, *, events: bool = False):
     pool = HostPool(2 * 4096, 4096)
     cpu = BlockIndex(pool=pool)
     disk = DiskTier(str(tmp_path / "d"), 16 * 8192, 4096, admission="always", engine="pool")
-    opts = parse_options({"cpu_bytes_to_use": 2 * 4096, "disk_root": str(tmp_path), "disk_bytes_to_use": 1 << 20})
+    opts = parse_options(
+        {"cpu_bytes_to_use": 2 * 4096, "disk_root": str(tmp_path), "disk_bytes_to_use": 1 << 20, **extra}
+    )
     layer = DiskLayer(disk, pool, cpu, opts, tokens_per_chunk=16)
     mg = KvtierOffloadingManager(cpu, enable_events=events, lower=layer)
     for keys in ([key(1)], [key(2), key(3)]):
@@ -196,6 +199,76 @@ def test_reset_cache_drops_everything_including_in_flight():
         assert mg.lookup(k, c) is LookupResult.MISS
     out = mg.prepare_store([key(3), key(4), key(5)], ctx("new"))
     assert out is not None and len(out.keys_to_store) == 3
+
+
+def _served_from_disk(mg, k, c):
+    """Whether a lookup of `k` (on disk only) is promoted and becomes a hit."""
+    for _ in range(200):
+        r = mg.lookup(k, c)
+        if r is LookupResult.HIT:
+            return True
+        if r is LookupResult.MISS:
+            return False
+        mg.on_schedule_end(None)
+        time.sleep(0.005)
+    raise AssertionError(f"lookup of {k!r} never settled")
+
+
+def test_reset_cache_forgets_the_disk_tier_too_and_for_good(tmp_path):
+    # vLLM resets the cache after a weight update: a block written under the old weights must
+    # never be promoted again, in this process or after a restart. Before, only the CPU tier
+    # was cleared and key(1) came back from disk.
+    from kvtier_rs import DiskTier
+
+    mg, disk = disk_backed(tmp_path)
+    mg.reset_cache()
+    assert disk.contains([key(1), key(2), key(3)]) == [False] * 3
+    assert not _served_from_disk(mg, key(1), ctx())
+    # Written after the reset: these survive a restart, the old ones do not.
+    store(mg, [key(7)])
+    disk.wait_idle(10)
+    mg.on_schedule_end(None)
+    assert disk.contains([key(7)]) == [True]
+    mg.shutdown()
+    reopened = DiskTier(str(tmp_path / "d"), 16 * 8192, 4096, admission="always", engine="pool")
+    assert reopened.contains([key(1), key(2), key(3), key(7)]) == [False, False, False, True]
+    assert reopened.stats()["recovery_discarded"] == 3
+    reopened.close()
+
+
+def test_reset_cache_can_keep_the_disk_tier(tmp_path):
+    mg, disk = disk_backed(tmp_path, disk_on_reset="keep")
+    mg.reset_cache()
+    assert disk.contains([key(1)]) == [True]
+    assert _served_from_disk(mg, key(1), ctx())
+    mg.shutdown()
+
+
+def test_a_disk_tier_that_cannot_be_cleared_is_switched_off(tmp_path, caplog):
+    from kvtier_rs import KvTierError
+
+    mg, disk = disk_backed(tmp_path)
+
+    class Unclearable:
+        """The disk tier, except that its metadata cannot be rewritten (a full disk, say)."""
+
+        def __getattr__(self, name):
+            return getattr(disk, name)
+
+        def clear(self):
+            raise KvTierError("write kvtier-disk.meta: No space left on device")
+
+    mg.lower.disk = Unclearable()
+    mg.reset_cache()
+    assert "disk tier switched off" in caplog.text and "No space left" in caplog.text
+    assert disk.contains([key(1)]) == [True]  # still on disk, but never served again here
+    assert not _served_from_disk(mg, key(1), ctx())
+    written = disk.stats()["blocks_written"]
+    store(mg, [key(8)])
+    mg.on_schedule_end(None)
+    disk.wait_idle(10)
+    assert disk.stats()["blocks_written"] == written, "nothing is written through any more"
+    mg.shutdown()
 
 
 def test_admission_store_threshold():

@@ -195,7 +195,9 @@ pub enum Fault {
 struct Shared {
     index: TierIndex,
     geo: Geometry,
-    dir_id: u64,
+    /// Written into every slot header and checked on every read and at recovery; `clear`
+    /// replaces it, which voids every header written before.
+    dir_id: AtomicU64,
     slabs: Vec<RwLock<Arc<SlabFile>>>,
     counters: Counters,
     jobs: Mutex<HashMap<u64, JobSlot>>,
@@ -352,7 +354,7 @@ impl DiskTier {
         let shared = Arc::new(Shared {
             index,
             geo,
-            dir_id,
+            dir_id: AtomicU64::new(dir_id),
             slabs: slabs.into_iter().map(RwLock::new).collect(),
             counters,
             jobs: Mutex::new(HashMap::new()),
@@ -452,6 +454,42 @@ impl DiskTier {
         self.check_open()?;
         self.shared.index.renew(keys, hint)
     }
+    /// Forget every block, now and after a restart: a cache reset (the engine's weights
+    /// changed, say), after which nothing written before may be served. The directory takes a
+    /// new id, its metadata rewritten first (atomically, `Meta::store`): slot headers written
+    /// under the old id no longer verify, so a reopened tier discards them, and no slab byte is
+    /// rewritten. Refused while jobs run, since their blocks are pinned or being written and
+    /// would outlive the reset (`wait_idle` first); no job starts while it runs. If the
+    /// metadata cannot be written, nothing changes and the error says why. Returns how many
+    /// blocks were dropped.
+    pub fn clear(&self) -> KvResult<usize> {
+        let closed = self.closed.write();
+        if *closed {
+            return Err(KvError::Closed(format!("disk tier at {}", self.dir.display())));
+        }
+        let running = self.running_jobs();
+        if running > 0 {
+            return Err(KvError::invalid(
+                "clear",
+                format!("{running} disk job(s) still running; wait_idle() first, so no block outlives the reset"),
+            ));
+        }
+        let old = self.shared.dir_id.load(Ordering::Acquire);
+        let new = std::iter::repeat_with(random_id).find(|&id| id != old).expect("an endless iterator");
+        let geo = &self.shared.geo;
+        Meta {
+            block_bytes: geo.block_bytes,
+            slots_per_file: geo.slots_per_file,
+            num_files: geo.num_files,
+            dir_id: new,
+        }
+        .store(&self.dir)?;
+        self.shared.dir_id.store(new, Ordering::Release);
+        let dropped = self.shared.index.clear();
+        drop(closed);
+        Ok(dropped)
+    }
+
     pub fn record_use(&self, keys: &[BlockKey]) -> KvResult<()> {
         self.check_open()?;
         self.shared.index.record_use(keys);
@@ -886,7 +924,7 @@ impl Shared {
                     payload_len: geo.block_bytes as u64,
                     payload_crc: crc,
                     slot: disk_slot,
-                    dir_id: me.dir_id,
+                    dir_id: me.dir_id.load(Ordering::Acquire),
                 };
                 // SAFETY: the header page is only touched here before the ops start, and by
                 // the kernel afterwards; nobody else has a reference that writes it.
@@ -987,7 +1025,8 @@ impl Shared {
                 let verdict = match res {
                     Err(IoFailure::Short { .. }) => Err(&c.short_reads),
                     Err(_) => Err(&c.read_errors),
-                    Ok(()) => match SlotHeader::decode(header.as_slice(), disk_slot, me.dir_id) {
+                    Ok(()) => match SlotHeader::decode(header.as_slice(), disk_slot, me.dir_id.load(Ordering::Acquire))
+                    {
                         Ok(h)
                             if h.key == key
                                 && h.payload_len == geo.block_bytes as u64

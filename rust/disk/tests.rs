@@ -316,3 +316,67 @@ fn empty_batches_finish_at_once() {
     let w = t.submit_write(&[], &[], h.clone(), InsertHint::default()).unwrap();
     assert!(t.wait(w.job_id, Some(Duration::from_secs(10))).unwrap().is_some());
 }
+
+/// A named counter of `t.stats()`.
+fn stat(t: &DiskTier, name: &str) -> u64 {
+    t.stats().into_iter().find(|(n, _)| *n == name).map(|(_, v)| v).unwrap()
+}
+
+#[test]
+fn clear_forgets_every_block_now_and_after_a_restart() {
+    for engine in engines() {
+        let dir = TempDir::new();
+        let h = host(8);
+        {
+            let t = DiskTier::open(config(&dir, 16, engine)).unwrap();
+            write_all(&t, &h, &[1, 2, 3]);
+            assert_eq!(t.clear().unwrap(), 3, "{engine:?}");
+            assert_eq!(t.lookup_prefix(&[k(1)]).unwrap(), 0);
+            assert_eq!(read_all(&t, &h, &[1]).failed_keys, vec![k(1)], "a cleared block is a miss");
+            // Written after the reset: these are the blocks a restart brings back.
+            write_all(&t, &h, &[4, 5]);
+            assert_eq!(read_all(&t, &h, &[4, 5]).ok_keys.len(), 2);
+            t.close().unwrap();
+        }
+        let t = DiskTier::open(config(&dir, 16, engine)).unwrap();
+        assert_eq!(t.len(), 2, "{engine:?}: only the blocks written after the clear");
+        assert_eq!(stat(&t, "recovered_blocks"), 2);
+        assert_eq!(stat(&t, "recovery_discarded"), 3, "the old headers no longer verify");
+        assert_eq!(t.lookup_prefix(&[k(1)]).unwrap(), 0);
+        assert_eq!(t.lookup_prefix(&[k(4), k(5)]).unwrap(), 2);
+        let r = read_all(&t, &h, &[5]);
+        assert_eq!(r.ok_keys, vec![k(5)]);
+        assert_eq!(slot_bytes(&h, 0), expected(5));
+    }
+}
+
+#[test]
+fn clear_is_refused_while_jobs_run_and_after_close() {
+    let dir = TempDir::new();
+    let h = host(8);
+    let t = DiskTier::open(config(&dir, 16, EngineChoice::Pool)).unwrap();
+    write_all(&t, &h, &[1, 2]);
+    // Hold a job open: a read whose completion we do not wait for can still be running.
+    let mut refused = false;
+    for _ in 0..50 {
+        let id = t.submit_read(&[k(1), k(2)], &[0, 1], h.clone()).unwrap();
+        match t.clear() {
+            Err(KvError::InvalidArgument { arg, reason }) => {
+                assert_eq!(arg, "clear");
+                assert!(reason.contains("still running; wait_idle() first"), "{reason}");
+                assert_eq!(t.len(), 2, "a refused clear changes nothing");
+                refused = true;
+            }
+            Ok(n) => assert_eq!(n, 2, "the read had finished already: the clear went through"),
+            Err(e) => panic!("{e}"),
+        }
+        t.wait(id, None).unwrap();
+        if refused {
+            break;
+        }
+        write_all(&t, &h, &[1, 2]);
+    }
+    assert!(refused, "no clear met a running read in 50 tries");
+    t.close().unwrap();
+    assert!(matches!(t.clear(), Err(KvError::Closed(_))));
+}

@@ -399,6 +399,12 @@ impl PyDiskTier {
         keys_to_py(py, removed)
     }
 
+    /// Forget every block, now and after a restart (a cache reset); refused while jobs run
+    /// (`wait_idle` first). Returns how many blocks were dropped.
+    fn clear(&self, py: Python<'_>) -> PyResult<usize> {
+        self.contain(|| Ok(py.detach(|| self.inner.clear())?))
+    }
+
     /// Counters (ints) plus `write_amplification` (bytes written per payload byte read back)
     /// and the engine and I/O mode names.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,12 +30,14 @@ from typing import Any
 
 from vllm.v1.kv_offload.base import LookupResult, Medium, OffloadingEvent
 
-from kvtier_rs._core import BlockIndex, DiskTier, HostPool, IndexFailedError
+from kvtier_rs._core import BlockIndex, DiskTier, HostPool, IndexFailedError, KvTierError
 from kvtier_rs.disk_tier import open_disk_tier
 from kvtier_rs.events import EventStream
 from kvtier_rs.integrations.vllm import metrics as m
 from kvtier_rs.integrations.vllm.options import KvtierOptions
 from kvtier_rs.orchestrator.disk_stager import DiskStager
+
+log = logging.getLogger(__name__)
 
 _PENDING = LookupResult.HIT_PENDING
 _MISS = LookupResult.MISS
@@ -125,6 +128,8 @@ class DiskLayer:
         self.events_enabled = False  # set by the manager from the engine's kv_events_config
         # Bumped by a cache reset, which drops every pin: older reservations are void.
         self.generation = 0
+        #: Why the tier serves and stores nothing any more (see `reset`); None while it does.
+        self.off_reason: str | None = None
         self._last_stats: dict[str, int] = {}
 
     @classmethod
@@ -157,11 +162,13 @@ class DiskLayer:
     # ---- called by the manager ------------------------------------------------------------------
 
     def write_through(self, keys: list[bytes]) -> None:
+        if self.off_reason is not None:
+            return
         self.stager.write_through(keys)
         self._take_stream()
 
     def lookup_and_promote(self, key: bytes, req_context: Any) -> LookupResult:
-        if not self._contains([key])[0]:
+        if self.off_reason is not None or not self._contains([key])[0]:
             return _MISS
         if self.cost is not None and not self.cost.worth_loading("disk", 1):
             self.counters.disk_skipped_by_cost += 1
@@ -243,9 +250,20 @@ class DiskLayer:
         self.poll()
 
     def reset(self) -> None:
-        """After a cache reset: every job is drained and the CPU tier drops all pins."""
+        """After a cache reset: every job is drained and the CPU tier drops all pins. The disk
+        tier forgets every block too (`disk_on_reset="clear"`): vLLM resets the cache after a
+        weight update, and a block written under the old weights must never be promoted. If it
+        cannot forget them durably (its metadata cannot be written), it is switched off for the
+        rest of this process instead, so no old block is served here either."""
         self.drain()
         self.generation += 1
+        if self.options.disk_on_reset != "clear" or self.off_reason is not None:
+            return
+        try:
+            self.disk.clear()
+        except KvTierError as e:
+            self.off_reason = f"a cache reset could not clear the disk tier ({e})"
+            log.error("kvtier: disk tier switched off: %s; restarting may bring back its old blocks", self.off_reason)
 
     def take_events(self) -> list[OffloadingEvent]:
         ev, self._events = self._events, []

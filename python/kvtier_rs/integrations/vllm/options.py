@@ -61,6 +61,8 @@ KVTIER_KEYS: dict[str, str] = {
     "disk_io_engine": 'disk I/O engine: "auto", "io_uring" or "pool" (positioned I/O on threads; '
     'default "auto": io_uring when the kernel allows it)',
     "disk_queue_depth": "disk I/O requests in flight (default 16)",
+    "disk_on_reset": 'what a cache reset does to the disk tier: "clear" (default: every block is '
+    'forgotten, as after a weight update) or "keep" (the blocks stay valid, e.g. sleep without new weights)',
     "cost_model": 'load-or-recompute rule for disk hits: "always_load" or a dict with '
     "prefill_tokens_per_s and disk_read_bytes_per_s",
     "guard": '"checksum" (default): a disk block whose checksum does not match is a miss',
@@ -149,6 +151,7 @@ class KvtierOptions:
     disk_admission: str = "always"
     disk_io_engine: str = "auto"
     disk_queue_depth: int = 16
+    disk_on_reset: str = "clear"
     cost_model: CostModel = CostModel()
     guard: str = "checksum"
 
@@ -204,6 +207,7 @@ def parse_options(extra: Mapping[str, Any]) -> KvtierOptions:
             "disk_admission",
             "disk_io_engine",
             "disk_queue_depth",
+            "disk_on_reset",
             "cost_model",
         )
         if k in extra
@@ -236,6 +240,7 @@ def parse_options(extra: Mapping[str, Any]) -> KvtierOptions:
         disk_admission=_opts.admission("disk_admission", extra.get("disk_admission", "always")),
         disk_io_engine=engine,
         disk_queue_depth=qd,
+        disk_on_reset=_opts.choice("disk_on_reset", extra.get("disk_on_reset", "clear"), ("clear", "keep")),
         cost_model=_cost_model(extra.get("cost_model", "always_load")),
         guard=guard,
     )
