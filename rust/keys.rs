@@ -99,12 +99,22 @@ fn tag_word(kind: Kind, len: u8) -> u64 {
     u64::from(len) | ((kind as u64) << 8)
 }
 
+/// The hash seed of this process, drawn at first use. The hash only places keys in memory: it
+/// is never persisted or compared across processes (identity is the full key, see
+/// `index::key_map`), so nothing needs it stable. A seed nobody can predict keeps requests
+/// crafted so that their keys (engine digests of user text) pile up in a few map buckets from
+/// slowing every lookup. Eviction order does not depend on it: policies order keys by use, and
+/// ghost entries by a 64-bit hash collide only about once in 2^64 pairs.
+fn process_seed() -> u64 {
+    use std::hash::BuildHasher;
+    static SEED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *SEED.get_or_init(|| std::collections::hash_map::RandomState::new().hash_one(std::process::id()))
+}
+
 fn key_hash(kind: Kind, content: &[u8]) -> u64 {
     use std::hash::BuildHasher;
-    // Fixed seed: the hash only places keys in memory, it is never persisted or compared across
-    // processes, but a fixed seed keeps eviction order reproducible run to run. The slice's
-    // length is hashed too, so keys that are prefixes of each other land apart.
-    foldhash::fast::FixedState::with_seed(0x6b76_7469_6572_6b65).hash_one((kind, content))
+    // The slice's length is hashed too, so keys that are prefixes of each other land apart.
+    foldhash::fast::FixedState::with_seed(process_seed()).hash_one((kind, content))
 }
 
 impl BlockKey {
@@ -450,6 +460,33 @@ impl fmt::Display for BlockKey {
 mod tests {
     use super::*;
     use std::collections::HashSet;
+
+    #[test]
+    fn each_process_hashes_with_its_own_seed() {
+        // Run again as a child, the test prints its process's seed and stops there.
+        if std::env::var_os("KVTIER_PRINT_SEED").is_some() {
+            println!("seed={}", process_seed());
+            return;
+        }
+        let child_seed = || {
+            let out = std::process::Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", "keys::tests::each_process_hashes_with_its_own_seed", "--nocapture"])
+                .args(["--test-threads", "1"])
+                .env("KVTIER_PRINT_SEED", "1")
+                .output()
+                .unwrap();
+            let text = String::from_utf8_lossy(&out.stdout).into_owned();
+            // The line is shared with the harness's "test ... " prefix.
+            let (_, rest) = text.split_once("seed=").unwrap_or_else(|| panic!("{text}"));
+            rest.split_whitespace().next().unwrap().parse::<u64>().unwrap()
+        };
+        let (a, b) = (child_seed(), child_seed());
+        assert!(a != b && a != process_seed(), "seeds {a}, {b} and {} are not all distinct", process_seed());
+        // Within a process a key always hashes alike, whichever way it was built.
+        let k = BlockKey::from_bytes(b"digest").unwrap();
+        assert_eq!(k.hash64(), BlockKey::from_bytes(b"digest").unwrap().hash64());
+        assert_eq!(ChainKey::key_ref(&k).hashed().hash64(), k.hash64());
+    }
 
     #[test]
     fn int_and_bytes_never_collide() {
