@@ -458,10 +458,13 @@ impl DiskTier {
     /// changed, say), after which nothing written before may be served. The directory takes a
     /// new id, its metadata rewritten first (atomically, `Meta::store`): slot headers written
     /// under the old id no longer verify, so a reopened tier discards them, and no slab byte is
-    /// rewritten. Refused while jobs run, since their blocks are pinned or being written and
-    /// would outlive the reset (`wait_idle` first); no job starts while it runs. If the
-    /// metadata cannot be written, nothing changes and the error says why. Returns how many
-    /// blocks were dropped.
+    /// rewritten. Where no new metadata file can be written (a full filesystem, say), the old
+    /// one is unlinked instead, which needs no space: a tier reopening a directory without
+    /// metadata starts its slabs afresh (`open`'s note says so), so nothing from before the
+    /// reset comes back, at the price of what is written after it until then. Refused while
+    /// jobs run, since their blocks are pinned or being written and would outlive the reset
+    /// (`wait_idle` first); no job starts while it runs. If neither works, nothing changes and
+    /// the error says why. Returns how many blocks were dropped.
     pub fn clear(&self) -> KvResult<usize> {
         let closed = self.closed.write();
         if *closed {
@@ -477,14 +480,20 @@ impl DiskTier {
         let old = self.shared.dir_id.load(Ordering::Acquire);
         let new = std::iter::repeat_with(random_id).find(|&id| id != old).expect("an endless iterator");
         let geo = &self.shared.geo;
-        Meta {
+        let meta = Meta {
             block_bytes: geo.block_bytes,
             slots_per_file: geo.slots_per_file,
             num_files: geo.num_files,
             dir_id: new,
+        };
+        match meta.store(&self.dir) {
+            Ok(()) => self.shared.dir_id.store(new, Ordering::Release),
+            Err(stored) => match fs::remove_file(self.dir.join(slab::META_NAME)) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(_) => return Err(stored),
+            },
         }
-        .store(&self.dir)?;
-        self.shared.dir_id.store(new, Ordering::Release);
         let dropped = self.shared.index.clear();
         drop(closed);
         Ok(dropped)

@@ -380,3 +380,24 @@ fn clear_is_refused_while_jobs_run_and_after_close() {
     t.close().unwrap();
     assert!(matches!(t.clear(), Err(KvError::Closed(_))));
 }
+
+#[test]
+fn clear_without_room_for_new_metadata_still_forgets_for_good() {
+    let dir = TempDir::new();
+    let h = host(8);
+    {
+        let t = DiskTier::open(config(&dir, 16, EngineChoice::Pool)).unwrap();
+        write_all(&t, &h, &[1, 2, 3]);
+        // The metadata's temporary path is taken (as a full filesystem would refuse the file).
+        let tmp = dir.0.join(format!(".kvtier-disk.meta.tmp.{}", std::process::id()));
+        std::fs::create_dir(&tmp).unwrap();
+        assert_eq!(t.clear().unwrap(), 3);
+        assert!(!dir.0.join(slab::META_NAME).exists(), "the old metadata is unlinked instead");
+        assert_eq!(t.lookup_prefix(&[k(1)]).unwrap(), 0);
+        std::fs::remove_dir(&tmp).unwrap();
+        t.close().unwrap();
+    }
+    let t = DiskTier::open(config(&dir, 16, EngineChoice::Pool)).unwrap();
+    assert_eq!(t.len(), 0, "nothing from before the reset comes back");
+    assert!(t.notes().iter().any(|n| n.contains("started afresh")), "{:?}", t.notes());
+}

@@ -253,8 +253,9 @@ class DiskLayer:
         """After a cache reset: every job is drained and the CPU tier drops all pins. The disk
         tier forgets every block too (`disk_on_reset="clear"`): vLLM resets the cache after a
         weight update, and a block written under the old weights must never be promoted. If it
-        cannot forget them durably (its metadata cannot be written), it is switched off for the
-        rest of this process instead, so no old block is served here either."""
+        cannot forget them durably (its metadata can be neither rewritten nor unlinked: a
+        read-only or failing device), it is switched off for the rest of this process instead,
+        so no old block is served here either."""
         self.drain()
         self.generation += 1
         if self.options.disk_on_reset != "clear" or self.off_reason is not None:
