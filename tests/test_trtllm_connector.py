@@ -237,6 +237,23 @@ def test_a_later_claim_overrides_the_priority_of_blocks_already_held(tmp_path, e
     assert eng.worker.tiers.orchestrator.host.index.stats()["renewals"] >= 2
 
 
+def test_a_later_claim_below_the_offload_minimum_still_renews_what_is_held(tmp_path, engines):
+    # Priority 10 is below min_offload_priority (30): the blocks are not offered again, but the
+    # copies kvtier holds from the first claim must not keep priority 90.
+    eng = make(tmp_path, cpu_blocks=4)
+    engines.append(eng)
+    keep = prompt(9, 8)
+    eng.run_request(Request(1, keep + [1], retention=Retention([TokenRange(0, None, 90, None)])))
+    eng.run_request(Request(2, keep + [2], retention=Retention([TokenRange(0, None, 10, None)])))
+    for i in range(2):
+        eng.run_request(Request(10 + i, prompt(80 + i, 8) + [1]))
+    index = eng.worker.tiers.orchestrator.host.index
+    assert index.stats()["renewals"] == 2, "both held blocks take the new claim's priority"
+    r = Request(3, keep + [3])
+    eng.step([r])
+    assert eng.matched[3] == 0, "renewed to priority 10, the chain goes before default-priority ones"
+
+
 def test_a_later_claim_renews_the_disk_copies_too(tmp_path, engines):
     eng = make(tmp_path, cpu_blocks=4, disk=True)
     engines.append(eng)

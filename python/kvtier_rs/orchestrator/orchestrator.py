@@ -234,6 +234,9 @@ class TierOrchestrator:
         if len(keys) != len(gpu_ids):
             raise InvalidArgumentError(f"invalid argument `gpu_block_ids`: {len(gpu_ids)} ids for {len(keys)} keys")
         where = dict(zip(keys, gpu_ids, strict=True))
+        # The blocks the tiers hold already take this offload's hint; the store gives it to the
+        # rest (and the write-through to their disk copies).
+        self.renew(keys, priority=priority, duration_s=duration_s)
         try:
             out = self.host.index.prepare_store(keys, priority=priority, duration_s=duration_s)
         except NoSpaceError:
@@ -246,13 +249,6 @@ class TierOrchestrator:
             return OffloadTicket(None, [], [], [], [])
         ticket = OffloadTicket(None, list(out.keys), list(out.skipped), list(out.refused), list(out.evicted))
         self.counts["cpu_store_refused"] += len(out.refused)
-        # A later claim overrides an earlier one (TensorRT-LLM's retention rule): blocks a tier
-        # already holds take this offload's priority and duration. The ones stored now get them
-        # from the store itself (and their disk copies from the write-through).
-        if out.skipped:
-            self.host.index.renew(out.skipped, priority=priority, duration_s=duration_s)
-        if self.stager is not None:
-            self.stager.disk.renew(keys, priority=priority, duration_s=duration_s)
         if self.events is not None:
             self.events.publish("removed", "cpu", out.evicted, reason="evicted")
         if not out.keys:
@@ -266,6 +262,15 @@ class TierOrchestrator:
         self._stores[job] = (list(out.keys), time.perf_counter(), {"priority": priority, "duration_s": duration_s})
         ticket.job_id = job
         return ticket
+
+    def renew(self, keys: Sequence[Key], *, priority: int = 35, duration_s: float | None = None) -> None:
+        """Give the blocks of `keys` that a tier already holds (CPU or disk) this priority and
+        duration, as if just stored with them: a later claim overrides an earlier one
+        (TensorRT-LLM's retention rule). Blocks no tier holds are ignored."""
+        keys = key_list(keys)
+        self.host.index.renew(keys, priority=priority, duration_s=duration_s)
+        if self.stager is not None:
+            self.stager.disk.renew(keys, priority=priority, duration_s=duration_s)
 
     # ---- plan ----------------------------------------------------------------------------
     def plan(self, keys: Sequence[Key], gpu_hit_blocks: int = 0, *, count: bool = True) -> LoadPlan:

@@ -285,20 +285,31 @@ class SchedulerCore:
                 saves.append(spec)
         return KvtierConnectorMetadata(next(self._steps), tuple(loads), tuple(saves))
 
+    def _retention(self, r: _Req, block: int) -> tuple[int, float | None]:
+        """(priority, duration_s) of one of the request's blocks."""
+        prio, dur = block_retention(r.retention, r.prompt_len, self.tokens_per_block, block)
+        if r.priorities[block] is not None:
+            prio = int(r.priorities[block])  # the engine's own view of the block wins
+        return prio, dur
+
     def _save_spec(self, rid: int, r: _Req, complete: int) -> SaveSpec | None:
         if r.stopped:
             return None
         upto = min(complete, len(r.keys), len(r.block_ids))
         keys, ids, prios, durs = [], [], [], []
         for i in range(r.saved, upto):
-            prio, dur = block_retention(r.retention, r.prompt_len, self.tokens_per_block, i)
-            if r.priorities[i] is not None:
-                prio = int(r.priorities[i])  # the engine's own view of the block wins
+            prio, dur = self._retention(r, i)
             if prio < self.options.min_offload_priority:
                 # Below the minimum: never offloaded, and neither is anything after it (a chain
                 # with a hole cannot be matched past the hole, so later blocks would only take space).
                 self.counts["below_min_priority_blocks"] += upto - i
                 r.stopped = True
+                # Copies kvtier holds from an earlier claim still take this claim's priorities:
+                # a later claim overrides an earlier one.
+                orch = self._tiers().orchestrator
+                for j in range(i, upto):
+                    p, d = self._retention(r, j)
+                    orch.renew(r.keys[j : j + 1], priority=p, duration_s=d)
                 break
             if r.block_ids[i] < 0:
                 r.stopped = True  # no page (out of window): the chain ends here too
@@ -336,8 +347,9 @@ class SchedulerCore:
     # ---- introspection -----------------------------------------------------------------------
     def priority_of(self, request_id: int, block: int) -> int:
         r = self._req(request_id, "priority_of")
-        p = r.priorities[block] if block < len(r.priorities) else None
-        return int(p) if p is not None else block_retention(r.retention, r.prompt_len, self.tokens_per_block, block)[0]
+        if block < len(r.priorities):
+            return self._retention(r, block)[0]
+        return block_retention(r.retention, r.prompt_len, self.tokens_per_block, block)[0]
 
 
 __all__ = ["DEFAULT_PRIORITY", "SchedulerCore", "tokens_per_block_of"]
