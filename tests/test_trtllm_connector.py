@@ -164,6 +164,30 @@ def test_promised_disk_hits_are_read_from_the_answer_on(tmp_path, engines):
     assert st["load_released"] == 3 and orch.host.index.stats()["pinned_blocks"] == 0
 
 
+def test_a_load_that_cannot_bind_gives_the_steps_other_reservations_back(tmp_path, engines):
+    eng = make(tmp_path)
+    engines.append(eng)
+    shared = prompt(12, 12)
+    eng.run_request(Request(1, shared + [1]))
+    index = eng.worker.tiers.orchestrator.host.index
+    r = Request(2, shared + [2])
+    assert eng.sched.get_num_new_matched_tokens(r, 0) == (12, False)
+    held = eng.sched._reqs[2].reservation
+    keys = tuple(eng.sched._reqs[2].load_keys)
+    assert index.stats()["pinned_blocks"] == 3
+    meta = KvtierConnectorMetadata(
+        0,
+        loads=(
+            LoadSpec(9, keys[:1], (20,), ("trtllm", 9, 99)),  # a reservation nobody holds
+            LoadSpec(2, keys, (21, 22, 23), held),
+        ),
+    )
+    eng.worker.bind_connector_meta(meta)
+    with pytest.raises(InvalidArgumentError, match="no unbound reservation"):
+        eng.worker.start_load_kv(None)
+    assert index.stats()["pinned_blocks"] == 0, "the second load's pins were given back"
+
+
 def test_an_unscheduled_request_gives_its_reservation_back(tmp_path, engines):
     eng = make(tmp_path)
     engines.append(eng)
@@ -252,6 +276,21 @@ def test_a_later_claim_below_the_offload_minimum_still_renews_what_is_held(tmp_p
     r = Request(3, keep + [3])
     eng.step([r])
     assert eng.matched[3] == 0, "renewed to priority 10, the chain goes before default-priority ones"
+
+
+def test_held_blocks_renewed_below_the_minimum_keep_the_head_more_recent(tmp_path, engines):
+    eng = make(tmp_path, cpu_blocks=4)
+    engines.append(eng)
+    keep = prompt(11, 8)
+    eng.run_request(Request(1, keep + [1], retention=Retention([TokenRange(0, None, 90, None)])))
+    eng.run_request(Request(2, keep + [2], retention=Retention([TokenRange(0, None, 10, None)])))
+    head, tail = eng.sched.identity.extend(None, keep, 0, 2, None, None)
+    index = eng.worker.tiers.orchestrator.host.index
+    assert index.lookup_prefix([head, tail]) == 2
+    # One eviction at level 10 must take the chain's tail: a prefix without its head is useless.
+    out = index.prepare_store([b"x" * 16, b"y" * 16, b"z" * 16], priority=35)
+    assert list(out.evicted) == [tail]
+    index.complete_store(out.keys, False)
 
 
 def test_a_later_claim_renews_the_disk_copies_too(tmp_path, engines):

@@ -488,6 +488,11 @@ impl DiskTier {
         };
         match meta.store(&self.dir) {
             Ok(()) => self.shared.dir_id.store(new, Ordering::Release),
+            // The new file may be in place with only the directory's sync failing: then the new
+            // id is what a reopening tier will trust, so it must be the one written from now on.
+            Err(_) if matches!(Meta::load(&self.dir), Ok(Some(m)) if m.dir_id == new) => {
+                self.shared.dir_id.store(new, Ordering::Release)
+            }
             Err(stored) => match fs::remove_file(self.dir.join(slab::META_NAME)) {
                 Ok(()) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}

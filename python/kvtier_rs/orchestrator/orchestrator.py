@@ -99,6 +99,9 @@ class LoadResult:
     loaded_cpu: int = 0  # blocks now on the device that came from the CPU tier
     loaded_disk: int = 0  # ... from the disk tier (through the CPU tier)
     failed: int = 0  # planned blocks that could not be loaded (the engine recomputes them)
+    # Planned disk hits with no CPU slot free to stage through when the load started: never
+    # attempted (nor promised, by a caller that promises `Reservation.blocks`), recomputed.
+    unreserved: int = 0
     seconds: float = 0.0
     bytes: int = 0
 
@@ -207,6 +210,9 @@ class TierOrchestrator:
         self._loads: dict[Any, _Load] = {}
         self._job_owner: dict[int, Any] = {}  # engine h2d job -> request id
         self._read_owner: dict[int, Any] = {}  # disk read job -> request id
+        # Reads of released reservations still in flight: chain -> job, and back.
+        self._orphan_reads: dict[tuple[Key, ...], int] = {}
+        self._orphan_keys: dict[int, tuple[Key, ...]] = {}
         self._done: list[LoadResult] = []
         self.counts: Counter[str] = Counter()
         self.latency = {
@@ -227,8 +233,9 @@ class TierOrchestrator:
     ) -> OffloadTicket:
         """Copy the new blocks among `keys` (a chain, head first) from the device to the CPU
         tier. Never blocks on the copy. When the CPU tier cannot take the blocks now (every slot
-        pinned or being written), nothing changes and the ticket says `no_space`. Blocks of
-        `keys` that a tier already holds are renewed with `priority` and `duration_s`."""
+        pinned or being written), no block is stored and the ticket says `no_space`. Blocks of
+        `keys` that a tier already holds are renewed with `priority` and `duration_s` either way
+        (the claim happened)."""
         keys = key_list(keys)
         gpu_ids = self._gpu_block_ids(gpu_block_ids)
         if len(keys) != len(gpu_ids):
@@ -410,9 +417,17 @@ class TierOrchestrator:
         if ld.disk_slots is not None and ld.disk.keys:
             self.host.index.unpin(ld.disk.keys)
         if ld.disk_read is not None:
+            # The read runs on; a reservation of the same chain before it lands takes it over.
             self._read_owner.pop(ld.disk_read, None)
+            self._orphan_reads[tuple(ld.disk.keys)] = ld.disk_read
+            self._orphan_keys[ld.disk_read] = tuple(ld.disk.keys)
         self.counts["load_released_blocks"] += ld.reserved
         del self._loads[request_id]
+
+    def is_reserved(self, request_id: Any) -> bool:
+        """Whether `request_id` names a reservation not bound yet."""
+        ld = self._loads.get(request_id)
+        return ld is not None and not ld.bound
 
     def _unbound(self, request_id: Any, where: str) -> _Load:
         ld = self._loads.get(request_id)
@@ -461,9 +476,16 @@ class TierOrchestrator:
                 ld.cpu.keys = []
         if plan.load_disk and not ld.cpu.failed:
             ld.disk.keys = rest[plan.load_cpu : plan.load_cpu + plan.load_disk]
-            job = self.stager.promote(ld.disk.keys)
+            job = self._orphan_reads.pop(tuple(ld.disk.keys), None)
+            if job is not None:
+                # The same chain's read, started for a reservation that was given back and still
+                # in flight (a request asked again): its slots are held and its read runs on.
+                del self._orphan_keys[job]
+            else:
+                job = self.stager.promote(ld.disk.keys)
             if job is None:
-                ld.disk.keys = []  # no CPU slot to stage through: recomputed
+                ld.result.unreserved = len(ld.disk.keys)  # no CPU slot to stage through: recomputed
+                ld.disk.keys = []
             else:
                 ld.disk_read = job
                 self._read_owner[job] = request_id
@@ -593,8 +615,10 @@ class TierOrchestrator:
                     # One host -> device transfer: all its bytes over first submission to last
                     # completion (see _Copies). A failed part measures nothing.
                     self.cost.observe("cpu", part.bytes, part.finished - part.started)
-                # A CPU part's time runs from its copies' start; a disk part's from its read's.
-                elapsed = time.perf_counter() - (ld.bound_at if tier == "cpu" else ld.started)
+                # What the engine waited for: from the destinations on, for either part (a disk
+                # read started at reserve time only shortens the wait; scheduling time between
+                # reserve and bind is not the tier's).
+                elapsed = time.perf_counter() - ld.bound_at
                 if tier == "cpu":
                     ld.result.loaded_cpu = len(part.keys)
                 else:
@@ -606,6 +630,9 @@ class TierOrchestrator:
 
     def _on_promotion(self, p: Any) -> None:
         request_id = self._read_owner.pop(p.job_id, None)
+        orphan = self._orphan_keys.pop(p.job_id, None)
+        if orphan is not None:
+            del self._orphan_reads[orphan]  # landed in the CPU tier, owned by no load
         ld = self._loads.get(request_id)
         if ld is None:
             return
@@ -636,13 +663,16 @@ class TierOrchestrator:
         if ld.cpu.failed:
             # The chain broke at its first CPU block: nothing after it is usable either.
             res.loaded_cpu = res.loaded_disk = 0
-        res.failed = res.plan.loaded - res.loaded
-        res.seconds = time.perf_counter() - ld.started
+        res.failed = res.plan.loaded - res.unreserved - res.loaded
+        # What the engine waited for: from the destinations on (a read started at reserve time
+        # only shortens it).
+        res.seconds = time.perf_counter() - ld.bound_at
         res.bytes = res.loaded * self.engine.layout.bytes_per_block
         c = self.counts
         c["cpu_promoted_blocks"] += res.loaded_cpu
         c["disk_promoted_blocks"] += res.loaded_disk
         c["load_failed_blocks"] += res.failed
+        c["load_unreserved_blocks"] += res.unreserved
         if self.events is not None:
             self.events.publish("promoted", "cpu", ld.cpu.keys[: res.loaded_cpu])
             self.events.publish("promoted", "disk", ld.disk.keys[: res.loaded_disk])
@@ -753,6 +783,7 @@ class TierOrchestrator:
             "misses": c["miss_blocks"],
             "load_failed": c["load_failed_blocks"],
             "load_released": c["load_released_blocks"],
+            "load_unreserved": c["load_unreserved_blocks"],
             "bytes": {"d2h": c["d2h_bytes"], "h2d": c["h2d_bytes"]},
             "tiers": tiers,
             "guards": {t: g.state() for t, g in self.guards.items()},

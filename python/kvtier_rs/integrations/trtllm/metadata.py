@@ -18,7 +18,7 @@ DEFAULT_PRIORITY = 35
 
 
 #: How the scheduler names a reservation in the orchestrator: (tag, request id, sequence).
-Reservation = tuple[str, int, int]
+ReservationId = tuple[str, int, int]
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class LoadSpec:
     request_id: int
     keys: tuple[bytes, ...]
     block_ids: tuple[int, ...]
-    reservation: Reservation
+    reservation: ReservationId
 
 
 @dataclass(frozen=True)

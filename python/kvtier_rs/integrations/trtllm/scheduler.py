@@ -16,7 +16,7 @@ from kvtier_rs.integrations.trtllm.metadata import (
     DEFAULT_PRIORITY,
     KvtierConnectorMetadata,
     LoadSpec,
-    Reservation,
+    ReservationId,
     SaveSpec,
     block_retention,
 )
@@ -52,10 +52,11 @@ class _Req:
     gpu_blocks: int = 0  # blocks TensorRT-LLM matched itself
     external_tokens: int = 0
     load_keys: list[bytes] = field(default_factory=list)
-    reservation: Reservation | None = None  # the load's blocks, held until the worker binds them
+    reservation: ReservationId | None = None  # the load's blocks, held until the worker binds them
     load_dst: list[int] | None = None
     saved: int = 0  # leading blocks already handed to a SaveSpec (or skipped as GPU/loaded)
     stopped: bool = False  # a block fell below min_offload_priority: nothing later is offloaded
+    renew_only: bool = False  # stopped by priority: later blocks held by kvtier are still renewed
     unkeyed: bool = False  # its block identity cannot be reproduced: never matched or saved
     hashes_checked: int = 0  # leading keys checked against the engine's block_hashes
     ever_saved: bool = False
@@ -191,8 +192,7 @@ class SchedulerCore:
         # The scheduling decision: plan() counts it (one lookup, its hits, misses and refusals),
         # also when nothing is worth loading and the worker never sees this request. Asked again
         # for the same request on a later step (a reset, a replay, or a request that did not fit
-        # yet), it is a new lookup and counted again. The worker re-plans a load only to route
-        # it; that must not count (plan(count=False)).
+        # yet), it is a new lookup and counted again.
         plan = orch.plan(r.keys[:usable], r.gpu_blocks)
         if plan.loaded == 0:
             return 0, False
@@ -292,10 +292,23 @@ class SchedulerCore:
             prio = int(r.priorities[block])  # the engine's own view of the block wins
         return prio, dur
 
+    def _renew_held(self, r: _Req, first: int, upto: int) -> None:
+        """Blocks first..upto of a request that kvtier does not offload (below the minimum
+        priority, or after such a block): copies kvtier holds from an earlier claim still take
+        this claim's priorities, since a later claim overrides an earlier one. Tail first, as a
+        store ranks a chain, so that the head stays the more recent."""
+        orch = self._tiers().orchestrator
+        for j in reversed(range(first, upto)):
+            prio, dur = self._retention(r, j)
+            orch.renew(r.keys[j : j + 1], priority=prio, duration_s=dur)
+
     def _save_spec(self, rid: int, r: _Req, complete: int) -> SaveSpec | None:
-        if r.stopped:
-            return None
         upto = min(complete, len(r.keys), len(r.block_ids))
+        if r.stopped:
+            if r.renew_only and upto > r.saved:  # later chunks of a prompt, say
+                self._renew_held(r, r.saved, upto)
+                r.saved = upto
+            return None
         keys, ids, prios, durs = [], [], [], []
         for i in range(r.saved, upto):
             prio, dur = self._retention(r, i)
@@ -303,13 +316,8 @@ class SchedulerCore:
                 # Below the minimum: never offloaded, and neither is anything after it (a chain
                 # with a hole cannot be matched past the hole, so later blocks would only take space).
                 self.counts["below_min_priority_blocks"] += upto - i
-                r.stopped = True
-                # Copies kvtier holds from an earlier claim still take this claim's priorities:
-                # a later claim overrides an earlier one.
-                orch = self._tiers().orchestrator
-                for j in range(i, upto):
-                    p, d = self._retention(r, j)
-                    orch.renew(r.keys[j : j + 1], priority=p, duration_s=d)
+                r.stopped = r.renew_only = True
+                self._renew_held(r, i, upto)
                 break
             if r.block_ids[i] < 0:
                 r.stopped = True  # no page (out of window): the chain ends here too

@@ -172,14 +172,18 @@ class WorkerCore:
         self._loads_done = True
         if meta is None:
             return
-        for spec in meta.loads:
+        groups = [[layer] for layer in range(self.tiers.num_layers)]
+        for n, spec in enumerate(meta.loads):
             # The scheduler reserved these blocks when it matched them (CPU hits pinned, disk
             # hits being read into reserved CPU slots): give the reservation its destinations.
-            res = orch.bind(
-                spec.reservation,
-                list(spec.block_ids),
-                region_groups=[[layer] for layer in range(self.tiers.num_layers)],
-            )
+            try:
+                res = orch.bind(spec.reservation, list(spec.block_ids), region_groups=groups)
+            except BaseException:
+                # The step stops here; the reservations after this one must not stay held.
+                for later in meta.loads[n + 1 :]:
+                    if orch.is_reserved(later.reservation):
+                        orch.release(later.reservation)
+                raise
             self._pending_loads[res.request_id] = spec
             self._loads_done = False
 
