@@ -164,17 +164,23 @@ def test_promised_disk_hits_are_read_from_the_answer_on(tmp_path, engines):
     assert st["load_released"] == 3 and orch.host.index.stats()["pinned_blocks"] == 0
 
 
-def test_a_load_that_cannot_bind_gives_the_steps_other_reservations_back(tmp_path, engines):
+def _matched_not_scheduled(tmp_path, engines, seed):
+    """An engine whose request 2 was matched (3 CPU hits reserved) and not scheduled yet."""
     eng = make(tmp_path)
     engines.append(eng)
-    shared = prompt(12, 12)
+    shared = prompt(seed, 12)
     eng.run_request(Request(1, shared + [1]))
     index = eng.worker.tiers.orchestrator.host.index
     r = Request(2, shared + [2])
     assert eng.sched.get_num_new_matched_tokens(r, 0) == (12, False)
+    assert index.stats()["pinned_blocks"] == 3
+    return eng, index, r
+
+
+def test_a_load_that_cannot_bind_gives_the_steps_other_reservations_back(tmp_path, engines):
+    eng, index, _ = _matched_not_scheduled(tmp_path, engines, 12)
     held = eng.sched._reqs[2].reservation
     keys = tuple(eng.sched._reqs[2].load_keys)
-    assert index.stats()["pinned_blocks"] == 3
     meta = KvtierConnectorMetadata(
         0,
         loads=(
@@ -189,14 +195,7 @@ def test_a_load_that_cannot_bind_gives_the_steps_other_reservations_back(tmp_pat
 
 
 def test_an_unscheduled_request_gives_its_reservation_back(tmp_path, engines):
-    eng = make(tmp_path)
-    engines.append(eng)
-    shared = prompt(5, 12)
-    eng.run_request(Request(1, shared + [1]))
-    index = eng.worker.tiers.orchestrator.host.index
-    r = Request(2, shared + [2])
-    assert eng.sched.get_num_new_matched_tokens(r, 0) == (12, False)
-    assert index.stats()["pinned_blocks"] == 3
+    eng, index, r = _matched_not_scheduled(tmp_path, engines, 5)
     # Asked again (a reset): the first reservation goes, a new one is made.
     assert eng.sched.get_num_new_matched_tokens(r, 0) == (12, False)
     assert index.stats()["pinned_blocks"] == 3
