@@ -292,6 +292,26 @@ def test_held_blocks_renewed_below_the_minimum_keep_the_head_more_recent(tmp_pat
     index.complete_store(out.keys, False)
 
 
+def test_blocks_completed_in_later_chunks_of_a_low_priority_claim_are_renewed_too(tmp_path, engines):
+    # The driver schedules a prompt in one chunk; here the scheduler sees its blocks complete
+    # one at a time, as chunked prefill reports them.
+    eng = make(tmp_path, cpu_blocks=4)
+    engines.append(eng)
+    keep = prompt(13, 8)
+    eng.run_request(Request(1, keep + [1], retention=Retention([TokenRange(0, None, 90, None)])))
+    index = eng.worker.tiers.orchestrator.host.index
+    r = Request(2, keep + [2], retention=Retention([TokenRange(0, None, 10, None)]))
+    eng.sched.get_num_new_matched_tokens(r, 0)
+    state = eng.sched._reqs[2]
+    state.block_ids, state.priorities = [5, 6, 7], [None, None, None]
+    before = index.stats()["renewals"]
+    assert eng.sched._save_spec(2, state, 1) is None  # block 0: below the minimum, renewed
+    assert index.stats()["renewals"] - before == 1
+    assert eng.sched._save_spec(2, state, 2) is None  # block 1, completed by a later chunk
+    assert index.stats()["renewals"] - before == 2
+    eng.sched._release_reservation(state)
+
+
 def test_a_later_claim_renews_the_disk_copies_too(tmp_path, engines):
     eng = make(tmp_path, cpu_blocks=4, disk=True)
     engines.append(eng)
