@@ -397,8 +397,12 @@ class NeverFinishes(TransferEngine):
 
     name = "stuck"
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.held: list = []  # submitted jobs, never completed
+
     def _submit(self, job, block_ids, slots, after_stream):
-        pass
+        self.held.append(job)
 
 
 def test_close_reports_jobs_it_could_not_finish_as_failed():

@@ -242,15 +242,22 @@ def test_priorities_order_eviction_and_durations_expire(tmp_path, engines):
     assert eng.matched[3] == 0
 
 
+def _claimed_twice(tmp_path, engines, seed, second_priority):
+    """A 4-slot CPU tier whose 2-block prefix was claimed at priority 90, then again (request 2)
+    at `second_priority`; returns (engine, prefix tokens)."""
+    eng = make(tmp_path, cpu_blocks=4)
+    engines.append(eng)
+    keep = prompt(seed, 8)
+    eng.run_request(Request(1, keep + [1], retention=Retention([TokenRange(0, None, 90, None)])))
+    eng.run_request(Request(2, keep + [2], retention=Retention([TokenRange(0, None, second_priority, None)])))
+    return eng, keep
+
+
 def test_a_later_claim_overrides_the_priority_of_blocks_already_held(tmp_path, engines):
     # TensorRT-LLM: "a later claim with a new priority always overrides the old one". The
     # second request's blocks are all in the CPU tier already, so nothing new is stored.
-    eng = make(tmp_path, cpu_blocks=4)
-    engines.append(eng)
-    keep = prompt(7, 8)  # 2 blocks
-    eng.run_request(Request(1, keep + [1], retention=Retention([TokenRange(0, None, 90, None)])))
     # 31: above min_offload_priority (30), so the blocks are offered again, and below 35.
-    eng.run_request(Request(2, keep + [2], retention=Retention([TokenRange(0, None, 31, None)])))
+    eng, keep = _claimed_twice(tmp_path, engines, 7, 31)
     assert eng.matched[2] == 8
     for i in range(2):  # two default-priority chains need the whole 4-slot tier
         eng.run_request(Request(10 + i, prompt(70 + i, 8) + [1]))
@@ -263,11 +270,7 @@ def test_a_later_claim_overrides_the_priority_of_blocks_already_held(tmp_path, e
 def test_a_later_claim_below_the_offload_minimum_still_renews_what_is_held(tmp_path, engines):
     # Priority 10 is below min_offload_priority (30): the blocks are not offered again, but the
     # copies kvtier holds from the first claim must not keep priority 90.
-    eng = make(tmp_path, cpu_blocks=4)
-    engines.append(eng)
-    keep = prompt(9, 8)
-    eng.run_request(Request(1, keep + [1], retention=Retention([TokenRange(0, None, 90, None)])))
-    eng.run_request(Request(2, keep + [2], retention=Retention([TokenRange(0, None, 10, None)])))
+    eng, keep = _claimed_twice(tmp_path, engines, 9, 10)
     for i in range(2):
         eng.run_request(Request(10 + i, prompt(80 + i, 8) + [1]))
     index = eng.worker.tiers.orchestrator.host.index
@@ -278,11 +281,7 @@ def test_a_later_claim_below_the_offload_minimum_still_renews_what_is_held(tmp_p
 
 
 def test_held_blocks_renewed_below_the_minimum_keep_the_head_more_recent(tmp_path, engines):
-    eng = make(tmp_path, cpu_blocks=4)
-    engines.append(eng)
-    keep = prompt(11, 8)
-    eng.run_request(Request(1, keep + [1], retention=Retention([TokenRange(0, None, 90, None)])))
-    eng.run_request(Request(2, keep + [2], retention=Retention([TokenRange(0, None, 10, None)])))
+    eng, keep = _claimed_twice(tmp_path, engines, 11, 10)
     head, tail = eng.sched.identity.extend(None, keep, 0, 2, None, None)
     index = eng.worker.tiers.orchestrator.host.index
     assert index.lookup_prefix([head, tail]) == 2

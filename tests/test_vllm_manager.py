@@ -45,19 +45,25 @@ def store(mg, keys, c=None):
     return out
 
 
-def disk_backed(tmp_path, *, events: bool = False, **extra):
-    """A manager over a 2-chunk CPU tier with kvtier's disk tier below it, and the disk tier;
-    key(1) has been written through and pushed out of the CPU tier (it is only on disk)."""
+def disk_layer(tmp_path, *, cpu_slots: int = 2, disk_slots: int = 16, **extra):
+    """kvtier's disk tier (4 KiB chunks, in tmp_path/d) under a CPU index of `cpu_slots`, as
+    the vLLM disk layer: (cpu index, disk tier, layer). `extra`: more connector options."""
     from kvtier_rs import DiskTier, HostPool
     from kvtier_rs.integrations.vllm.disk_layer import DiskLayer
 
-    pool = HostPool(2 * 4096, 4096)
+    pool = HostPool(cpu_slots * 4096, 4096)
     cpu = BlockIndex(pool=pool)
-    disk = DiskTier(str(tmp_path / "d"), 16 * 8192, 4096, admission="always", engine="pool")
+    disk = DiskTier(str(tmp_path / "d"), disk_slots * 8192, 4096, admission="always", engine="pool")
     opts = parse_options(
-        {"cpu_bytes_to_use": 2 * 4096, "disk_root": str(tmp_path), "disk_bytes_to_use": 1 << 20, **extra}
+        {"cpu_bytes_to_use": cpu_slots * 4096, "disk_root": str(tmp_path), "disk_bytes_to_use": 1 << 20, **extra}
     )
-    layer = DiskLayer(disk, pool, cpu, opts, tokens_per_chunk=16)
+    return cpu, disk, DiskLayer(disk, pool, cpu, opts, tokens_per_chunk=16)
+
+
+def disk_backed(tmp_path, *, events: bool = False, **extra):
+    """A manager over a 2-chunk CPU tier with kvtier's disk tier below it, and the disk tier;
+    key(1) has been written through and pushed out of the CPU tier (it is only on disk)."""
+    cpu, disk, layer = disk_layer(tmp_path, **extra)
     mg = KvtierOffloadingManager(cpu, enable_events=events, lower=layer)
     for keys in ([key(1)], [key(2), key(3)]):
         store(mg, keys)
@@ -587,14 +593,7 @@ def test_a_promotion_collects_finished_write_throughs_before_giving_up(tmp_path)
     # Lookups run before a step's first poll: after an idle spell, the CPU slots may be pinned
     # only by write-throughs that have finished on disk but were not collected yet. The
     # promotion collects them and goes ahead instead of reporting a miss.
-    from kvtier_rs import DiskTier, HostPool
-    from kvtier_rs.integrations.vllm.disk_layer import DiskLayer
-
-    pool = HostPool(2 * 4096, 4096)
-    cpu = BlockIndex(pool=pool)
-    disk = DiskTier(str(tmp_path / "d"), 16 * 8192, 4096, admission="always", engine="pool")
-    opts = parse_options({"cpu_bytes_to_use": 2 * 4096, "disk_root": str(tmp_path), "disk_bytes_to_use": 1 << 20})
-    layer = DiskLayer(disk, pool, cpu, opts, tokens_per_chunk=16)
+    cpu, disk, layer = disk_layer(tmp_path)
 
     def store(keys):
         out = cpu.prepare_store(keys)
@@ -618,14 +617,7 @@ def test_a_promotion_collects_finished_write_throughs_before_giving_up(tmp_path)
 def test_a_write_through_the_disk_tier_has_no_room_for_is_refused_not_raised(tmp_path):
     # complete_store (an engine hook) writes through to disk: a batch larger than the disk tier,
     # or one arriving while every disk slot is being written, is refused and counted.
-    from kvtier_rs import DiskTier, HostPool
-    from kvtier_rs.integrations.vllm.disk_layer import DiskLayer
-
-    pool = HostPool(4 * 4096, 4096)
-    cpu = BlockIndex(pool=pool)
-    disk = DiskTier(str(tmp_path / "d"), 2 * 8192, 4096, admission="always", engine="pool")
-    opts = parse_options({"cpu_bytes_to_use": 4 * 4096, "disk_root": str(tmp_path), "disk_bytes_to_use": 1 << 20})
-    layer = DiskLayer(disk, pool, cpu, opts, tokens_per_chunk=16)
+    cpu, disk, layer = disk_layer(tmp_path, cpu_slots=4, disk_slots=2)
     keys = [b"a", b"b", b"c"]
     out = cpu.prepare_store(keys)
     cpu.complete_store(out.keys)

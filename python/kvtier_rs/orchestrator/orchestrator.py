@@ -210,9 +210,8 @@ class TierOrchestrator:
         self._loads: dict[Any, _Load] = {}
         self._job_owner: dict[int, Any] = {}  # engine h2d job -> request id
         self._read_owner: dict[int, Any] = {}  # disk read job -> request id
-        # Reads of released reservations still in flight: chain -> job, and back.
+        # Reads of released reservations still in flight: chain -> job.
         self._orphan_reads: dict[tuple[Key, ...], int] = {}
-        self._orphan_keys: dict[int, tuple[Key, ...]] = {}
         self._done: list[LoadResult] = []
         self.counts: Counter[str] = Counter()
         self.latency = {
@@ -420,7 +419,6 @@ class TierOrchestrator:
             # The read runs on; a reservation of the same chain before it lands takes it over.
             self._read_owner.pop(ld.disk_read, None)
             self._orphan_reads[tuple(ld.disk.keys)] = ld.disk_read
-            self._orphan_keys[ld.disk_read] = tuple(ld.disk.keys)
         self.counts["load_released_blocks"] += ld.reserved
         del self._loads[request_id]
 
@@ -476,12 +474,10 @@ class TierOrchestrator:
                 ld.cpu.keys = []
         if plan.load_disk and not ld.cpu.failed:
             ld.disk.keys = rest[plan.load_cpu : plan.load_cpu + plan.load_disk]
+            # The same chain's read, started for a reservation that was given back and still in
+            # flight (a request asked again), is taken over: its slots are held, its read runs on.
             job = self._orphan_reads.pop(tuple(ld.disk.keys), None)
-            if job is not None:
-                # The same chain's read, started for a reservation that was given back and still
-                # in flight (a request asked again): its slots are held and its read runs on.
-                del self._orphan_keys[job]
-            else:
+            if job is None:
                 job = self.stager.promote(ld.disk.keys)
             if job is None:
                 ld.result.unreserved = len(ld.disk.keys)  # no CPU slot to stage through: recomputed
@@ -630,9 +626,8 @@ class TierOrchestrator:
 
     def _on_promotion(self, p: Any) -> None:
         request_id = self._read_owner.pop(p.job_id, None)
-        orphan = self._orphan_keys.pop(p.job_id, None)
-        if orphan is not None:
-            del self._orphan_reads[orphan]  # landed in the CPU tier, owned by no load
+        if request_id is None and self._orphan_reads.get(tuple(p.keys)) == p.job_id:
+            del self._orphan_reads[tuple(p.keys)]  # landed in the CPU tier, owned by no load
         ld = self._loads.get(request_id)
         if ld is None:
             return
