@@ -12,6 +12,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 from _disk_util import BLOCK, ENGINES, Host, make_tier, payload, read, require_engine, stride, write
@@ -49,6 +50,31 @@ def test_round_trip_restart_and_engine_name(tmp_path, engine):
         assert len(tier) == 4
         assert tier.stats()["recovered_blocks"] == 4
         assert read(tier, host, list(reversed(keys))) == {k: payload(k) for k in keys}
+
+
+def test_a_restart_keeps_each_blocks_priority_and_what_is_left_of_its_duration(tmp_path):
+    host = Host(4)
+
+    def put(tier, key, priority, duration_s=None):
+        host.put(0, payload(key))
+        ticket = tier.submit_write([key], host.pool, [0], priority=priority, duration_s=duration_s)
+        assert tier.wait(ticket.job_id, timeout=60).success
+        return ticket.evicted
+
+    def priority_tier():
+        return make_tier(tmp_path, "pool", blocks=4, num_files=1, policy="priority")
+
+    with priority_tier() as tier:
+        # Oldest first. Block 3 is high only for 50 ms, block 4 for an hour.
+        for key, priority, duration_s in ((1, 90, None), (2, 10, None), (3, 95, 0.05), (4, 80, 3600.0)):
+            put(tier, key, priority, duration_s)
+    time.sleep(0.1)  # block 3's duration runs out while the tier is closed
+    with priority_tier() as tier:
+        assert tier.stats()["recovered_blocks"] == 4
+        # Lowest level first: 2 (10), then 3 (back at the default 35), then 4 (80); 1 (90) stays.
+        # Recovered at the default priority, all four would go oldest first: 1, 2, 3.
+        assert [put(tier, key, 100) for key in (5, 6, 7)] == [[2], [3], [4]]
+        assert read(tier, host, [1]) == {1: payload(1)}
 
 
 def test_clear_forgets_every_block_for_good_and_is_refused_while_jobs_run(tmp_path, engine):

@@ -40,7 +40,7 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex, RwLock};
 
 use self::io::{build_engine, Chain, DoneFn, EngineChoice, IoBuf, IoEngine, IoFailure, IoOp, OpKind, PrepFn};
-use self::layout::{SlotHeader, HEADER_BYTES, PAGE};
+use self::layout::{unix_now_ms, Retention, SlotHeader, HEADER_BYTES, PAGE};
 use self::slab::{AlignedBuf, DirLock, DirectMode, Geometry, Meta, SlabFile};
 use crate::admission::AdmissionRule;
 use crate::error::{KvError, KvResult};
@@ -338,8 +338,9 @@ impl DiskTier {
             },
             allocator,
         )?;
+        let now_ms = unix_now_ms();
         for h in &rec.entries {
-            index.insert_recovered(h.key, h.slot, h.payload_len, h.payload_crc)?;
+            index.insert_recovered(h.key, h.slot, h.payload_len, h.payload_crc, h.retention.to_hint(now_ms))?;
         }
         let counters = Counters::default();
         counters.recovered_blocks.store(rec.entries.len() as u64, Ordering::Relaxed);
@@ -448,8 +449,9 @@ impl DiskTier {
         self.shared.index.touch(keys);
         Ok(())
     }
-    /// `TierIndex::renew` on the tier's index. Like a write's own hint, the renewed priority is
-    /// not written to disk: blocks recovered at open rank at the default level.
+    /// `TierIndex::renew` on the tier's index. Unlike a write's own hint, which its header
+    /// records, the renewed retention is not written to disk (that would be a header write per
+    /// renewed block): a reopened tier ranks the block by the hint it was written with.
     pub fn renew(&self, keys: &[BlockKey], hint: InsertHint) -> KvResult<usize> {
         self.check_open()?;
         self.shared.index.renew(keys, hint)
@@ -592,8 +594,9 @@ impl DiskTier {
         let write_keys: Vec<BlockKey> = out.to_write.iter().map(|(k, _)| *k).collect();
         let job = self.new_job(JobKind::Write, write_keys.clone(), host.clone());
         let mut chains = Vec::with_capacity(out.to_write.len());
+        let retention = Retention::from_hint(hint, unix_now_ms());
         for (i, (key, disk_slot)) in out.to_write.iter().enumerate() {
-            chains.push(sh.write_chain(&job, i, *key, *disk_slot, host_slot[key], &host));
+            chains.push(sh.write_chain(&job, i, (*key, retention), *disk_slot, host_slot[key], &host));
         }
         if chains.is_empty() {
             sh.finalize(&job);
@@ -912,7 +915,7 @@ impl Shared {
         self: &Arc<Self>,
         job: &Arc<Job>,
         i: usize,
-        key: BlockKey,
+        (key, retention): (BlockKey, Retention),
         disk_slot: u32,
         host_slot: u32,
         host: &Arc<dyn HostMemory>,
@@ -939,6 +942,7 @@ impl Shared {
                     payload_crc: crc,
                     slot: disk_slot,
                     dir_id: me.dir_id.load(Ordering::Acquire),
+                    retention,
                 };
                 // SAFETY: the header page is only touched here before the ops start, and by
                 // the kernel afterwards; nobody else has a reference that writes it.

@@ -704,10 +704,19 @@ impl TierIndex {
     }
 
     /// Put back a block found on disk at open (the disk tier's recovery): a Ready entry in
-    /// `slot`, which the caller took out of the allocator's free list (it never was in it).
-    /// Bypasses admission (the block was admitted before the restart). Call in the order the
-    /// blocks should rank, oldest first. Errors if the key is already present.
-    pub fn insert_recovered(&self, key: BlockKey, slot: u32, size: u64, checksum: u32) -> KvResult<()> {
+    /// `slot`, which the caller took out of the allocator's free list (it never was in it),
+    /// with the retention `hint` its header recorded. Bypasses admission (the block was
+    /// admitted before the restart). Call in the order the blocks should rank, oldest first.
+    /// Errors if the key is already present.
+    pub fn insert_recovered(
+        &self,
+        key: BlockKey,
+        slot: u32,
+        size: u64,
+        checksum: u32,
+        hint: InsertHint,
+    ) -> KvResult<()> {
+        Self::check_hint(hint)?;
         if slot as usize >= self.config.capacity {
             return Err(KvError::invalid("slot", format!("slot {slot} out of range 0..{}", self.config.capacity)));
         }
@@ -722,8 +731,8 @@ impl TierIndex {
         if self.state(slot).load().0 != BlockState::Evicting {
             return Err(KvError::invalid("slot", format!("slot {slot} recovered twice")));
         }
-        let generation = self.occupy(&mut inner, slot, &key, BlockState::Ready, (DEFAULT_PRIORITY, size, checksum));
-        self.publish(&mut inner, key, slot, generation, InsertHint::default(), now);
+        let generation = self.occupy(&mut inner, slot, &key, BlockState::Ready, (hint.priority, size, checksum));
+        self.publish(&mut inner, key, slot, generation, hint, now);
         Ok(())
     }
 

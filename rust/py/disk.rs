@@ -372,7 +372,8 @@ impl PyDiskTier {
     }
 
     /// Set the retention priority and duration of blocks on disk (or being written) as if just
-    /// written with them (`BlockIndex.renew`); returns how many were renewed. Not persisted.
+    /// written with them (`BlockIndex.renew`); returns how many were renewed. Not
+    /// written to disk: a reopened tier ranks a block by the hint it was written with.
     #[pyo3(signature = (keys, *, priority=35, duration_s=None))]
     fn renew(
         &self,
