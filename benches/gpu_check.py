@@ -6,7 +6,9 @@ Self-contained; run on a machine with an NVIDIA GPU after `make build`:
 
 It checks, then measures, in one run:
 1. Correctness: random layouts (per-layer, K/V split, one pool tensor; several dtypes), device ->
-   host -> other device blocks, byte-identical.
+   host -> other device blocks, byte-identical, through cudaMemcpyBatchAsync and through the
+   2-D copy fallback; also several blocks per host slot (vLLM's chunks, `sub_blocks`) and a
+   load of one region at a time (TensorRT-LLM's per-layer loads).
 2. Ordering with a compute stream: blocks written by a kernel on the compute stream are stored
    with `after_stream=compute` and must reach the host with the kernel's values; loads followed
    by `wait_on(job, compute)` must be visible to a kernel on the compute stream.
@@ -62,27 +64,65 @@ def random_layout(rng: random.Random, blocks: int) -> tuple[BlockLayout, list[to
     return BlockLayout([Region.rows_of(pool, offset_bytes=i * per, bytes_per_block=per) for i in range(layers)]), [pool]
 
 
+def finished(eng: CudaTransferEngine, jobs: list[int]) -> None:
+    """Wait for jobs and stop if one failed (a job failing at once would time as huge bandwidth)."""
+    bad = [r for r in eng.wait(jobs) if not r.success]
+    if bad:
+        raise SystemExit(f"transfer failed: {bad[0].error}")
+
+
 def check_round_trips(rounds: int = 8) -> int:
     rng = random.Random(0)
     checked = 0
-    for _ in range(rounds):
-        layout, tensors = random_layout(rng, 64)
-        pool = kv.HostPool(64 * padded(layout.bytes_per_block), layout.bytes_per_block)
-        with CudaTransferEngine(layout, pool) as eng:
-            src = rng.sample(range(64), 24)
-            slots = rng.sample(range(64), 24)
-            want = [block_bytes(layout, b) for b in src]
-            eng.wait([eng.store(src, slots)])
-            for t in tensors:
-                t.zero_()
-            dst = rng.sample(range(64), 24)
-            eng.wait([eng.load(slots, dst)])
-            torch.cuda.synchronize()
-            got = [block_bytes(layout, b) for b in dst]
-            if got != want:
-                raise SystemExit(f"round trip mismatch on {layout}")
-            checked += 24
+    for use_batch in (True, False):
+        for _ in range(rounds):
+            layout, tensors = random_layout(rng, 64)
+            pool = kv.HostPool(64 * padded(layout.bytes_per_block), layout.bytes_per_block)
+            with CudaTransferEngine(layout, pool, use_batch=use_batch) as eng:
+                src = rng.sample(range(64), 24)
+                slots = rng.sample(range(64), 24)
+                want = [block_bytes(layout, b) for b in src]
+                finished(eng, [eng.store(src, slots)])
+                for t in tensors:
+                    t.zero_()
+                dst = rng.sample(range(64), 24)
+                # Ordered after the zeroing on torch's stream (the copy streams do not sync with it).
+                finished(eng, [eng.load(slots, dst, after_stream=torch.cuda.current_stream())])
+                torch.cuda.synchronize()
+                got = [block_bytes(layout, b) for b in dst]
+                if got != want:
+                    raise SystemExit(f"round trip mismatch on {layout} (use_batch={use_batch})")
+                checked += 24
     return checked
+
+
+def check_sub_blocks_and_regions(bps: int = 4) -> int:
+    """vLLM's layout (`bps` blocks per host slot, padded pages at explicit offsets) stored with
+    sub-blocks, then loaded back one region at a time."""
+    blocks = 32
+    a = torch.randint(-128, 127, (blocks, 96), dtype=torch.int8, device="cuda")
+    b = torch.randint(-128, 127, (blocks, 80), dtype=torch.int8, device="cuda")
+    regions = [
+        Region(tensor=a, bytes_per_block=96, block_stride_bytes=96),
+        Region(tensor=b, bytes_per_block=48, block_stride_bytes=80),  # packed rows
+    ]
+    layout = BlockLayout(regions, blocks_per_slot=bps, host_offsets=[0, 128 * bps], sub_block_strides=[128, 64])
+    pool = kv.HostPool(16 * 4096, layout.slot_extent)
+    src = list(range(0, 16))
+    slots = [i // bps for i in range(16)]
+    subs = [i % bps for i in range(16)]
+    want = [block_bytes(layout, x) for x in src]
+    with CudaTransferEngine(layout, pool) as eng:
+        finished(eng, [eng.store(src, slots, sub_blocks=subs)])
+        a.zero_()
+        b.zero_()
+        dst = list(range(16, 32))
+        after = torch.cuda.current_stream()
+        finished(eng, [eng.load(slots, dst, sub_blocks=subs, regions=[r], after_stream=after) for r in (0, 1)])
+        torch.cuda.synchronize()
+        if [block_bytes(layout, x) for x in dst] != want:
+            raise SystemExit("sub-block / per-region round trip mismatch")
+    return len(src)
 
 
 def check_ordering() -> dict[str, bool]:
@@ -102,7 +142,7 @@ def check_ordering() -> dict[str, bool]:
                 x = x / x.norm()
             t.fill_(3.0)
         job = eng.store(list(range(blocks)), list(range(blocks)), after_stream=compute)
-        eng.wait([job])
+        finished(eng, [job])
         stored_ok = bool((host[:blocks].view(torch.float16) == 3.0).all())
         # Load zeros back, make the compute stream wait on the load, read on the compute stream.
         host[:blocks].zero_()
@@ -111,7 +151,7 @@ def check_ordering() -> dict[str, bool]:
         with torch.cuda.stream(compute):
             total = t.float().abs().sum()
         compute.synchronize()
-        eng.wait([job])
+        finished(eng, [job])
         load_ok = float(total) == 0.0
     return {"store_after_compute": stored_ok, "load_before_compute": load_ok}
 
@@ -136,8 +176,8 @@ def bandwidth_large(total_bytes: int = 1 << 30, row: int = 2 << 20) -> dict[str,
     src8 = t.view(torch.uint8).view(blocks, row)
     ids = list(range(blocks))
     with CudaTransferEngine(layout, pool) as eng:
-        kv_d2h = time_cuda(lambda: eng.wait([eng.store(ids, ids)]))
-        kv_h2d = time_cuda(lambda: eng.wait([eng.load(ids, ids)]))
+        kv_d2h = time_cuda(lambda: finished(eng, [eng.store(ids, ids)]))
+        kv_h2d = time_cuda(lambda: finished(eng, [eng.load(ids, ids)]))
     torch_d2h = time_cuda(lambda: pinned.copy_(src8, non_blocking=True))
     torch_h2d = time_cuda(lambda: src8.copy_(pinned, non_blocking=True))
     gib = total_bytes / 2**30
@@ -165,13 +205,14 @@ def bandwidth_small(num_blocks: int = 2048, batch: int = 256) -> dict[str, float
     ids = ids[:batch]
     slots = list(range(batch))
     per_layer = 64 << 10
-    host = torch.frombuffer(pool, dtype=torch.uint8).view(pool.num_slots, pool.slot_bytes)
-    pinned_layers = [host[:, i * per_layer : (i + 1) * per_layer] for i in range(32)]
+    # torch's side gets contiguous pinned buffers of its own: a strided view of kvtier's pool
+    # would send its copies through pageable temporaries, which is not torch at its best.
+    pinned_layers = [torch.empty(batch, per_layer, dtype=torch.uint8).pin_memory() for _ in range(32)]
     idx = torch.tensor(ids, device="cuda")
     staging = torch.empty(batch, per_layer, dtype=torch.uint8, device="cuda")
     with CudaTransferEngine(layout, pool) as eng:
-        kv_d2h = time_cuda(lambda: eng.wait([eng.store(ids, slots)]))
-        kv_h2d = time_cuda(lambda: eng.wait([eng.load(slots, ids)]))
+        kv_d2h = time_cuda(lambda: finished(eng, [eng.store(ids, slots)]))
+        kv_h2d = time_cuda(lambda: finished(eng, [eng.load(slots, ids)]))
         batched = eng.batch_calls > 0
 
     def torch_d2h() -> None:
@@ -214,11 +255,11 @@ def overlap() -> dict[str, float]:
 
     with CudaTransferEngine(layout, pool) as eng:
         t_mm = time_cuda(matmuls, 3)
-        t_copy = time_cuda(lambda: eng.wait([eng.store(ids, ids), eng.load(ids, ids)]), 3)
+        t_copy = time_cuda(lambda: finished(eng, [eng.store(ids, ids), eng.load(ids, ids)]), 3)
 
         def both() -> None:
             matmuls()
-            eng.wait([eng.store(ids, ids), eng.load(ids, ids)])
+            finished(eng, [eng.store(ids, ids), eng.load(ids, ids)])
 
         t_both = time_cuda(both, 3)
     hidden = (t_mm + t_copy - t_both) / min(t_mm, t_copy)
@@ -232,6 +273,7 @@ def main() -> None:
         sys.exit(2)
     out: dict[str, object] = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
     out["round_trip_blocks_checked"] = check_round_trips()
+    out["sub_block_region_blocks_checked"] = check_sub_blocks_and_regions()
     out.update(check_ordering())
     out.update(bandwidth_large())
     out.update(bandwidth_small())

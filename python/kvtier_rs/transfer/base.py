@@ -193,7 +193,7 @@ class TransferEngine(ABC):
                 break
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"transfer jobs {sorted(pending)} still running after {timeout} s")
-            self._block(pending)
+            self._block(pending, deadline)
         with self._lock:
             got = [r for r in self._finished if r.job_id in wanted]
             self._finished = [r for r in self._finished if r.job_id not in wanted]
@@ -212,10 +212,12 @@ class TransferEngine(ABC):
     def _collect(self) -> None:  # noqa: B027 - optional hook, a no-op for push-style engines
         """Finish jobs whose completion must be polled (CUDA events)."""
 
-    def _block(self, job_ids: set[int]) -> None:
-        """Wait a little for progress on these jobs."""
+    def _block(self, job_ids: set[int], deadline: float | None) -> None:
+        """Wait a little for progress on these jobs, returning by `deadline` (time.monotonic) if
+        one is set."""
+        pause = 0.05 if deadline is None else min(0.05, max(0.0, deadline - time.monotonic()))
         with self._lock:
-            self._progress.wait(timeout=0.05)
+            self._progress.wait(timeout=pause)
 
     def close(self) -> None:
         """Refuse new jobs (ClosedError), let every job already submitted finish, then release

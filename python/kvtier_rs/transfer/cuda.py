@@ -8,13 +8,19 @@
 - Copies are coalesced into runs of adjacent blocks and adjacent slots; each (region, run) is one
   2-D copy (rows of `bytes_per_block` with the device row stride and the host slot stride). Where
   the runtime has cudaMemcpyBatchAsync (CUDA 12.8+), all 1-D pieces of a job go in one call.
-- Every CUDA return code is checked; a failure raises KvTierError naming the call.
+- Every CUDA return code is checked; a failure raises KvTierError naming the call. A job whose
+  copies fail midway is reported failed only once the copies it did issue have finished: the
+  caller reuses the job's host slots and device blocks as soon as it learns of the failure.
+- Several engines may share one pool (vLLM's worker has one per KV group): the pool is pinned
+  by the first and unpinned when the last one closes (`_PINS`).
 
 This engine needs an NVIDIA GPU; `benches/gpu_check.py` tests and measures it on one.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 from kvtier_rs._core import HostPool, InvalidArgumentError, KvTierError
@@ -65,6 +71,45 @@ def device_available() -> bool:
 
 
 Piece = tuple[int, int, int, int, int, int]  # (dst, dst_pitch, src, src_pitch, width, height)
+
+#: How long `wait(timeout=...)` sleeps between polls of a job's event.
+_POLL_S = 0.0002
+
+
+class _PinnedRanges:
+    """Host ranges pinned with cudaHostRegister, shared by the engines on them: registered by
+    the first user, unregistered when the last one releases it (after it synchronized its
+    streams, so no copy of any user is still in flight). A range some other code registered
+    (cudaErrorHostMemoryAlreadyRegistered on first use) is used as it is and never unregistered."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users: dict[tuple[int, int], tuple[int, bool]] = {}  # range -> (users, ours)
+
+    def acquire(self, rt: Any, ptr: int, nbytes: int) -> None:
+        with self._lock:
+            users, ours = self._users.get((ptr, nbytes), (0, False))
+            if users == 0:
+                err = rt.cudaHostRegister(ptr, nbytes, rt.cudaHostRegisterDefault)[0]
+                ours = int(err) != int(rt.cudaError_t.cudaErrorHostMemoryAlreadyRegistered)
+                if ours:
+                    check(rt, "cudaHostRegister", (err,))
+            self._users[(ptr, nbytes)] = (users + 1, ours)
+
+    def release(self, rt: Any, ptr: int, nbytes: int) -> None:
+        with self._lock:
+            users, ours = self._users.pop((ptr, nbytes))
+            if users > 1:
+                self._users[(ptr, nbytes)] = (users - 1, ours)
+            elif ours:
+                check(rt, "cudaHostUnregister", rt.cudaHostUnregister(ptr))
+
+    def users(self, ptr: int, nbytes: int) -> int:
+        with self._lock:
+            return self._users.get((ptr, nbytes), (0, False))[0]
+
+
+_PINS = _PinnedRanges()
 
 
 def copy_plan(
@@ -126,12 +171,8 @@ class CudaTransferEngine(TransferEngine):
         super().__init__(layout, pool)
         rt = self._rt = _runtime()
         check(rt, "cudaSetDevice", rt.cudaSetDevice(layout.device.index or 0))
-        err = rt.cudaHostRegister(pool.ptr, pool.nbytes, rt.cudaHostRegisterDefault)[0]
-        if int(err) == int(rt.cudaError_t.cudaErrorHostMemoryAlreadyRegistered):
-            self._registered = False
-        else:
-            check(rt, "cudaHostRegister", (err,))
-            self._registered = True
+        _PINS.acquire(rt, pool.ptr, pool.nbytes)
+        self._pinned = True
         flags = rt.cudaStreamNonBlocking
         self._streams = {
             "d2h": check(rt, "cudaStreamCreateWithFlags", rt.cudaStreamCreateWithFlags(flags)),
@@ -164,14 +205,22 @@ class CudaTransferEngine(TransferEngine):
         self.batch_calls += 1
         return True
 
+    def _order_after(self, stream: Any, after_stream: object) -> None:
+        """Make `stream` wait for the work queued on `after_stream` so far."""
+        rt = self._rt
+        ev = check(rt, "cudaEventCreateWithFlags", rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming))
+        try:
+            check(rt, "cudaEventRecord", rt.cudaEventRecord(ev, stream_handle(after_stream)))
+            check(rt, "cudaStreamWaitEvent", rt.cudaStreamWaitEvent(stream, ev, 0))
+        finally:
+            # Allowed at once: the wait captured the event's state when it was queued.
+            rt.cudaEventDestroy(ev)
+
     def _submit(self, job: _Job, block_ids: list[int], slots: list[int], after_stream: object) -> None:
         rt = self._rt
         stream = self._streams[job.direction]
         if after_stream is not None:
-            ev = check(rt, "cudaEventCreateWithFlags", rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming))
-            check(rt, "cudaEventRecord", rt.cudaEventRecord(ev, stream_handle(after_stream)))
-            check(rt, "cudaStreamWaitEvent", rt.cudaStreamWaitEvent(stream, ev, 0))
-            check(rt, "cudaEventDestroy", rt.cudaEventDestroy(ev))
+            self._order_after(stream, after_stream)
         kind = (
             rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
             if job.direction == "d2h"
@@ -187,41 +236,64 @@ class CudaTransferEngine(TransferEngine):
             job.sub_blocks,
             job.regions,
         )
-        if not (self._use_batch and self._issue_batch(pieces, stream)):
-            self._issue_2d(pieces, kind, stream)
-        done = check(rt, "cudaEventCreateWithFlags", rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming))
-        check(rt, "cudaEventRecord", rt.cudaEventRecord(done, stream))
+        try:
+            if not (self._use_batch and self._issue_batch(pieces, stream)):
+                self._issue_2d(pieces, kind, stream)
+            done = check(rt, "cudaEventCreateWithFlags", rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming))
+        except KvTierError:
+            # Copies issued before the failure still run and would write slots or blocks the
+            # caller reuses once told the job failed: let them finish first.
+            check(rt, "cudaStreamSynchronize", rt.cudaStreamSynchronize(stream))
+            raise
+        try:
+            check(rt, "cudaEventRecord", rt.cudaEventRecord(done, stream))
+        except KvTierError:
+            rt.cudaEventDestroy(done)
+            check(rt, "cudaStreamSynchronize", rt.cudaStreamSynchronize(stream))
+            raise
         with self._lock:
             self._events[job.job_id] = (job, done)
 
     def _collect(self) -> None:
         rt = self._rt
+        done = []
         with self._lock:
-            items = list(self._events.items())
-        for job_id, (job, ev) in items:
-            err = rt.cudaEventQuery(ev)[0]
-            if int(err) == int(rt.cudaError_t.cudaErrorNotReady):
-                continue
-            with self._lock:
-                self._events.pop(job_id, None)
-            rt.cudaEventDestroy(ev)
+            # Events are queried and destroyed only here, under the lock (cudaEventQuery does
+            # not block), so a concurrent poll never uses one after it was destroyed.
+            for job_id, (job, ev) in list(self._events.items()):
+                err = rt.cudaEventQuery(ev)[0]
+                if int(err) == int(rt.cudaError_t.cudaErrorNotReady):
+                    continue
+                del self._events[job_id]
+                rt.cudaEventDestroy(ev)
+                done.append((job, err))
+        for job, err in done:
             if int(err) == 0:
                 self._finish(job)
             else:
                 self._finish(job, f"cudaEventQuery: {getattr(err, 'name', err)}")
 
-    def _block(self, job_ids: set[int]) -> None:
+    def _block(self, job_ids: set[int], deadline: float | None) -> None:
+        if deadline is not None:
+            # cudaEventSynchronize cannot time out: poll instead (wait() checks the deadline).
+            time.sleep(min(_POLL_S, max(0.0, deadline - time.monotonic())))
+            return
         with self._lock:
             evs = [self._events[j][1] for j in job_ids if j in self._events]
-        for ev in evs[:1]:
-            check(self._rt, "cudaEventSynchronize", self._rt.cudaEventSynchronize(ev))
+        if evs:
+            # Its result is not checked: a concurrent poll may have finished the job and
+            # destroyed the event meanwhile, and a real failure is reported by the query that
+            # wait() makes next (_collect), which finishes the job.
+            self._rt.cudaEventSynchronize(evs[0])
 
     def wait_on(self, job_id: int, stream: object) -> None:
         """Make `stream` (e.g. the model's compute stream) wait until a job's copies are done."""
         with self._lock:
+            # Under the lock, so the event cannot be destroyed in between (the wait is only
+            # queued, it does not block).
             item = self._events.get(job_id)
-        if item is not None:
-            check(self._rt, "cudaStreamWaitEvent", self._rt.cudaStreamWaitEvent(stream_handle(stream), item[1], 0))
+            if item is not None:
+                check(self._rt, "cudaStreamWaitEvent", self._rt.cudaStreamWaitEvent(stream_handle(stream), item[1], 0))
 
     def _shutdown(self) -> None:
         # Every job's copies were issued on these streams before close() let no new one in:
@@ -234,6 +306,6 @@ class CudaTransferEngine(TransferEngine):
         for s in self._streams.values():
             rt.cudaStreamDestroy(s)
         self._streams = {}
-        if self._registered:
-            check(rt, "cudaHostUnregister", rt.cudaHostUnregister(self.pool.ptr))
-            self._registered = False
+        if self._pinned:
+            self._pinned = False
+            _PINS.release(rt, self.pool.ptr, self.pool.nbytes)

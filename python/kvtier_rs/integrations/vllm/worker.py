@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     GPULoadStoreSpec,
@@ -93,6 +94,13 @@ class _Pending:
     errors: list[str] = field(default_factory=list)
 
 
+def _compute_stream(layout: BlockLayout) -> object:
+    """The stream the model computes on, for a layout on a CUDA device; None on the CPU."""
+    if layout.device.type != "cuda":
+        return None
+    return torch.cuda.current_stream(layout.device)
+
+
 class KvtierWorker(OffloadingWorker):
     """Copies between engine KV blocks and the slots of a kvtier ``HostPool``.
 
@@ -148,7 +156,13 @@ class KvtierWorker(OffloadingWorker):
                 raise ValueError(f"KV group {g} has no offloaded layers but the spec names {len(blocks)} blocks")
             b, s = blocks.tolist(), slots.tolist()
             sub = subs.tolist() if self.bpc > 1 else None
-            tid = eng.store(b, s, sub_blocks=sub) if to_host else eng.load(s, b, sub_blocks=sub)
+            if to_host:
+                # vLLM submits stores at the start of the next step, while the last forward pass
+                # may still run on the GPU: the copy stream must wait for the model's kernels
+                # to have written the blocks (as vLLM's own handler does).
+                tid = eng.store(b, s, sub_blocks=sub, after_stream=_compute_stream(self.layouts[g]))
+            else:
+                tid = eng.load(s, b, sub_blocks=sub)
             job.parts.add((g, tid))
             self._owner[(g, tid)] = job_id
         if not job.parts:

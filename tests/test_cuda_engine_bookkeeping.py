@@ -1,0 +1,228 @@
+"""The CUDA transfer engine's host-side bookkeeping, on a stand-in for cuda-python's runtime.
+
+No GPU here, so these tests do not copy a byte: the stand-in takes the same calls as
+`cuda.bindings.runtime` (with its real enums and error codes), tracks streams, events and pinned
+ranges, and fails or delays where a test says. They check what the engine does around the
+copies: a failed job is reported only after the copies it issued have finished, a pool shared
+by several engines stays pinned until the last one closes, `wait(timeout=...)` never blocks in
+a call that cannot time out, and events are destroyed exactly once. The copies themselves are
+tested and measured on a GPU by `benches/gpu_check.py`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import pytest
+import torch
+
+import kvtier_rs as kv
+import kvtier_rs.transfer.cuda as cuda_engine
+from kvtier_rs.transfer import BlockLayout
+
+rt = pytest.importorskip("cuda.bindings.runtime", reason="SKIPPED LOUDLY: cuda-python is not installed")
+OK = rt.cudaError_t.cudaSuccess
+
+
+class StandInRuntime:
+    """The calls CudaTransferEngine makes, with bookkeeping instead of a device."""
+
+    cudaError_t = rt.cudaError_t
+    cudaMemcpyKind = rt.cudaMemcpyKind
+    cudaMemcpySrcAccessOrder = rt.cudaMemcpySrcAccessOrder
+    cudaMemcpyAttributes = rt.cudaMemcpyAttributes
+    cudaHostRegisterDefault = rt.cudaHostRegisterDefault
+    cudaStreamNonBlocking = rt.cudaStreamNonBlocking
+    cudaEventDisableTiming = rt.cudaEventDisableTiming
+
+    def __init__(self) -> None:
+        self._handles = itertools.count(1)
+        self.pinned: set[int] = set()
+        self.events: set[int] = set()  # live
+        self.log: list[tuple] = []  # (call, handle) in call order
+        self.misuse: list[str] = []  # calls on destroyed events, double destroys
+        self.fail_copy_number: int | None = None  # the n-th copy call (1-based) fails
+        self.fail_record_on: int | None = None  # cudaEventRecord on this stream fails
+        self.events_done = True  # what cudaEventQuery answers for a live event
+        self.on_query = None  # called once, inside the first cudaEventQuery
+        self.copies = 0
+
+    def cudaGetErrorString(self, err):
+        return OK, b"stand-in error"
+
+    def cudaSetDevice(self, device):
+        return (OK,)
+
+    def cudaHostRegister(self, ptr, nbytes, flags):
+        if ptr in self.pinned:
+            return (rt.cudaError_t.cudaErrorHostMemoryAlreadyRegistered,)
+        self.pinned.add(ptr)
+        return (OK,)
+
+    def cudaHostUnregister(self, ptr):
+        self.pinned.discard(ptr)
+        return (OK,)
+
+    def cudaStreamCreateWithFlags(self, flags):
+        return OK, next(self._handles)
+
+    def cudaStreamDestroy(self, stream):
+        return (OK,)
+
+    def cudaStreamSynchronize(self, stream):
+        self.log.append(("sync", stream))
+        return (OK,)
+
+    def cudaEventCreateWithFlags(self, flags):
+        ev = next(self._handles)
+        self.events.add(ev)
+        return OK, ev
+
+    def _live(self, call: str, ev: int):
+        if ev not in self.events:
+            self.misuse.append(f"{call} on destroyed event {ev}")
+            return rt.cudaError_t.cudaErrorInvalidResourceHandle
+        return OK
+
+    def cudaEventDestroy(self, ev):
+        err = self._live("cudaEventDestroy", ev)
+        self.events.discard(ev)
+        return (err,)
+
+    def cudaEventRecord(self, ev, stream):
+        if stream == self.fail_record_on:
+            return (rt.cudaError_t.cudaErrorInvalidResourceHandle,)
+        return (self._live("cudaEventRecord", ev),)
+
+    def cudaStreamWaitEvent(self, stream, ev, flags):
+        return (self._live("cudaStreamWaitEvent", ev),)
+
+    def cudaEventQuery(self, ev):
+        hook, self.on_query = self.on_query, None
+        if hook is not None:
+            hook()
+        err = self._live("cudaEventQuery", ev)
+        if err == OK and not self.events_done:
+            return (rt.cudaError_t.cudaErrorNotReady,)
+        return (err,)
+
+    def cudaEventSynchronize(self, ev):
+        self.log.append(("event_sync", ev))
+        return (self._live("cudaEventSynchronize", ev),)
+
+    def cudaMemcpyAsync(self, *args):
+        self.copies += 1
+        self.log.append(("copy", args[-1]))
+        if self.copies == self.fail_copy_number:
+            return (rt.cudaError_t.cudaErrorInvalidValue,)
+        return (OK,)
+
+    cudaMemcpy2DAsync = cudaMemcpyAsync
+
+
+@pytest.fixture
+def runtime(monkeypatch) -> StandInRuntime:
+    stand_in = StandInRuntime()
+    monkeypatch.setattr(cuda_engine, "_runtime", lambda: stand_in)
+    return stand_in
+
+
+def cuda_layout() -> BlockLayout:
+    """Two regions, so a job is two copies; CPU tensors under a CUDA device label (the
+    stand-in never touches the addresses)."""
+    layout = BlockLayout.per_layer([torch.zeros(8, 4096, dtype=torch.uint8) for _ in range(2)])
+    layout.device = torch.device("cuda", 0)
+    return layout
+
+
+def engine(pool: kv.HostPool, layout: BlockLayout | None = None) -> cuda_engine.CudaTransferEngine:
+    return cuda_engine.CudaTransferEngine(layout or cuda_layout(), pool, use_batch=False)
+
+
+def host_pool() -> kv.HostPool:
+    return kv.HostPool(8 * 8192, 8192)
+
+
+def test_a_job_failing_midway_is_reported_after_its_issued_copies_finished(runtime):
+    pool = host_pool()
+    with engine(pool) as eng:
+        runtime.fail_copy_number = 2  # the first region's copy is queued, the second fails
+        job = eng.store([0], [0])
+        d2h = eng._streams["d2h"]
+        [result] = eng.wait([job])
+        assert not result.success and "cudaMemcpyAsync failed" in result.error
+        # The stream was drained after the failed copy and before the result was reported.
+        assert runtime.log[-1] == ("sync", d2h), runtime.log
+        assert runtime.log[-3:-1] == [("copy", d2h), ("copy", d2h)]
+
+
+def test_a_failed_event_record_drains_the_stream_and_leaks_no_event(runtime):
+    pool = host_pool()
+    with engine(pool) as eng:
+        runtime.fail_record_on = eng._streams["h2d"]
+        [result] = eng.wait([eng.load([0], [1])])
+        assert not result.success and "cudaEventRecord failed" in result.error
+        assert runtime.log[-1] == ("sync", eng._streams["h2d"])
+        assert runtime.events == set(), "an event was left behind"
+
+
+def test_the_after_stream_event_is_destroyed_when_ordering_fails(runtime):
+    pool = host_pool()
+    with engine(pool) as eng:
+        runtime.fail_record_on = 777  # the compute stream the copy should follow
+        [result] = eng.wait([eng.store([0], [0], after_stream=777)])
+        assert not result.success and "cudaEventRecord failed" in result.error
+        assert runtime.events == set()
+
+
+def test_a_pool_shared_by_engines_stays_pinned_until_the_last_one_closes(runtime):
+    pool = host_pool()
+    first, second = engine(pool), engine(pool)
+    assert pool.ptr in runtime.pinned
+    first.close()
+    assert pool.ptr in runtime.pinned, "closing one engine unpinned memory the other still copies from"
+    job = second.store([0], [0])
+    assert [r.success for r in second.wait([job])] == [True]
+    second.close()
+    assert pool.ptr not in runtime.pinned
+    # And pinned again by the next engine on it.
+    with engine(pool):
+        assert pool.ptr in runtime.pinned
+    assert pool.ptr not in runtime.pinned
+
+
+def test_memory_pinned_by_someone_else_is_never_unpinned(runtime):
+    pool = host_pool()
+    runtime.pinned.add(pool.ptr)  # e.g. the engine's own cudaHostRegister of a shared region
+    with engine(pool):
+        pass
+    assert pool.ptr in runtime.pinned
+
+
+def test_wait_with_a_timeout_polls_instead_of_blocking_in_the_driver(runtime):
+    pool = host_pool()
+    with engine(pool) as eng:
+        runtime.events_done = False  # the copies never finish
+        job = eng.store([0], [0])
+        with pytest.raises(TimeoutError, match="still running"):
+            eng.wait([job], timeout=0.02)
+        # cudaEventSynchronize cannot time out: a hung copy would have hung wait() forever.
+        assert not [c for c in runtime.log if c[0] == "event_sync"]
+        runtime.events_done = True
+        assert [r.success for r in eng.wait([job])] == [True]
+
+
+def test_a_job_is_finished_and_its_event_destroyed_once_when_polls_race(runtime):
+    pool = host_pool()
+    with engine(pool) as eng:
+        job = eng.store([0], [0])
+        seen = []
+        # Another thread polls while this one is between its query and taking the job.
+        other = threading.Thread(target=lambda: seen.extend(eng.poll()))
+        runtime.on_query = lambda: (other.start(), other.join(timeout=0.2))
+        seen.extend(eng.poll())
+        other.join()
+        assert [r.job_id for r in seen] == [job]
+        assert runtime.misuse == []
+        assert runtime.events == set()
