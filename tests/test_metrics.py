@@ -167,6 +167,21 @@ def test_a_valid_constant_label_is_on_every_sample(tmp_path):
     assert values and all(dict(labels).get("Engine_1") == "dp0" for _, labels in values)
 
 
+def test_an_address_that_cannot_be_served_is_named_and_ipv6_urls_are_bracketed(tmp_path):
+    t = Tiers(tmp_path, "d")
+    with exporter(t.orch) as srv:
+        with pytest.raises(OSError, match=f"metrics exporter cannot listen on 127.0.0.1:{srv.port}: "):
+            serve(srv.port, t.orch)
+    try:
+        srv6 = serve(0, t.orch, addr="::1")
+    except OSError as e:
+        pytest.skip(f"SKIPPED LOUDLY: no IPv6 loopback on this machine: {e}")
+    with srv6:
+        assert srv6.url == f"http://[::1]:{srv6.port}/metrics"
+        _, values = scrape(srv6.url)
+        assert val(values, "kvtier_lookups_total") == 0
+
+
 # ---- movement ------------------------------------------------------------------------------
 class Tracker:
     """Scrapes before and after each step; records which documented series moved."""
@@ -343,6 +358,37 @@ def test_disk_integrity_series(tmp_path):
         t.offload(keys("f", 2), first_block=9)
         x = tr.step()
         assert d(x, "kvtier_refusals_total", tier="disk", direction="store", reason="no_space") == 2
+        _MOVED.update(tr.moved)
+
+
+def test_a_disk_write_through_with_no_slot_free_is_a_no_space_refusal(tmp_path):
+    t = Tiers(tmp_path, "d", cpu_blocks=16, disk_blocks=4)
+    with exporter(t.orch) as srv:
+        tr = Tracker(srv.url)
+        t.offload(keys("a", 8))  # one write-through of 8 blocks into a 4-slot tier: NoSpaceError
+        x = tr.step()
+        assert d(x, "kvtier_refusals_total", tier="disk", direction="store", reason="no_space") == 8
+        assert t.orch.stats()["tiers"]["disk"]["writes"]["no_space"] == 8
+        _MOVED.update(tr.moved)
+
+
+def test_disk_hits_with_no_cpu_slot_to_stage_through_are_exported(tmp_path):
+    t = Tiers(tmp_path, "d", cpu_blocks=4, disk_blocks=16)
+    o = t.orch
+    a, b = keys("a", 4), keys("b", 4)
+    t.offload(a)
+    t.offload(b, first_block=4)  # a leaves the CPU tier, stays on disk
+    with exporter(o) as srv:
+        tr = Tracker(srv.url)
+        o.reserve(b, request_id="b")  # pins every CPU slot
+        o.reserve(a, request_id="a")  # 4 disk hits, nowhere to stage them
+        o.bind("a", [8, 9, 10, 11])
+        o.bind("b", [12, 13, 14, 15])
+        o.drain()
+        x = tr.step()
+        assert d(x, "kvtier_hits_total", tier="disk") == 4
+        assert d(x, "kvtier_load_unreserved_total") == 4
+        assert d(x, "kvtier_promotions_total", tier="disk") == 0
         _MOVED.update(tr.moved)
 
 

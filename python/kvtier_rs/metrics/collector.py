@@ -145,6 +145,7 @@ class KvTierCollector(Collector):
         v["kvtier_misses"][()] = s["misses"]
         v["kvtier_load_failures"][()] = s["load_failed"]
         v["kvtier_load_released"][()] = s["load_released"]
+        v["kvtier_load_unreserved"][()] = s["load_unreserved"]
         v["kvtier_transferred_bytes"][("cpu", "store")] = s["bytes"]["d2h"]
         v["kvtier_transferred_bytes"][("cpu", "load")] = s["bytes"]["h2d"]
         tiers = s["tiers"]

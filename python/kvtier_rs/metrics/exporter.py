@@ -42,7 +42,8 @@ class MetricsServer:
 
     @property
     def url(self) -> str:
-        return f"http://{self.addr}:{self.port}/metrics"
+        host = f"[{self.addr}]" if ":" in self.addr else self.addr  # an IPv6 literal
+        return f"http://{host}:{self.port}/metrics"
 
     def close(self) -> None:
         self._server.shutdown()
@@ -89,7 +90,10 @@ def serve(
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
         raise InvalidArgumentError(f"invalid argument `port`: must be an int in 0..65535, got {port!r}")
     registry, collector = make_registry(orchestrator, host=host, disk=disk, events=events, labels=labels)
-    server, thread = start_http_server(port, addr=addr, registry=registry)
+    try:
+        server, thread = start_http_server(port, addr=addr, registry=registry)
+    except OSError as e:  # port in use, no such address or host, not allowed to bind
+        raise OSError(e.errno, f"metrics exporter cannot listen on {addr}:{port}: {e.strerror or e}") from e
     return MetricsServer(server.server_port, addr, registry, collector, server, thread)
 
 

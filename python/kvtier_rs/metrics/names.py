@@ -1,5 +1,5 @@
 """The documented metric series: the one list the collector exports, the README table shows
-(`python -m kvtier_rs.metrics.names` prints it) and the tests check against.
+(`python -m kvtier_rs.metrics` prints it) and the tests check against.
 
 Each series lists every label combination it exposes. The collector emits all of them from the
 first scrape, at zero until the tiers move data, so no dashboard or alert meets a missing series.
@@ -87,6 +87,11 @@ SERIES: tuple[Series, ...] = (
         "kvtier_load_released",
         "counter",
         "Reserved hits given back unloaded: the request was asked again or ended before it was scheduled.",
+    ),
+    Series(
+        "kvtier_load_unreserved",
+        "counter",
+        "Disk hits not loaded because no CPU slot was free to stage them through: recomputed.",
     ),
     Series(
         "kvtier_refusals",

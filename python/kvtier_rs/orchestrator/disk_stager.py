@@ -39,6 +39,7 @@ class StagerCounters:
     writes_completed: int = 0
     writes_failed: int = 0
     writes_refused: int = 0  # disk admission, disk full, or no disk slot free or evictable
+    writes_no_space: int = 0  # of those, refused for no disk slot free or evictable
     writes_dropped_backlog: int = 0
     writes_dropped_evicted: int = 0
     writes_dropped_index_failed: int = 0  # the disk tier's index disabled itself (internal error)
@@ -104,6 +105,7 @@ class DiskStager:
             # like one to a full disk, never raised into the engine's completion path.
             self.host.index.unpin(keys)
             self.counters.writes_refused += len(keys)
+            self.counters.writes_no_space += len(keys)
             return 0
         except Exception:
             self.host.index.unpin(keys)

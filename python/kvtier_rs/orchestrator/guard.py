@@ -1,7 +1,10 @@
 """The SLO guard: the rollback rule operators otherwise apply by hand.
 
 Per tier: "if the p99 promotion latency over the last `window_s` seconds exceeds `p99_ms`
-(with at least `min_samples` samples), bypass the tier for `recover_s` seconds". While bypassed
+(with at least `min_samples` samples, at least two of them over the threshold), bypass the tier
+for `recover_s` seconds". Two, because with fewer than 100 samples a p99 is the window's maximum:
+one slow promotion (a page-fault storm, a GC pause) would trip the guard on its own
+(`min_samples=1` asks for exactly that, and gets it). While bypassed
 the tier serves no promotions, so it produces no new latency samples; after `recover_s` it is
 put back on probation with an empty window, and trips again if it is still slow: it needs
 `min_samples` fresh samples first. Samples of promotions that were already in flight when it
@@ -53,6 +56,9 @@ def _p99_ms(latencies_s: list[float]) -> float:
 class SloGuard:
     #: Trips kept (with time and p99) for `state()`; older ones are only counted.
     MAX_TRIPS = 100
+    #: Samples over the threshold a window needs before it can trip (see the module doc), or
+    #: `min_samples` if that is lower.
+    MIN_SLOW = 2
 
     def __init__(self, tier: str, rule: GuardRule, clock: Callable[[], float] = time.monotonic) -> None:
         self.tier = tier
@@ -86,12 +92,13 @@ class SloGuard:
             return False
         return True
 
-    def _p99_cannot_exceed(self) -> bool:
-        """True when the window's p99 is certainly within the threshold, without sorting it.
-        numpy's p99 interpolates between the sorted samples at floor(h) and floor(h) + 1, with
+    def _cannot_trip(self) -> bool:
+        """True when the window certainly does not trip, without sorting it: fewer than
+        MIN_SLOW slow samples, or a p99 certainly within the threshold. numpy's p99
+        interpolates between the sorted samples at floor(h) and floor(h) + 1, with
         h = 0.99 (n - 1), so it is within the threshold when both are, i.e. when the `over`
         samples above it all sit past index 0.99 (n - 1) + 1: 100 * over <= n - 101."""
-        return self._over == 0 or 100 * self._over <= len(self._samples) - 101
+        return self._over < min(self.MIN_SLOW, self.rule.min_samples) or 100 * self._over <= len(self._samples) - 101
 
     # ---- engine thread ----------------------------------------------------------------------
     def record(self, latency_s: float) -> None:
@@ -109,7 +116,7 @@ class SloGuard:
             if self._slow(latency_s):
                 self._over += 1
             self._expire(now)
-            if len(self._samples) < self.rule.min_samples or self._p99_cannot_exceed():
+            if len(self._samples) < self.rule.min_samples or self._cannot_trip():
                 return
             p99 = _p99_ms([s for _, s in self._samples])
             if p99 > self.rule.p99_ms:

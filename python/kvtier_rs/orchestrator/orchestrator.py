@@ -326,9 +326,12 @@ class TierOrchestrator:
         return 0
 
     def _promotions_in_flight(self, tier: str) -> int:
+        # A snapshot first: stats() runs on a metrics scrape's thread while the engine thread
+        # adds and retires loads, and iterating the live dict could fail midway.
+        loads = list(self._loads.values())
         if tier == "cpu":
-            return sum(1 for ld in self._loads.values() if ld.cpu.jobs)
-        return sum(1 for ld in self._loads.values() if ld.disk_read is not None or ld.disk.jobs)
+            return sum(1 for ld in loads if ld.cpu.jobs)
+        return sum(1 for ld in loads if ld.disk_read is not None or ld.disk.jobs)
 
     # ---- load ----------------------------------------------------------------------------
     def load(
@@ -611,10 +614,12 @@ class TierOrchestrator:
                     # One host -> device transfer: all its bytes over first submission to last
                     # completion (see _Copies). A failed part measures nothing.
                     self.cost.observe("cpu", part.bytes, part.finished - part.started)
-                # What the engine waited for: from the destinations on, for either part (a disk
-                # read started at reserve time only shortens the wait; scheduling time between
-                # reserve and bind is not the tier's).
-                elapsed = time.perf_counter() - ld.bound_at
+                # What the engine waited for: from the destinations on to the last copy's
+                # completion, for either part (a disk read started at reserve time only shortens
+                # the wait; scheduling time between reserve and bind is not the tier's). The
+                # completion time is the engine's, not when this poll noticed it: otherwise an
+                # engine polling once a step would time its own step.
+                elapsed = part.finished - ld.bound_at
                 if tier == "cpu":
                     ld.result.loaded_cpu = len(part.keys)
                 else:
@@ -751,6 +756,7 @@ class TierOrchestrator:
                     "completed": sc.writes_completed,
                     "failed": sc.writes_failed,
                     "refused": sc.writes_refused,
+                    "no_space": sc.writes_no_space,
                     "dropped_backlog": sc.writes_dropped_backlog,
                     "dropped_evicted": sc.writes_dropped_evicted,
                     "dropped_index_failed": sc.writes_dropped_index_failed,
@@ -759,10 +765,11 @@ class TierOrchestrator:
                 "index": disk_index,
                 "lookup_blocks": c["disk_lookup_blocks"],
                 "evictions": disk_index["evictions"],
-                # The stager's `writes.refused` lumps admission and a full device; split here.
+                # The stager's `writes.refused` lumps admission, a full device and no slot free
+                # or evictable; split here.
                 "store_refused": {
                     "admission": disk_index["store_refused"],
-                    "no_space": disk_index["refused_disk_full"],
+                    "no_space": disk_index["refused_disk_full"] + sc.writes_no_space,
                     "backpressure": sc.writes_dropped_backlog,
                 },
                 "promotions_in_flight": self._promotions_in_flight("disk"),
