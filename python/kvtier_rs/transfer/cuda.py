@@ -104,10 +104,6 @@ class _PinnedRanges:
             elif ours:
                 check(rt, "cudaHostUnregister", rt.cudaHostUnregister(ptr))
 
-    def users(self, ptr: int, nbytes: int) -> int:
-        with self._lock:
-            return self._users.get((ptr, nbytes), (0, False))[0]
-
 
 _PINS = _PinnedRanges()
 
