@@ -279,12 +279,15 @@ def test_tmpfs_runs_in_whatever_mode_it_accepts(engine):
         subprocess.run(["rm", "-rf", path], check=False)
 
 
+# Writes the killed writer keeps in flight at once (the I/O engine's queue depth).
+WRITER_QUEUE_DEPTH = 4
+
 WRITER = textwrap.dedent(
     """
     import sys, time
     sys.path.insert(0, sys.argv[3])
     from _disk_util import Host, make_tier, payload
-    tier = make_tier(sys.argv[1], sys.argv[2], blocks=64)
+    tier = make_tier(sys.argv[1], sys.argv[2], blocks=64, queue_depth=int(sys.argv[4]))
     host = Host(8)
     print("ready", flush=True)
     i = 0
@@ -305,7 +308,7 @@ WRITER = textwrap.dedent(
 def test_sigkill_mid_burst_then_reopen(tmp_path, engine, verify):
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     proc = subprocess.Popen(
-        [sys.executable, "-c", WRITER, str(tmp_path), engine, tests_dir],
+        [sys.executable, "-c", WRITER, str(tmp_path), engine, tests_dir, str(WRITER_QUEUE_DEPTH)],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -333,7 +336,11 @@ def test_sigkill_mid_burst_then_reopen(tmp_path, engine, verify):
             # Full verification at open dropped anything torn, so every recovered block reads.
             assert len(got) == len(recovered)
         else:
-            assert len(got) >= len(recovered) - 1, "more than the one possibly torn slot failed"
+            # A slot being rewritten when the writer died keeps its old, valid header over a
+            # partly new payload: a miss when read (never wrong bytes: `read` checks every one).
+            # One per write in flight at once.
+            torn = len(recovered) - len(got)
+            assert torn <= WRITER_QUEUE_DEPTH, f"{torn} slots failed, more than the writes in flight"
         assert not any(p.name.startswith(".") for p in tmp_path.iterdir()), "temporary files leaked"
         still_serving(tier, host)
 
