@@ -463,14 +463,98 @@ def test_only_the_most_recent_trips_are_kept_and_all_are_counted():
     orch = orchestrator(guards={"cpu": GuardRule(p99_ms=1, window_s=1, recover_s=1, min_samples=1)})
     g = orch.guards["cpu"]
     g._clock = clock
+    g._wall_clock = lambda: 1.7e9 + clock.t
     for i in range(SloGuard.MAX_TRIPS + 50):
         clock.t += 2  # past recover_s: on probation; the sample started after the last trip
         g.record(1.0 + i / 1000)  # well over 1 ms, and started after the last trip
     st = orch.stats()["guards"]["cpu"]
     assert st["trips"] == SloGuard.MAX_TRIPS + 50
     assert len(st["recent_trips"]) == len(g.trips) == SloGuard.MAX_TRIPS
-    assert st["recent_trips"][-1] == {"at": clock.t, "p99_ms": pytest.approx(1149.0)}
+    assert st["recent_trips"][-1] == {"at": clock.t, "at_unix": 1.7e9 + clock.t, "p99_ms": pytest.approx(1149.0)}
     assert st["recent_trips"][0]["p99_ms"] == pytest.approx(1050.0), "the oldest kept is the 51st"
     st["recent_trips"].clear()
     assert len(g.trips) == SloGuard.MAX_TRIPS, "stats() hands out a copy"
     assert math.isclose(st["bypassed_for_s"], 1.0)
+
+
+# ---- 10. what the guard sees: failures, stalls, and its state while bypassed -----------------------
+def test_a_failed_load_is_a_sample_for_the_guard():
+    """A load whose copy fails cost the engine its wait all the same: a tier failing slowly must
+    be able to trip its guard (before, only loads that landed were samples)."""
+
+    class FailingEngine(CpuTransferEngine):
+        def copy_now(self, direction, block_ids, slots, sub_blocks=None, regions=None):
+            if direction == "h2d":
+                raise RuntimeError("injected")
+            super().copy_now(direction, block_ids, slots, sub_blocks, regions)
+
+    orch = orchestrator(engine_cls=FailingEngine, guards={"cpu": GuardRule(p99_ms=1e6, min_samples=10**9)})
+    orch.offload([b"a"], [0])
+    orch.drain()
+    orch.load([b"a"], [1], request_id="r")
+    (res,) = orch.drain()
+    assert res.failed == 1
+    assert orch.guards["cpu"].state()["samples"] == 1
+    assert orch.stats()["tiers"]["cpu"]["load_latency"]["p99"] == 0.0, "the histogram is of loads that landed"
+
+
+def test_a_load_that_hangs_trips_the_guard_and_its_late_completion_is_not_counted_again():
+    """A stuck tier produces no completions: a promotion the engine has waited on for longer than
+    the threshold is a slow sample while still in flight, once."""
+
+    class HeldEngine(CpuTransferEngine):
+        gate: threading.Event
+
+        def copy_now(self, direction, block_ids, slots, sub_blocks=None, regions=None):
+            if direction == "h2d":
+                assert self.gate.wait(30)
+            super().copy_now(direction, block_ids, slots, sub_blocks, regions)
+
+    rule = GuardRule(p99_ms=20, min_samples=2)  # two slow samples trip it
+    orch = orchestrator(engine_cls=HeldEngine, guards={"cpu": rule})
+    orch.engine.gate = threading.Event()
+    orch.offload([b"a", b"b"], [0, 1])
+    orch.drain()
+    guard = orch.guards["cpu"]
+    try:
+        orch.load([b"a"], [2], request_id="hung")
+        deadline = time.monotonic() + 10
+        while guard.state()["samples"] == 0 and time.monotonic() < deadline:
+            orch.poll()
+            time.sleep(0.005)
+        assert guard.state()["samples"] == 1, "the stalled load was taken as a sample"
+        for _ in range(5):
+            orch.poll()  # still stalled: not counted again
+        assert guard.state()["samples"] == 1
+    finally:
+        orch.engine.gate.set()
+    (res,) = orch.drain()
+    assert res.loaded_cpu == 1
+    assert guard.state()["samples"] == 1, "its completion was already counted as slow"
+    assert guard.allows(), "one slow sample does not trip a guard asking for two"
+    # A second stall trips it; the plan then refuses the tier for the guard.
+    orch.engine.gate.clear()
+    try:
+        orch.load([b"b"], [3], request_id="hung-2")
+        deadline = time.monotonic() + 10
+        while guard.allows() and time.monotonic() < deadline:
+            orch.poll()
+            time.sleep(0.005)
+        assert not guard.allows() and guard.state()["trips"] == 1
+        assert orch.plan([b"a"]).refused == {"cpu": {"guard": 1}}
+    finally:
+        orch.engine.gate.set()
+    orch.drain()
+
+
+def test_while_bypassed_the_guard_reports_the_p99_that_tripped_it_and_trips_carry_unix_time():
+    clock = FakeClock()
+    g = SloGuard("disk", GuardRule(p99_ms=10, recover_s=5, min_samples=2), clock=clock, wall_clock=lambda: 1.8e9)
+    g.record(0.3)
+    g.record(0.5)
+    st = g.state()
+    assert st["state"] == "bypassed" and st["samples"] == 0
+    assert st["p99_ms"] == pytest.approx(g.trips[-1]["p99_ms"]) and st["p99_ms"] > 400, "not 0 ms"
+    assert st["recent_trips"][-1]["at_unix"] == 1.8e9 and st["recent_trips"][-1]["at"] == clock.t
+    clock.t += 5  # probation: the window's own p99 again (empty)
+    assert g.state()["state"] == "active" and g.state()["p99_ms"] == 0.0

@@ -151,15 +151,33 @@ class FailingEngine(CpuTransferEngine):
         super().copy_now(direction, block_ids, slots)
 
 
-def make_failing(tmp_path, rng):
+def make_failing(tmp_path, rng, **kw):
     layout, tensors = random_layout(rng, 32)
     host = kv.HostTier(kv.TierConfig(8 * (-(-layout.bytes_per_block // 4096) * 4096), layout.bytes_per_block))
     engine = FailingEngine(layout, host.pool)
     engine.fail = set()
-    disk = DiskTier(
-        str(tmp_path / "d"), 64 * host.pool.slot_bytes, host.pool.slot_bytes, admission="always", engine="pool"
-    )
-    return TierOrchestrator(host, engine, disk=disk), layout, tensors, engine
+    disk = open_failing_disk(tmp_path, host.pool.slot_bytes)
+    return TierOrchestrator(host, engine, disk=disk, **kw), layout, tensors, engine
+
+
+def open_failing_disk(tmp_path, slot_bytes: int) -> DiskTier:
+    return DiskTier(str(tmp_path / "d"), 64 * slot_bytes, slot_bytes, admission="always", engine="pool")
+
+
+def corrupt_on_disk(orch: TierOrchestrator, tmp_path, payload: bytes) -> None:
+    """Flip one byte in the middle of `payload` where the disk tier of `make_failing` stored it
+    (found by its content in the slab files), with the tier closed, then reopen it."""
+    orch.stager.disk.close()
+    for f in (tmp_path / "d").iterdir():
+        data = bytearray(f.read_bytes())
+        at = data.find(payload)
+        if at >= 0:
+            data[at + len(payload) // 2] ^= 0xFF
+            f.write_bytes(bytes(data))
+            break
+    else:
+        raise AssertionError("the payload was not found on disk")
+    orch.stager.disk = open_failing_disk(tmp_path, orch.host.pool.slot_bytes)
 
 
 def test_offload_without_space_changes_nothing(tmp_path):
@@ -203,25 +221,7 @@ def test_corrupt_disk_block_is_a_miss_and_never_loaded(tmp_path):
     orch.offload(keys, [0, 1, 2])
     orch.drain()
     orch.host.index.clear()  # only the disk copies are left
-    disk = orch.stager.disk
-    disk.close()
-    # Find k1's payload in the slab files by its content and flip one byte in the middle.
-    for f in (tmp_path / "d").iterdir():
-        data = bytearray(f.read_bytes())
-        at = data.find(want[1])
-        if at >= 0:
-            data[at + len(want[1]) // 2] ^= 0xFF
-            f.write_bytes(bytes(data))
-            break
-    else:
-        raise AssertionError("k1's payload not found on disk")
-    orch.stager.disk = DiskTier(
-        str(tmp_path / "d"),
-        64 * orch.host.pool.slot_bytes,
-        orch.host.pool.slot_bytes,
-        admission="always",
-        engine="pool",
-    )
+    corrupt_on_disk(orch, tmp_path, want[1])
     scramble(tensors)
     before = [block_bytes_of(layout, b) for b in (8, 9, 10)]
     plan = orch.plan(keys)
@@ -233,6 +233,21 @@ def test_corrupt_disk_block_is_a_miss_and_never_loaded(tmp_path):
     assert [block_bytes_of(layout, b) for b in (9, 10)] == before[1:], "no corrupt byte reached the device"
     assert orch.host.index.lookup_prefix(keys) == 1
     assert orch.stats()["tiers"]["disk"]["promotion_blocks_failed"] == 1
+
+
+def test_a_disk_read_that_fails_verification_is_a_sample_for_the_disk_guard(tmp_path):
+    """The engine waited on the read: a disk failing its reads must be able to trip its guard
+    (before, a promotion whose read failed gave no sample at all)."""
+    rule = GuardRule(p99_ms=1e6, min_samples=10**9)
+    orch, layout, _, _ = make_failing(tmp_path, random.Random(4), guards={"disk": rule})
+    orch.offload([b"k0"], [0])
+    orch.drain()
+    orch.host.index.clear()
+    corrupt_on_disk(orch, tmp_path, block_bytes_of(layout, 0))
+    orch.load([b"k0"], [8], request_id="r")
+    (res,) = orch.drain()
+    assert (res.loaded_disk, res.failed) == (0, 1)
+    assert orch.guards["disk"].state()["samples"] == 1
 
 
 def test_cost_model_refuses_loads_slower_than_recompute(tmp_path):

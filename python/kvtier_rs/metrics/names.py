@@ -185,7 +185,7 @@ SERIES: tuple[Series, ...] = (
     Series(
         "kvtier_guard_p99_seconds",
         "gauge",
-        "p99 promotion latency over the guard's window.",
+        "p99 promotion latency over the guard's window; while bypassed, the p99 that tripped it.",
         ("tier",),
         _by(TIERS),
     ),

@@ -9,8 +9,18 @@ the tier serves no promotions, so it produces no new latency samples; after `rec
 put back on probation with an empty window, and trips again if it is still slow: it needs
 `min_samples` fresh samples first. Samples of promotions that were already in flight when it
 tripped say nothing about the tier on probation, so they are ignored whenever they land (while
-bypassed, or later). The most recent trips (`SloGuard.MAX_TRIPS`) are kept with their time and
-the p99 that caused them, and counted in total.
+bypassed, or later). The most recent trips (`SloGuard.MAX_TRIPS`) are kept with their time (the
+guard's monotonic clock, and Unix time for people reading `state()`) and the p99 that caused
+them, and counted in total.
+
+What a sample is, is the caller's (`TierOrchestrator`): every promotion the engine waited for,
+successful or not (a failed one still cost its wait), and a promotion still in flight once it has
+waited longer than the threshold (a hung disk must trip the guard, not hide from it; the load's
+completion, if it ever comes, is then not recorded again).
+
+While the tier is bypassed the window is empty, so `state()["p99_ms"]` shows the p99 that tripped
+the guard instead of a window's: a dashboard should not read "0 ms" off a tier switched off for
+being slow.
 
 A latency that is NaN, inf or negative (a clock or engine glitch) is dropped and counted
 (`dropped_samples` in `state()`): one NaN in the window makes its p99 NaN, and a NaN is never
@@ -60,16 +70,24 @@ class SloGuard:
     #: `min_samples` if that is lower.
     MIN_SLOW = 2
 
-    def __init__(self, tier: str, rule: GuardRule, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        tier: str,
+        rule: GuardRule,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
         self.tier = tier
         self.rule = rule
         self._clock = clock
+        self._wall_clock = wall_clock
         self._lock = threading.Lock()
         self._samples: deque[tuple[float, float]] = deque()  # (recorded at, latency s)
         self._over = 0  # samples in the window over the threshold
         self._tripped_at = -float("inf")  # the last trip; loads started before it are stale
         self.bypassed_until: float | None = None
-        #: The most recent trips, oldest first: {"at": clock time, "p99_ms": p99 that tripped}.
+        #: The most recent trips, oldest first: {"at": clock time, "at_unix": Unix time,
+        #: "p99_ms": p99 that tripped}.
         self.trips: deque[dict[str, float]] = deque(maxlen=self.MAX_TRIPS)
         self.trip_count = 0
         self.dropped_samples = 0
@@ -77,6 +95,11 @@ class SloGuard:
     # ---- under the lock ---------------------------------------------------------------------
     def _slow(self, latency_s: float) -> bool:
         return latency_s * 1e3 > self.rule.p99_ms
+
+    @property
+    def threshold_s(self) -> float:
+        """The p99 threshold in seconds: a promotion in flight longer than this is slow."""
+        return self.rule.p99_ms / 1e3
 
     def _expire(self, now: float) -> None:
         cutoff = now - self.rule.window_s
@@ -123,7 +146,7 @@ class SloGuard:
                 self.bypassed_until = now + self.rule.recover_s
                 self._tripped_at = now
                 self.trip_count += 1
-                self.trips.append({"at": now, "p99_ms": p99})
+                self.trips.append({"at": now, "at_unix": self._wall_clock(), "p99_ms": p99})
                 self._samples.clear()
                 self._over = 0
 
@@ -148,6 +171,9 @@ class SloGuard:
         with self._lock:
             now, window = self._window()
             bypassed = self._bypassed(now)
+            # Bypassed: the window was emptied at the trip and no promotion runs to refill it,
+            # so the last measurement is the one that tripped it.
+            tripped_p99 = float(self.trips[-1]["p99_ms"]) if bypassed and self.trips else None
             st: dict[str, object] = {
                 "tier": self.tier,
                 "state": "bypassed" if bypassed else "active",
@@ -157,6 +183,7 @@ class SloGuard:
                 "bypassed_for_s": 0.0 if self.bypassed_until is None else self.bypassed_until - now,
                 "recent_trips": [dict(t) for t in self.trips],
                 "dropped_samples": self.dropped_samples,
+                "samples": len(window),  # in the window now (0 while bypassed)
             }
-        st["p99_ms"] = _p99_ms(window)
+        st["p99_ms"] = tripped_p99 if tripped_p99 is not None else _p99_ms(window)
         return st

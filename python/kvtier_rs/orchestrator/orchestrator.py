@@ -125,8 +125,11 @@ class _Copies:
     done_groups: set[int] = field(default_factory=set)
     failed: bool = False
     started: float = 0.0  # perf_counter before the first job was submitted
-    finished: float = 0.0  # latest completion among the jobs that landed
+    finished: float = 0.0  # latest completion among the jobs that landed (or failed)
     bytes: int = 0  # copied by the jobs that landed
+    # The SLO guard already took this part as a slow sample while it was still in flight
+    # (`TierOrchestrator._record_stalls`); its completion is not recorded again.
+    stall_recorded: bool = False
 
 
 @dataclass
@@ -570,8 +573,39 @@ class TierOrchestrator:
         if self.stager is not None:
             for p in self.stager.poll():
                 self._on_promotion(p)
+        self._record_stalls()
         out, self._done = self._done, []
         return out
+
+    def _record_stalls(self) -> None:
+        """Give each guard a slow sample for every promotion of its tier that the engine has
+        waited on for longer than the threshold and that is still in flight: a tier whose loads
+        hang produces no completions, and without this the guard would never see it (only
+        back-pressure would stop new loads, with the guard reporting the tier healthy)."""
+        if not self.guards:
+            return
+        now = time.perf_counter()
+        for ld in list(self._loads.values()):
+            if not ld.bound:
+                continue  # the engine is not waiting yet
+            for tier, part, in_flight in (
+                ("cpu", ld.cpu, bool(ld.cpu.jobs)),
+                ("disk", ld.disk, ld.disk_read is not None or bool(ld.disk.jobs)),
+            ):
+                guard = self.guards.get(tier)
+                if guard is None or not in_flight or part.stall_recorded:
+                    continue
+                waited = now - ld.bound_at
+                if waited > guard.threshold_s:
+                    guard.record(waited)
+                    part.stall_recorded = True
+
+    def _guard_sample(self, tier: str, part: _Copies, waited: float) -> None:
+        """A finished promotion's wait, for the tier's guard, unless it was taken already while
+        the promotion was stalled."""
+        guard = self.guards.get(tier)
+        if guard is not None and not part.stall_recorded:
+            guard.record(waited)
 
     def _on_transfer(self, r: TransferResult) -> None:
         if r.direction == "d2h":
@@ -601,32 +635,33 @@ class TierOrchestrator:
         self.counts["h2d_bytes"] += r.bytes
         part, tier = (ld.cpu, "cpu") if r.job_id in ld.cpu.jobs else (ld.disk, "disk")
         group, submitted = part.jobs.pop(r.job_id)
+        part.finished = max(part.finished, submitted + r.seconds)
         if r.success:
             part.done_groups.add(group)
             part.bytes += r.bytes
-            part.finished = max(part.finished, submitted + r.seconds)
         else:
             part.failed = True
         if not part.jobs:  # every group of this part has landed (or failed)
             self.host.index.unpin(part.keys)
+            # What the engine waited for: from the destinations on to the last copy's
+            # completion, for either part (a disk read started at reserve time only shortens
+            # the wait; scheduling time between reserve and bind is not the tier's). The
+            # completion time is the engine's, not when this poll noticed it: otherwise an
+            # engine polling once a step would time its own step.
+            elapsed = part.finished - ld.bound_at
             if not part.failed:
                 if self.cost is not None:
                     # One host -> device transfer: all its bytes over first submission to last
                     # completion (see _Copies). A failed part measures nothing.
                     self.cost.observe("cpu", part.bytes, part.finished - part.started)
-                # What the engine waited for: from the destinations on to the last copy's
-                # completion, for either part (a disk read started at reserve time only shortens
-                # the wait; scheduling time between reserve and bind is not the tier's). The
-                # completion time is the engine's, not when this poll noticed it: otherwise an
-                # engine polling once a step would time its own step.
-                elapsed = part.finished - ld.bound_at
                 if tier == "cpu":
                     ld.result.loaded_cpu = len(part.keys)
                 else:
                     ld.result.loaded_disk = len(part.keys)
                 self.latency[f"{tier}_load"].observe(elapsed)
-                if tier in self.guards:
-                    self.guards[tier].record(elapsed)
+            # A failed load cost the engine its wait too: the guard sees it (the histogram
+            # is of loads that landed; failures are counted in load_failed).
+            self._guard_sample(tier, part, elapsed)
         self._maybe_finish(ld)
 
     def _on_promotion(self, p: Any) -> None:
@@ -639,6 +674,10 @@ class TierOrchestrator:
         ld.disk_read = None
         if self.cost is not None:
             self.cost.observe("disk", p.bytes, p.seconds)
+        if p.ok_prefix == 0 and ld.bound:
+            # The read failed while the engine waited on it: a sample for the guard, from the
+            # destinations on to the read's end (it started at reserve time).
+            self._guard_sample("disk", ld.disk, max(0.0, ld.started + p.seconds - ld.bound_at))
         ld.disk.keys = ld.disk.keys[: p.ok_prefix]
         if not ld.disk.keys or ld.cpu.failed:
             ld.disk.keys = []
