@@ -47,11 +47,20 @@ class StandInRuntime:
         self.events_done = True  # what cudaEventQuery answers for a live event
         self.on_query = None  # called once, inside the first cudaEventQuery
         self.copies = 0
+        self.batch_calls = 0
+        # CUDA's current device is per thread (0 until set); streams and events belong to the
+        # device that was current when they were created.
+        self.current: dict[int, int] = {}
+        self.device_of: dict[int, int] = {}
+
+    def _device(self) -> int:
+        return self.current.get(threading.get_ident(), 0)
 
     def cudaGetErrorString(self, err):
         return OK, b"stand-in error"
 
     def cudaSetDevice(self, device):
+        self.current[threading.get_ident()] = device
         return (OK,)
 
     def cudaHostRegister(self, ptr, nbytes, flags):
@@ -65,7 +74,9 @@ class StandInRuntime:
         return (OK,)
 
     def cudaStreamCreateWithFlags(self, flags):
-        return OK, next(self._handles)
+        stream = next(self._handles)
+        self.device_of[stream] = self._device()
+        return OK, stream
 
     def cudaStreamDestroy(self, stream):
         return (OK,)
@@ -77,6 +88,7 @@ class StandInRuntime:
     def cudaEventCreateWithFlags(self, flags):
         ev = next(self._handles)
         self.events.add(ev)
+        self.device_of[ev] = self._device()
         return OK, ev
 
     def _live(self, call: str, ev: int):
@@ -92,6 +104,13 @@ class StandInRuntime:
 
     def cudaEventRecord(self, ev, stream):
         if stream == self.fail_record_on:
+            return (rt.cudaError_t.cudaErrorInvalidResourceHandle,)
+        if stream in self.device_of and self.device_of[stream] != self.device_of.get(ev):
+            # As CUDA: an event and the stream it is recorded on must be on the same device.
+            self.misuse.append(
+                f"cudaEventRecord of a device-{self.device_of.get(ev)} event "
+                f"on a device-{self.device_of[stream]} stream"
+            )
             return (rt.cudaError_t.cudaErrorInvalidResourceHandle,)
         return (self._live("cudaEventRecord", ev),)
 
@@ -120,6 +139,10 @@ class StandInRuntime:
 
     cudaMemcpy2DAsync = cudaMemcpyAsync
 
+    def cudaMemcpyBatchAsync(self, *args):
+        self.batch_calls += 1
+        return rt.cudaError_t.cudaErrorNotSupported, 0  # a runtime that has the call, a driver that refuses it
+
 
 @pytest.fixture
 def runtime(monkeypatch) -> StandInRuntime:
@@ -128,16 +151,18 @@ def runtime(monkeypatch) -> StandInRuntime:
     return stand_in
 
 
-def cuda_layout() -> BlockLayout:
+def cuda_layout(device: int = 0) -> BlockLayout:
     """Two regions, so a job is two copies; CPU tensors under a CUDA device label (the
     stand-in never touches the addresses)."""
     layout = BlockLayout.per_layer([torch.zeros(8, 4096, dtype=torch.uint8) for _ in range(2)])
-    layout.device = torch.device("cuda", 0)
+    layout.device = torch.device("cuda", device)
     return layout
 
 
-def engine(pool: kv.HostPool, layout: BlockLayout | None = None) -> cuda_engine.CudaTransferEngine:
-    return cuda_engine.CudaTransferEngine(layout or cuda_layout(), pool, use_batch=False)
+def engine(
+    pool: kv.HostPool, layout: BlockLayout | None = None, use_batch: bool = False
+) -> cuda_engine.CudaTransferEngine:
+    return cuda_engine.CudaTransferEngine(layout or cuda_layout(), pool, use_batch=use_batch)
 
 
 def host_pool() -> kv.HostPool:
@@ -226,3 +251,26 @@ def test_a_job_is_finished_and_its_event_destroyed_once_when_polls_race(runtime)
         assert [r.job_id for r in seen] == [job]
         assert runtime.misuse == []
         assert runtime.events == set()
+
+
+def test_an_engine_fed_and_polled_from_another_thread_works_on_its_own_device(runtime):
+    """CUDA's current device is per thread: an engine for device 1 built on one thread and used
+    from another (vLLM's worker thread, a poll thread) must make its device current there, or it
+    creates its events on device 0 and cannot record them on its device-1 streams."""
+    pool = host_pool()
+    with engine(pool, cuda_layout(device=1)) as eng:
+        results = []
+        worker = threading.Thread(target=lambda: results.extend(eng.wait([eng.store([0], [0]), eng.load([1], [1])])))
+        worker.start()
+        worker.join(10)
+        assert [r.success for r in results] == [True, True], [r.error for r in results]
+        assert runtime.misuse == []
+
+
+def test_a_refused_batch_call_is_not_retried_for_every_job(runtime):
+    pool = host_pool()
+    with engine(pool, use_batch=True) as eng:
+        results = eng.wait([eng.store([0], [0]), eng.store([1], [1]), eng.load([2], [2])])
+        assert [r.success for r in results] == [True, True, True], "the copies went through one by one"
+        assert runtime.batch_calls == 1 and eng.batch_refusals == 1
+        assert runtime.copies == 6, "two regions a job, each copied once"

@@ -627,3 +627,30 @@ def test_a_released_read_still_in_flight_is_taken_over_by_the_next_reservation(t
     assert (result.loaded_disk, result.failed, result.unreserved) == (3, 0, 0)
     assert [block_bytes_of(layout, b) for b in (7, 8, 9)] == want
     assert orch.host.index.stats()["pinned_blocks"] == 0
+
+
+def test_load_copies_wait_for_the_compute_stream_in_both_parts(tmp_path):
+    """The destinations were just given to the request, and a forward pass still running may read
+    them for the request that held them before: every copy of a load, the CPU part's at bind and
+    the disk part's when its read lands, is ordered after the caller's compute stream."""
+
+    class SpyEngine(CpuTransferEngine):
+        def load(self, slots, block_ids, *, after_stream=None, **kw):
+            self.seen.append(after_stream)
+            return super().load(slots, block_ids, after_stream=after_stream, **kw)
+
+    rng = random.Random(11)
+    layout, _ = random_layout(rng, 32)
+    host = kv.HostTier(kv.TierConfig(2 * (-(-layout.bytes_per_block // 4096) * 4096), layout.bytes_per_block))
+    engine = SpyEngine(layout, host.pool)
+    engine.seen = []
+    disk = open_failing_disk(tmp_path, host.pool.slot_bytes)
+    orch = TierOrchestrator(host, engine, disk=disk)
+    orch.offload([b"a", b"b"], [0, 1])
+    orch.drain()
+    orch.host.index.remove([b"b"])  # b only on disk now
+    compute = object()  # stands for the engine's stream (the CPU engine ignores it)
+    orch.load([b"a", b"b"], [8, 9], request_id="r", after_stream=compute)
+    (res,) = orch.drain()
+    assert (res.loaded_cpu, res.loaded_disk) == (1, 1)
+    assert engine.seen == [compute, compute]

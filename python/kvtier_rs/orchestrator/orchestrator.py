@@ -147,6 +147,9 @@ class _Load:
     gpu_ids: list[int] | None = None
     groups: list[list[int]] | None = None
     bound_at: float = 0.0
+    # The engine's compute stream (CUDA): the copies into the destinations wait for the work
+    # queued there, which may still read those blocks for the requests that held them before.
+    after_stream: object = None
 
     @property
     def bound(self) -> bool:
@@ -346,10 +349,15 @@ class TierOrchestrator:
         gpu_hit_blocks: int = 0,
         plan: LoadPlan | None = None,
         region_groups: Sequence[Sequence[int]] | None = None,
+        after_stream: object = None,
     ) -> LoadResult:
         """Start loading the planned hits of `keys` after the first `gpu_hit_blocks` into
         `gpu_block_ids` (destinations for keys[gpu_hit_blocks:], in order). Returns the request's
         accounting; its load counts are final once `poll` reports it.
+
+        `after_stream` (CUDA: the engine's compute stream) orders the copies after the work
+        queued there so far: the destinations were just given to this request, and a forward
+        pass still running may read them for the request that held them before.
 
         `region_groups` (e.g. one group of region indices per layer, in layer order) splits the
         copies into one job per group, submitted in order, so `groups_ready(request_id)` can say
@@ -370,7 +378,7 @@ class TierOrchestrator:
                 f"invalid argument `gpu_block_ids`: {len(gpu_ids)} ids for {plan.loaded} blocks to load"
             )
         ld = self._reserve(keys, self._new_request_id(request_id), plan, planned_here)
-        return self._bind(ld, gpu_ids, groups)
+        return self._bind(ld, gpu_ids, groups, after_stream)
 
     def reserve(
         self,
@@ -400,9 +408,11 @@ class TierOrchestrator:
         gpu_block_ids: Sequence[int],
         *,
         region_groups: Sequence[Sequence[int]] | None = None,
+        after_stream: object = None,
     ) -> LoadResult:
         """Give a reservation its destinations (for its blocks, in order: at least
-        `Reservation.blocks` ids) and start its copies; the rest is as for `load`."""
+        `Reservation.blocks` ids) and start its copies; the rest (`after_stream` too) is as for
+        `load`."""
         ld = self._unbound(request_id, "bind")
         gpu_ids = self._gpu_block_ids(gpu_block_ids, distinct=True)
         groups = self._region_groups(region_groups)
@@ -410,7 +420,7 @@ class TierOrchestrator:
             raise InvalidArgumentError(
                 f"invalid argument `gpu_block_ids`: {len(gpu_ids)} ids for {ld.reserved} reserved blocks"
             )
-        return self._bind(ld, gpu_ids, groups)
+        return self._bind(ld, gpu_ids, groups, after_stream)
 
     def release(self, request_id: Any) -> None:
         """Give back a reservation that was never bound (its request was cancelled, or asked
@@ -493,9 +503,10 @@ class TierOrchestrator:
                 self._read_owner[job] = request_id
         return ld
 
-    def _bind(self, ld: _Load, gpu_ids: list[int], groups: list[list[int]] | None) -> LoadResult:
+    def _bind(self, ld: _Load, gpu_ids: list[int], groups: list[list[int]] | None, after_stream: object) -> LoadResult:
         """Set a reserved load's destinations and submit the copies of what is in the CPU tier."""
         ld.gpu_ids, ld.groups, ld.bound_at = gpu_ids, groups, time.perf_counter()
+        ld.after_stream = after_stream
         if ld.cpu.keys and not self._submit_copies(ld, ld.cpu, ld.cpu_slots, gpu_ids[: len(ld.cpu.keys)]):
             ld.cpu.failed = True
             ld.cpu.keys = []
@@ -532,7 +543,9 @@ class TierOrchestrator:
             # Taken before the call: an inline engine copies (and finishes the job) inside it.
             submitted = time.perf_counter()
             try:
-                job = self.engine.load(slots, gpu_ids, regions=group)
+                # The disk part's copies start later (when its read lands), ordered after the
+                # compute stream as it is then: later work, so still after the earlier readers.
+                job = self.engine.load(slots, gpu_ids, regions=group, after_stream=ld.after_stream)
             except KvTierError:
                 if part.jobs:
                     raise  # later groups of a part already copying: not a state to guess about

@@ -13,6 +13,11 @@
   caller reuses the job's host slots and device blocks as soon as it learns of the failure.
 - Several engines may share one pool (vLLM's worker has one per KV group): the pool is pinned
   by the first and unpinned when the last one closes (`_PINS`).
+- The current device is per thread in CUDA: every entry point that makes CUDA calls first makes
+  the layout's device current on the calling thread (an engine built on one thread and polled or
+  fed from another would otherwise create its events on that thread's device, and fail).
+- A runtime that refuses cudaMemcpyBatchAsync once (a driver without it, or pointers it does not
+  take) is not asked again: every later job goes straight to cudaMemcpyAsync/2D.
 
 This engine needs an NVIDIA GPU; `benches/gpu_check.py` tests and measures it on one.
 """
@@ -166,7 +171,8 @@ class CudaTransferEngine(TransferEngine):
             )
         super().__init__(layout, pool)
         rt = self._rt = _runtime()
-        check(rt, "cudaSetDevice", rt.cudaSetDevice(layout.device.index or 0))
+        self._device = layout.device.index or 0
+        self._on_device()
         _PINS.acquire(rt, pool.ptr, pool.nbytes)
         self._pinned = True
         flags = rt.cudaStreamNonBlocking
@@ -177,7 +183,13 @@ class CudaTransferEngine(TransferEngine):
         self._events: dict[int, tuple[_Job, Any]] = {}
         self._use_batch = use_batch and hasattr(rt, "cudaMemcpyBatchAsync")
         self.batch_calls = 0
+        self.batch_refusals = 0
         self.copy_calls = 0
+
+    def _on_device(self) -> None:
+        """Make the layout's device current on the calling thread (CUDA's current device is
+        per thread). Cheap when it already is."""
+        check(self._rt, "cudaSetDevice", self._rt.cudaSetDevice(self._device))
 
     # ---- copies ---------------------------------------------------------------------------
     def _issue_2d(self, pieces, kind, stream) -> None:
@@ -197,6 +209,11 @@ class CudaTransferEngine(TransferEngine):
         attrs.srcAccessOrder = rt.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
         res = rt.cudaMemcpyBatchAsync(dsts, srcs, sizes, len(sizes), [attrs], [0], 1, stream)
         if int(res[0]) != 0:
+            # Refused as a whole (unsupported, or pointers it does not take): the caller issues
+            # the same copies one by one, and so does every later job, instead of paying a
+            # refused call each time.
+            self._use_batch = False
+            self.batch_refusals += 1
             return False
         self.batch_calls += 1
         return True
@@ -214,6 +231,7 @@ class CudaTransferEngine(TransferEngine):
 
     def _submit(self, job: _Job, block_ids: list[int], slots: list[int], after_stream: object) -> None:
         rt = self._rt
+        self._on_device()
         stream = self._streams[job.direction]
         if after_stream is not None:
             self._order_after(stream, after_stream)
@@ -252,6 +270,7 @@ class CudaTransferEngine(TransferEngine):
 
     def _collect(self) -> None:
         rt = self._rt
+        self._on_device()
         done = []
         with self._lock:
             # Events are queried and destroyed only here, under the lock (cudaEventQuery does
@@ -277,6 +296,7 @@ class CudaTransferEngine(TransferEngine):
         with self._lock:
             evs = [self._events[j][1] for j in job_ids if j in self._events]
         if evs:
+            self._on_device()
             # Its result is not checked: a concurrent poll may have finished the job and
             # destroyed the event meanwhile, and a real failure is reported by the query that
             # wait() makes next (_collect), which finishes the job.
@@ -284,6 +304,7 @@ class CudaTransferEngine(TransferEngine):
 
     def wait_on(self, job_id: int, stream: object) -> None:
         """Make `stream` (e.g. the model's compute stream) wait until a job's copies are done."""
+        self._on_device()
         with self._lock:
             # Under the lock, so the event cannot be destroyed in between (the wait is only
             # queued, it does not block).
@@ -296,6 +317,7 @@ class CudaTransferEngine(TransferEngine):
         # syncing them finishes all jobs (a job whose event reports an error, or one left when a
         # sync fails, is reported failed by close()).
         rt = self._rt
+        self._on_device()
         for s in self._streams.values():
             check(rt, "cudaStreamSynchronize", rt.cudaStreamSynchronize(s))
         self._collect()

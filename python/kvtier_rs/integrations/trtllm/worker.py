@@ -173,11 +173,14 @@ class WorkerCore:
         if meta is None:
             return
         groups = [[layer] for layer in range(self.tiers.num_layers)]
+        # Copies into the destination blocks wait for the work queued on the engine's stream:
+        # a forward pass still running may read those blocks for the requests that held them.
+        after = stream if self.tiers.layout.device.type == "cuda" else None
         for n, spec in enumerate(meta.loads):
             # The scheduler reserved these blocks when it matched them (CPU hits pinned, disk
             # hits being read into reserved CPU slots): give the reservation its destinations.
             try:
-                res = orch.bind(spec.reservation, list(spec.block_ids), region_groups=groups)
+                res = orch.bind(spec.reservation, list(spec.block_ids), region_groups=groups, after_stream=after)
             except BaseException:
                 # The step stops here; the reservations after this one must not stay held.
                 for later in meta.loads[n + 1 :]:

@@ -162,7 +162,9 @@ class KvtierWorker(OffloadingWorker):
                 # to have written the blocks (as vLLM's own handler does).
                 tid = eng.store(b, s, sub_blocks=sub, after_stream=_compute_stream(self.layouts[g]))
             else:
-                tid = eng.load(s, b, sub_blocks=sub)
+                # The destination blocks were just allocated to this request; a forward pass
+                # still running may read them for the request that held them before.
+                tid = eng.load(s, b, sub_blocks=sub, after_stream=_compute_stream(self.layouts[g]))
             job.parts.add((g, tid))
             self._owner[(g, tid)] = job_id
         if not job.parts:
