@@ -154,3 +154,43 @@ def test_no_reference_leaks():
         ix.lookup_one(key)
         ix.lookup_prefix([key])
     assert sys.getrefcount(key) == before
+
+
+def test_one_key_lookups_from_many_threads_are_all_counted():
+    """The one-key and short lookups count in the index's serial counters (no thread-local),
+    relying on the GIL to serialize them: threads switching as often as the interpreter allows
+    must still lose no count. Long batches, which release the GIL, count in their thread's
+    stripe; both add up in stats()."""
+    import sys
+    import threading
+
+    keys = [f"k{i}".encode() for i in range(300)]
+    ix = kv.BlockIndex(512)
+    ix.set_lookup_results(HIT, PENDING, MISS)
+    ix.prepare_store(keys)
+    ix.complete_store(keys)
+    before = lookup_counters(ix)
+    per_thread, threads = 3000, 4
+
+    def work(t: int) -> None:
+        for i in range(per_thread):
+            ix.lookup_one(keys[(t + i) % 300])
+            ix.lookup_result(b"absent")
+            ix.lookup_prefix(keys[:3])
+        ix.lookup_prefix(keys)  # 300 keys: the GIL is released for this walk
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        ts = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    lookups, examined, hits = (a - b for a, b in zip(lookup_counters(ix), before, strict=True))
+    calls = threads * per_thread
+    assert lookups == 3 * calls + threads
+    assert examined == calls * (1 + 1 + 3) + threads * 300
+    assert hits == calls * (1 + 0 + 3) + threads * 300

@@ -253,6 +253,8 @@ pub struct TierIndex {
     panic_in_next_store: AtomicBool,
     clock: Clock,
     stats: IndexStats,
+    /// The slot of the last `lookup_state_serial`'s block (NO_SLOT after a miss): its hint.
+    serial_hint: AtomicU32,
 }
 
 /// The most blocks an index holds: slots are numbered in a u32, and `NO_SLOT` (u32::MAX) marks
@@ -331,6 +333,7 @@ impl TierIndex {
             panic_in_next_store: AtomicBool::new(false),
             clock,
             stats: IndexStats::default(),
+            serial_hint: AtomicU32::new(NO_SLOT),
         })
     }
 
@@ -420,6 +423,13 @@ impl TierIndex {
         self.stats.record_lookup(examined, hits);
     }
 
+    /// `record_lookup` for a caller that serializes its calls to the `*_serial` methods itself
+    /// (the Python binding under the GIL): no thread-local to find. Overlapping calls could lose
+    /// counts, never corrupt anything.
+    pub fn record_lookup_serial(&self, examined: usize, hits: usize) {
+        self.stats.record_lookup_serial(examined, hits);
+    }
+
     /// Length of the longest prefix of `keys` whose blocks are all ready.
     pub fn lookup_prefix(&self, keys: &[BlockKey]) -> usize {
         let Ok(n) = self.reader().ready_prefix(keys.iter().map(Ok::<_, std::convert::Infallible>));
@@ -436,16 +446,34 @@ impl TierIndex {
     pub fn lookup_state(&self, key: &impl ChainKey) -> Option<BlockState> {
         let me = self as *const Self as usize;
         let (owner, last) = LAST_LOOKUP.get();
-        let chained = if owner == me { self.probe_after(last, &key.key_ref()) } else { None };
-        let chained = chained.map(|(slot, state, _)| (slot, state));
+        let (state, slot) = self.lookup_state_after(key, if owner == me { last } else { NO_SLOT });
+        LAST_LOOKUP.set((me, slot));
+        self.stats.record_single_lookup(state == Some(BlockState::Ready));
+        state
+    }
+
+    /// `lookup_state` for a caller that serializes its calls to the `*_serial` methods itself
+    /// (the Python binding, which holds the GIL in them): the hint is the last serial lookup's,
+    /// kept in the index, and the count goes to the serial counters, so no thread-local is read
+    /// (from the extension module each is a call into the dynamic loader). Overlapping calls are
+    /// still correct (the hint is only a hint) but could lose counts.
+    pub fn lookup_state_serial(&self, key: &impl ChainKey) -> Option<BlockState> {
+        let (state, slot) = self.lookup_state_after(key, self.serial_hint.load(Ordering::Relaxed));
+        self.serial_hint.store(slot, Ordering::Relaxed);
+        self.stats.record_single_lookup_serial(state == Some(BlockState::Ready));
+        state
+    }
+
+    /// The state of `key`'s block and its slot (NO_SLOT if absent), comparing the slot after
+    /// `hint` first (the previous lookup's block). Not counted.
+    #[inline(always)]
+    fn lookup_state_after(&self, key: &impl ChainKey, hint: u32) -> (Option<BlockState>, u32) {
+        let chained = self.probe_after(hint, &key.key_ref()).map(|(slot, state, _)| (slot, state));
         let found = chained.or_else(|| {
             let guard = Guard::new();
             self.resolve(&key.probe(), &guard).map(|r| (r.slot, r.state))
         });
-        LAST_LOOKUP.set((me, found.map_or(NO_SLOT, |(slot, _)| slot)));
-        let state = found.map(|(_, state)| state);
-        self.stats.record_single_lookup(state == Some(BlockState::Ready));
-        state
+        (found.map(|(_, state)| state), found.map_or(NO_SLOT, |(slot, _)| slot))
     }
 
     /// `key`'s slot, state and generation if its block is in the slot after `prev` (lock-free,

@@ -82,15 +82,30 @@ fn stripe() -> usize {
     STRIPE.try_with(|s| s.0).unwrap_or(SHARED)
 }
 
-/// Add `n` to a counter of stripe `stripe`. The owner of a stripe is its only writer, so a plain
-/// load and store keeps the count exact without a locked add (a full barrier on x86, the largest
-/// single cost of a one-key lookup after the lookup itself); the shared stripe's adds are atomic.
+/// Add `n` to a counter. A counter with one writer at a time (`exclusive`: a stripe's owner, or
+/// the serial stripe's callers, who serialize themselves) takes a plain load and store, exact
+/// without a locked add (a full barrier on x86, the largest single cost of a one-key lookup
+/// after the lookup itself); a shared one takes an atomic add.
 #[inline(always)]
-fn bump(counter: &AtomicU64, stripe: usize, n: u64) {
-    if stripe == SHARED {
-        counter.fetch_add(n, Relaxed);
-    } else {
+fn add(counter: &AtomicU64, n: u64, exclusive: bool) {
+    if exclusive {
         counter.store(counter.load(Relaxed).wrapping_add(n), Relaxed);
+    } else {
+        counter.fetch_add(n, Relaxed);
+    }
+}
+
+impl LookupCounts {
+    #[inline(always)]
+    fn single(&self, hit: bool, exclusive: bool) {
+        add(if hit { &self.single_hits } else { &self.single_misses }, 1, exclusive);
+    }
+
+    #[inline(always)]
+    fn prefix(&self, keys: usize, hits: usize, exclusive: bool) {
+        add(&self.lookups, 1, exclusive);
+        add(&self.lookup_keys, keys as u64, exclusive);
+        add(&self.hit_blocks, hits as u64, exclusive);
     }
 }
 
@@ -104,6 +119,11 @@ pub struct IndexStats {
     /// while more than SHARED threads that look up are alive, the extra ones share the last
     /// stripe (a cost in speed only: its adds are atomic).
     lookup_stripes: [CachePadded<LookupCounts>; STRIPES],
+    /// The lookups of callers that serialize their calls themselves (`*_serial`: the Python
+    /// binding's one-key and short lookups, which hold the GIL), counted without finding this
+    /// thread's stripe: a thread-local read from the extension module is a call into the dynamic
+    /// loader (`__tls_get_addr`), a few ns of a one-key lookup's ~20.
+    serial: CachePadded<LookupCounts>,
     pub stores_prepared: AtomicU64,
     pub store_skipped: AtomicU64,
     pub store_refused: AtomicU64,
@@ -123,21 +143,28 @@ pub struct IndexStats {
 impl IndexStats {
     pub fn record_single_lookup(&self, hit: bool) {
         let stripe = stripe();
-        let c = &self.lookup_stripes[stripe];
-        bump(if hit { &c.single_hits } else { &c.single_misses }, stripe, 1);
+        self.lookup_stripes[stripe].single(hit, stripe != SHARED);
     }
 
     pub fn record_lookup(&self, keys: usize, hits: usize) {
         let stripe = stripe();
-        let c = &self.lookup_stripes[stripe];
-        bump(&c.lookups, stripe, 1);
-        bump(&c.lookup_keys, stripe, keys as u64);
-        bump(&c.hit_blocks, stripe, hits as u64);
+        self.lookup_stripes[stripe].prefix(keys, hits, stripe != SHARED);
+    }
+
+    /// `record_single_lookup` for a caller whose calls to the `*_serial` counters never overlap
+    /// (see `serial`); overlapping calls could lose counts, never corrupt memory.
+    pub fn record_single_lookup_serial(&self, hit: bool) {
+        self.serial.single(hit, true);
+    }
+
+    /// `record_lookup` for a serialized caller (see `record_single_lookup_serial`).
+    pub fn record_lookup_serial(&self, keys: usize, hits: usize) {
+        self.serial.prefix(keys, hits, true);
     }
 
     /// One lookup counter summed over the stripes.
     fn lookup_sum(&self, counter: impl Fn(&LookupCounts) -> &AtomicU64) -> u64 {
-        self.lookup_stripes.iter().map(|c| counter(c).load(Relaxed)).sum()
+        self.lookup_stripes.iter().chain(std::iter::once(&self.serial)).map(|c| counter(c).load(Relaxed)).sum()
     }
 
     /// The counters, with the gauges the index reads itself (occupancy, whether it failed).

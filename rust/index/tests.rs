@@ -678,3 +678,34 @@ fn lookups_from_many_threads_are_all_counted() {
     assert_eq!(s.lookup_keys, calls * 8 + singles);
     assert_eq!(s.hit_blocks, calls * 8 + singles / 2);
 }
+
+#[test]
+fn serial_lookups_answer_like_threaded_ones_and_count_in_the_same_totals() {
+    // The serial forms (the Python binding's, under the GIL) keep their hint and counts in the
+    // index instead of thread-locals; the answers and the totals must be the same.
+    let ix = index(64, PolicyKind::Lru);
+    let chain = keys(0..8);
+    store(&ix, &chain);
+    ix.complete_store(&chain, true);
+    let pending = k(50);
+    ix.prepare_store(&[pending], InsertHint::default()).unwrap();
+    for round in 0..3 {
+        // A chain walked head first (each next block is compared at the slot after the last),
+        // then out of order, a block being written, and an absent key: the hint must never
+        // make an answer wrong.
+        for key in chain.iter().chain(chain.iter().rev()) {
+            assert_eq!(ix.lookup_state_serial(key), Some(BlockState::Ready), "round {round}");
+            assert_eq!(ix.lookup_state(key), Some(BlockState::Ready));
+        }
+        assert_eq!(ix.lookup_state_serial(&pending), Some(BlockState::Writing));
+        assert_eq!(ix.lookup_state_serial(&k(100)), None);
+        assert_eq!(ix.lookup_state(&k(100)), None);
+    }
+    ix.record_lookup_serial(3, 2);
+    let s = ix.stats();
+    // Per round: 16 serial + 16 threaded hits, 2 serial misses (Writing is not a hit), 1 threaded.
+    let singles = 3 * (16 + 16 + 2 + 1);
+    assert_eq!(s.lookups, singles + 1);
+    assert_eq!(s.lookup_keys, singles + 3);
+    assert_eq!(s.hit_blocks, 3 * 32 + 2);
+}

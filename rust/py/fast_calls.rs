@@ -16,6 +16,11 @@
 //! messages are the same whichever path ran. The fast path runs no Python code, creates no
 //! Python object and cannot fail except by panicking, which is caught (never unwound into the
 //! interpreter), disables the index and is raised as `IndexFailedError`.
+//!
+//! The lookups here and in `index.rs`'s one-key forms count through the index's `*_serial`
+//! methods: they always run with the GIL held, which serializes them, so they need no
+//! thread-local (the module is built for the stable ABI, abi3, which free-threaded Pythons do
+//! not load: there is always a GIL here).
 
 use std::ffi::CStr;
 use std::ptr;
@@ -98,7 +103,10 @@ unsafe extern "C" fn lookup_one(slf: *mut ffi::PyObject, key: *mut ffi::PyObject
         let ix = index(slf);
         dispatch(
             ix,
-            || exact_bytes_key(key).map(|probe| py_bool(ix.inner().lookup_state(&probe) == Some(BlockState::Ready))),
+            || {
+                exact_bytes_key(key)
+                    .map(|probe| py_bool(ix.inner().lookup_state_serial(&probe) == Some(BlockState::Ready)))
+            },
             |py| Ok(ix.lookup_one_impl(&arg(py, key))?.into_pyobject(py)?.to_owned().into_any().unbind()),
         )
     }
@@ -152,7 +160,7 @@ unsafe extern "C" fn lookup_prefix(slf: *mut ffi::PyObject, keys: *mut ffi::PyOb
                 // is not exact bytes ends the walk (Err) and the slow path starts over.
                 let walk = (0..len).map(|i| exact_bytes_key(ffi::PyList_GetItem(keys, i)).ok_or(()));
                 let hits = ix.inner().reader().ready_prefix(walk).ok()?;
-                ix.inner().record_lookup((hits + 1).min(len as usize), hits);
+                ix.inner().record_lookup_serial((hits + 1).min(len as usize), hits);
                 Some(ffi::PyLong_FromSize_t(hits))
             },
             |py| Ok(ix.lookup_prefix_impl(py, &arg(py, keys))?.into_pyobject(py)?.into_any().unbind()),

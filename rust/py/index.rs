@@ -96,7 +96,7 @@ impl BlockIndex {
     /// Which of the lookup results (ready, being written, absent) answers for `key`; counted as
     /// a one-key lookup.
     pub(crate) fn result_index(&self, key: &impl ChainKey) -> usize {
-        match self.inner.lookup_state(key) {
+        match self.inner.lookup_state_serial(key) {
             Some(BlockState::Ready) => 0,
             Some(BlockState::Writing) => 1,
             _ => 2,
@@ -104,7 +104,7 @@ impl BlockIndex {
     }
 
     pub(crate) fn lookup_one_impl(&self, key: &Bound<'_, PyAny>) -> PyResult<bool> {
-        Ok(self.inner.lookup_state(&probe_from_py(key)?) == Some(BlockState::Ready))
+        Ok(self.inner.lookup_state_serial(&probe_from_py(key)?) == Some(BlockState::Ready))
     }
 
     pub(crate) fn lookup_result_impl(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
@@ -177,6 +177,9 @@ impl BlockIndex {
     ///
     /// Keys after the first miss are neither looked up nor checked, whatever holds them (a list,
     /// a tuple, any iterable, short or long): the walk stops there, as the fast path does.
+    /// Counted as serial lookups (`TierIndex::record_lookup_serial`): the count is always made
+    /// with the GIL held, which serializes every caller of the serial counters.
+    ///
     /// Short batches are walked with the GIL held, converting keys as they go: the per-key work
     /// is one lock-free map read, cheaper than releasing and re-taking the GIL. Batches of
     /// LONG_WALK_KEYS or more are converted first, up to the first invalid key, and walked with
@@ -186,7 +189,7 @@ impl BlockIndex {
         if list.len() < LONG_WALK_KEYS {
             let keys = list.iter().map(|item| probe_from_py(&item).map(|p| p.to_key()));
             let n = self.inner.reader().ready_prefix(keys)?;
-            self.inner.record_lookup((n + 1).min(list.len()), n);
+            self.inner.record_lookup_serial((n + 1).min(list.len()), n);
             return Ok(n);
         }
         let mut owned = Vec::with_capacity(list.len());
@@ -206,7 +209,7 @@ impl BlockIndex {
                 return Err(e);
             }
         }
-        self.inner.record_lookup((n + 1).min(list.len()), n);
+        self.inner.record_lookup_serial((n + 1).min(list.len()), n);
         Ok(n)
     }
 }
