@@ -294,6 +294,8 @@ class IndexModel:
         return n
 
     def prepare_store(self, keys, priority=DEFAULT_PRIORITY, duration_ns=None):
+        keys = list(keys)
+        present_before = {k for k in keys if k in self.entries}
         seen, new, skipped, refused = set(), [], [], []
         for k in keys:
             # A repeated key shares its first occurrence's fate: skipped when that one is
@@ -319,9 +321,20 @@ class IndexModel:
         # The batch's slots are taken from the free list, then given to the chain in ascending
         # order (the core's chained lookups rely on it).
         placed = list(zip(new, sorted(self.free.popleft() for _ in new), strict=True))
-        for k, slot in reversed(placed):
-            self.entries[k] = {"state": "writing", "pins": 0, "slot": slot}
-            self.policy.insert(k, priority, duration_ns, self.now)
+        # The chain is applied tail first: each new key inserted, and each key present before
+        # the store that comes before the last new key touched, once, at its first position; so
+        # the head ranks as the most recent even when the store extends a stored chain.
+        new_slot = dict(placed)
+        last_new = max((keys.index(k) for k in new_slot), default=-1)
+        done = set()
+        for i in range(len(keys) - 1, -1, -1):
+            k = keys[i]
+            if k in new_slot and k not in done and keys.index(k) == i:
+                self.entries[k] = {"state": "writing", "pins": 0, "slot": new_slot[k]}
+                self.policy.insert(k, priority, duration_ns, self.now)
+                done.add(k)
+            elif k in present_before and i < last_new and keys.index(k) == i:
+                self.policy.touch(k, self.now)
         return placed, skipped, refused, evicted
 
     def complete_store(self, keys, success) -> int:

@@ -588,8 +588,7 @@ impl TierIndex {
     /// no key of the batch is ever evicted to make room for the others.
     pub fn prepare_store<K: ChainKey>(&self, keys: &[K], hint: InsertHint) -> KvResult<StoreOutcome> {
         Self::check_hint(hint)?;
-        let now = self.clock.now_ns();
-        self.prepare_store_locked(&mut *self.write()?, keys, hint, now)
+        self.prepare_store_locked(&mut *self.write()?, keys, hint)
     }
 
     /// `prepare_store` if the index's mutex is free right now, None if another writer holds it
@@ -598,11 +597,8 @@ impl TierIndex {
         if let Err(e) = Self::check_hint(hint) {
             return Some(Err(e));
         }
-        let now = self.clock.now_ns();
         Some(
-            self.failure
-                .try_lock(&self.inner)?
-                .and_then(|mut inner| self.prepare_store_locked(&mut inner, keys, hint, now)),
+            self.failure.try_lock(&self.inner)?.and_then(|mut inner| self.prepare_store_locked(&mut inner, keys, hint)),
         )
     }
 
@@ -618,13 +614,17 @@ impl TierIndex {
         inner: &mut Inner,
         keys: &[K],
         hint: InsertHint,
-        now: u64,
     ) -> KvResult<StoreOutcome> {
+        // Read under the lock: a store that waited for it must not start its retention
+        // duration (the priority policy's expiry) in the past.
+        let now = self.clock.now_ns();
         let guard = Guard::new();
         let mut out = StoreOutcome::default();
         // Slots of this batch's resident keys: never evicted to make room for the others
         // (vLLM's contract, and the only sane one: the caller was just told they are present).
         let mut protected: Vec<u32> = Vec::with_capacity(keys.len());
+        // Where each present key sits in the batch: (position, slot).
+        let mut present: Vec<(usize, u32)> = Vec::with_capacity(keys.len());
         let mut absent = AbsentKeys::for_batch(keys.len());
         out.already_present_pos.reserve(keys.len());
         // The slot of the previous key when it was present: a chain stored before in one call
@@ -640,6 +640,7 @@ impl TierIndex {
             match found {
                 Ok(slot) => {
                     protected.push(slot);
+                    present.push((pos, slot));
                     out.already_present_pos.push(pos);
                 }
                 Err(probe) => {
@@ -676,9 +677,8 @@ impl TierIndex {
             out.refused_pos.sort_unstable();
             out.already_present_pos.sort_unstable();
         }
-        self.stats.store_refused.fetch_add(out.refused.len() as u64, Ordering::Relaxed);
-        self.stats.store_skipped.fetch_add(out.already_present_pos.len() as u64, Ordering::Relaxed);
-
+        // Admission saw the offers above whether or not the store fits (an offer is the
+        // engine's demand for the block either way); the store's counts wait until it does.
         let free = self.slots.free_count();
         if new_keys.len() > free {
             let need = new_keys.len() - free;
@@ -706,22 +706,67 @@ impl TierIndex {
             }
         }
 
+        self.stats.store_refused.fetch_add(out.refused.len() as u64, Ordering::Relaxed);
+        self.stats.store_skipped.fetch_add(out.already_present_pos.len() as u64, Ordering::Relaxed);
+
         // Slots in ascending order along the chain: a chain stored in one call then sits in
         // ascending (usually adjacent: evicting a chain frees a run) slots, which is what lets a
         // lookup walking it find each next block at the next slot (`IndexReader::ready_slot`),
-        // and what lets copies of adjacent blocks coalesce. Inserts tail-first.
+        // and what lets copies of adjacent blocks coalesce.
         let mut slots: Vec<u32> =
             new_keys.iter().map(|_| self.slots.alloc().expect("capacity was reserved above")).collect();
         slots.sort_unstable();
         let placed: Vec<(BlockKey, u32)> = new_keys.iter().copied().zip(slots).collect();
-        let meta = (hint.priority, self.config.block_bytes, 0);
-        for (k, slot) in placed.iter().rev() {
-            let generation = self.occupy(inner, *slot, k, BlockState::Writing, meta);
-            self.publish(inner, *k, *slot, generation, hint, now);
-        }
+        self.apply_chain_tail_first(inner, &placed, &out.to_write_pos, present, hint, now);
         self.stats.stores_prepared.fetch_add(placed.len() as u64, Ordering::Relaxed);
         out.to_write = placed;
         Ok(out)
+    }
+
+    /// Give a stored chain its policy order, tail first, so that every policy ranks its head
+    /// as the most recent and evicts its tail first: each new block is inserted (`placed`, at
+    /// batch positions `placed_pos`), and each block already present that comes before a new
+    /// one in the batch is touched. Without the touches, a chain extended by a later store
+    /// (H, T stored, then H, T, U) ranked its new tail U above its older middle T, which was
+    /// then evicted first and left U unreachable. Present blocks after the last new one, and a
+    /// store of a chain that is all present (a repeat), are left as they are: nothing of the
+    /// chain's order changes, and a repeated offer is not a use. A block present twice in the
+    /// batch is touched once, at its first (head-most) position.
+    fn apply_chain_tail_first(
+        &self,
+        inner: &mut Inner,
+        placed: &[(BlockKey, u32)],
+        placed_pos: &[usize],
+        mut present: Vec<(usize, u32)>,
+        hint: InsertHint,
+        now: u64,
+    ) {
+        let meta = (hint.priority, self.config.block_bytes, 0);
+        let last_new = placed_pos.last().copied().unwrap_or(0);
+        present.retain(|&(pos, _)| pos < last_new);
+        if present.len() > 1 {
+            present.sort_unstable_by_key(|&(pos, slot)| (slot, pos));
+            present.dedup_by_key(|&mut (_, slot)| slot);
+            present.sort_unstable();
+        }
+        let mut touches = present.iter().rev().peekable();
+        for (i, (k, slot)) in placed.iter().enumerate().rev() {
+            // The present blocks after this new one in the batch, tail first.
+            while let Some(&(_, touched)) = touches.next_if(|&&(pos, _)| pos > placed_pos[i]) {
+                self.touch_slot(inner, touched, now);
+            }
+            let generation = self.occupy(inner, *slot, k, BlockState::Writing, meta);
+            self.publish(inner, *k, *slot, generation, hint, now);
+        }
+        for &(_, touched) in touches {
+            self.touch_slot(inner, touched, now);
+        }
+    }
+
+    /// A use of the block in `slot` (resident; `inner` locked): its use count and its rank.
+    fn touch_slot(&self, inner: &mut Inner, slot: u32, now: u64) {
+        self.entry(slot).uses.fetch_add(1, Ordering::Relaxed);
+        inner.policy.touch(&Resident { slot, key_hash: self.slot_keys.key_hash(slot) }, now);
     }
 
     /// Make an occupied slot's block findable: map entry, policy entry.
@@ -748,8 +793,8 @@ impl TierIndex {
         if slot as usize >= self.config.capacity {
             return Err(KvError::invalid("slot", format!("slot {slot} out of range 0..{}", self.config.capacity)));
         }
-        let now = self.clock.now_ns();
         let mut inner = self.write()?;
+        let now = self.clock.now_ns();
         let guard = Guard::new();
         if self.find(&key.as_probe(), &guard).is_some() {
             return Err(KvError::invalid("key", format!("{key:?} recovered twice")));
@@ -857,13 +902,12 @@ impl TierIndex {
 
     /// Record a use of each resident key (policy recency/frequency), tail-first.
     pub fn touch(&self, keys: &[BlockKey]) {
-        let now = self.clock.now_ns();
         let Ok(mut inner) = self.write() else { return };
+        let now = self.clock.now_ns();
         let guard = Guard::new();
         for k in keys.iter().rev() {
             if let Some(r) = self.find(&k.as_probe(), &guard) {
-                self.entry(r.slot).uses.fetch_add(1, Ordering::Relaxed);
-                inner.policy.touch(&Resident::of(r.slot, k), now);
+                self.touch_slot(&mut inner, r.slot, now);
             }
         }
         self.stats.touches.fetch_add(keys.len() as u64, Ordering::Relaxed);
@@ -882,8 +926,8 @@ impl TierIndex {
     /// index it does nothing and returns 0, like the other writes that are not stores.
     pub fn renew(&self, keys: &[BlockKey], hint: InsertHint) -> KvResult<usize> {
         Self::check_hint(hint)?;
-        let now = self.clock.now_ns();
         let Ok(mut inner) = self.write() else { return Ok(0) };
+        let now = self.clock.now_ns();
         let guard = Guard::new();
         let mut renewed: Vec<u32> = Vec::with_capacity(keys.len());
         for k in keys.iter().rev() {

@@ -48,6 +48,11 @@ impl SlotKeys {
         BlockKey::from_words(&w)
     }
 
+    /// The hash of the key recorded for `slot` (its record's first word). For writers, as `read`.
+    pub fn key_hash(&self, slot: u32) -> u64 {
+        self.record(slot)[0].load(Ordering::Relaxed)
+    }
+
     /// Whether `slot`'s record holds `probe`'s key, read racily: only meaningful inside
     /// `probe_slot`'s generation check.
     #[inline(always)]

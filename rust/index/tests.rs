@@ -709,3 +709,68 @@ fn serial_lookups_answer_like_threaded_ones_and_count_in_the_same_totals() {
     assert_eq!(s.lookup_keys, singles + 3);
     assert_eq!(s.hit_blocks, 3 * 32 + 2);
 }
+
+#[test]
+fn a_chain_extended_by_a_later_store_still_loses_its_tail_first() {
+    // H, T stored; then H, T, U: U is T's child, so U must go before T (and T before H). Before,
+    // the present H and T kept their old rank and the new U ranked above them: T, U's parent,
+    // was evicted first and U was left unreachable. FIFO has no recency to refresh.
+    let (h, t, u, x) = (k(1), k(2), k(3), k(4));
+    for policy in [PolicyKind::Lru, PolicyKind::Arc, PolicyKind::Priority, PolicyKind::S3Fifo] {
+        let ix = index(3, policy);
+        store(&ix, &[h, t]);
+        let out = store(&ix, &[h, t, u]);
+        assert_eq!(out.already_present_pos, vec![0, 1]);
+        assert_eq!(evicted_by(&ix, &[x]), vec![u], "{policy:?}: the tail goes first");
+        assert_eq!(ix.lookup_prefix(&[h, t]), 2, "{policy:?}");
+    }
+}
+
+#[test]
+fn a_store_of_a_chain_already_present_changes_no_rank() {
+    // A repeated offer is not a use: with nothing new after them, present blocks keep their rank.
+    let ix = index(3, PolicyKind::Lru);
+    store(&ix, &[k(1)]);
+    store(&ix, &[k(2)]);
+    store(&ix, &[k(2), k(1)]); // all present
+    store(&ix, &[k(3)]);
+    assert_eq!(evicted_by(&ix, &[k(4)]), vec![k(1)], "k(1) kept its older rank");
+    assert_eq!(ix.stats().touches, 0);
+}
+
+#[test]
+fn a_store_that_waited_for_the_writers_lock_starts_its_duration_when_it_gets_it() {
+    // The clock is read under the lock: a store that waited W keeps its level for the whole
+    // duration from when it was made, not duration - W.
+    let ix = Arc::new(manual(2, PolicyKind::Priority));
+    store_with(&ix, &[k(1)], 50, None);
+    let writers = ix.inner.lock();
+    let storer = {
+        let ix = ix.clone();
+        std::thread::spawn(move || store_with(&ix, &[k(2)], 90, Some(100)))
+    };
+    std::thread::sleep(std::time::Duration::from_millis(50)); // the store is waiting for the lock
+    ix.clock().advance(200).unwrap();
+    drop(writers);
+    storer.join().unwrap();
+    assert_eq!(evicted_by(&ix, &[k(3)]), vec![k(1)], "k(2) is still at 90");
+}
+
+#[test]
+fn a_store_refused_for_space_counts_no_refusal_or_skip() {
+    let ix = TierIndex::new(IndexConfig { admission: AdmissionRule::AfterUses(2), ..IndexConfig::new(1) }).unwrap();
+    for _ in 0..2 {
+        store(&ix, &[k(1)]); // admitted on its second offer
+    }
+    store(&ix, &[k(2)]); // k(2)'s first offer: refused
+    ix.pin_for_load(&[k(1)]).unwrap();
+    let before = ix.stats();
+    // k(1) present; k(2) admitted at its second offer but finds no space (k(1) pinned); k(3)
+    // refused at its first. The store fails as a whole: none of that happened.
+    let err = ix.prepare_store(&[k(1), k(2), k(3)], InsertHint::default());
+    assert!(matches!(err, Err(KvError::NoSpace { .. })), "{err:?}");
+    let s = ix.stats();
+    assert_eq!(s.store_refused - before.store_refused, 0);
+    assert_eq!(s.store_skipped - before.store_skipped, 0);
+    assert_eq!(s.store_no_space - before.store_no_space, 1);
+}

@@ -114,18 +114,22 @@ impl BlockIndex {
     }
 
     /// `prepare_store`'s call into the core (see `prepare_store` for the GIL and mutex rules).
-    fn prepare_store_core(
+    fn prepare_store_core<'py>(
         &self,
-        py: Python<'_>,
-        seq: &Bound<'_, PyList>,
+        py: Python<'py>,
+        seq: &Bound<'py, PyList>,
         hint: InsertHint,
-    ) -> PyResult<crate::index::StoreOutcome> {
+    ) -> PyResult<(crate::index::StoreOutcome, Option<Vec<Bound<'py, PyAny>>>)> {
         // Like lookups, a short batch keeps the GIL: releasing and re-taking it costs more than
         // placing a request's chain. Its keys are borrowed from the list when they are all
         // exact bytes (the index then hashes only keys it does not find by a chained compare).
         // But it never waits for the index's mutex with the GIL held (another writer may hold
         // the mutex for long, e.g. a clear(), and every Python thread would stall meanwhile):
         // when the mutex is taken, it releases the GIL and waits, with keys of its own.
+        //
+        // While the GIL is released another thread may change the caller's list, so that path
+        // returns a snapshot of its items, taken with the keys, and the outcome's positions
+        // refer to it (the result must name exactly the keys the slots were reserved for).
         let mut owned = None;
         let quick = if seq.len() < LONG_WALK_KEYS {
             // SAFETY: attached; nothing runs Python code while the borrowed keys are used.
@@ -137,15 +141,45 @@ impl BlockIndex {
             None
         };
         match quick {
-            Some(out) => Ok(out?),
+            Some(out) => Ok((out?, None)),
             None => {
+                let items: Vec<Bound<'py, PyAny>> = seq.iter().collect();
                 let core_keys = match owned {
-                    Some(keys) => keys,
-                    None => keys_from_py(seq.as_any())?,
+                    Some(keys) if keys.len() == items.len() => keys,
+                    _ => keys_from_py(PyList::new(py, &items)?.as_any())?,
                 };
-                Ok(py.detach(|| self.inner.prepare_store(&core_keys, hint))?)
+                Ok((py.detach(|| self.inner.prepare_store(&core_keys, hint))?, Some(items)))
             }
         }
+    }
+
+    /// The Python outcome of a store: the caller's own key objects, taken by position from
+    /// `snapshot` when the store released the GIL (the list may have changed meanwhile) or from
+    /// `seq` itself, all of them before any Python object is allocated (an allocation can run
+    /// the garbage collector, and with it arbitrary code that might change the list).
+    fn store_outcome(
+        &self,
+        py: Python<'_>,
+        seq: &Bound<'_, PyList>,
+        snapshot: Option<Vec<Bound<'_, PyAny>>>,
+        out: crate::index::StoreOutcome,
+    ) -> PyResult<StoreOutcome> {
+        let item = |p: usize| match &snapshot {
+            Some(items) => Ok(items[p].clone()),
+            None => seq.get_item(p),
+        };
+        let take = |pos: &[usize]| pos.iter().map(|&p| item(p)).collect::<PyResult<Vec<_>>>();
+        let (written, skipped, refused) =
+            (take(&out.to_write_pos)?, take(&out.already_present_pos)?, take(&out.refused_pos)?);
+        let (ev_keys, ev_slots): (Vec<BlockKey>, Vec<u32>) = out.evicted.into_iter().unzip();
+        Ok(StoreOutcome {
+            keys: PyList::new(py, written)?.unbind(),
+            slots: out.to_write.iter().map(|(_, s)| *s).collect(),
+            skipped: PyList::new(py, skipped)?.unbind(),
+            refused: PyList::new(py, refused)?.unbind(),
+            evicted: keys_to_py(py, ev_keys)?.unbind(),
+            evicted_slots: ev_slots,
+        })
     }
 
     /// `complete_store`'s call into the core.
@@ -203,13 +237,16 @@ impl BlockIndex {
                 }
             }
         }
+        // The walk releases the GIL, and another thread may change the list meanwhile: count
+        // against the keys it walked, not the list as it is afterwards.
+        let total = owned.len() + usize::from(invalid_key.is_some());
         let Ok(n) = py.detach(|| self.inner.reader().ready_prefix(owned.iter().map(Ok::<_, std::convert::Infallible>)));
         if n == owned.len() {
             if let Some(e) = invalid_key {
                 return Err(e);
             }
         }
-        self.inner.record_lookup_serial((n + 1).min(list.len()), n);
+        self.inner.record_lookup_serial((n + 1).min(total), n);
         Ok(n)
     }
 }
@@ -315,19 +352,15 @@ impl BlockIndex {
         let hint = insert_hint(priority, duration_s)?;
         // Hand back the caller's own key objects (by position) rather than new ones.
         let seq = as_list(keys)?;
-        let out = self.contain(|| self.prepare_store_core(py, &seq, hint))?;
-        let pick = |pos: &[usize]| -> PyResult<Py<PyList>> {
-            Ok(PyList::new(py, pos.iter().map(|&p| seq.get_item(p)).collect::<PyResult<Vec<_>>>()?)?.unbind())
-        };
-        let (ev_keys, ev_slots): (Vec<BlockKey>, Vec<u32>) = out.evicted.into_iter().unzip();
-        Ok(StoreOutcome {
-            keys: pick(&out.to_write_pos)?,
-            slots: out.to_write.iter().map(|(_, s)| *s).collect(),
-            skipped: pick(&out.already_present_pos)?,
-            refused: pick(&out.refused_pos)?,
-            evicted: keys_to_py(py, ev_keys)?.unbind(),
-            evicted_slots: ev_slots,
-        })
+        let (out, snapshot) = self.contain(|| self.prepare_store_core(py, &seq, hint))?;
+        let to_write: Vec<BlockKey> = out.to_write.iter().map(|(k, _)| *k).collect();
+        let result = self.store_outcome(py, &seq, snapshot, out);
+        if result.is_err() {
+            // The caller never learns of the reservation: give it back rather than leave its
+            // blocks being written (unevictable) for good.
+            self.inner.complete_store(&to_write, false);
+        }
+        result
     }
 
     /// Finish stores; failure drops the blocks and frees their slots. Returns how many changed.
@@ -408,24 +441,39 @@ impl BlockIndex {
     #[pyo3(signature = (key, *, priority=35, duration_s=None))]
     fn prepare_store_one(
         &self,
+        py: Python<'_>,
         key: &Bound<'_, PyAny>,
         priority: i64,
         duration_s: Option<f64>,
     ) -> PyResult<Option<u32>> {
         let (k, hint) = (key_from_py(key)?, insert_hint(priority, duration_s)?);
-        let out = self.contain(|| Ok(self.inner.prepare_store(std::slice::from_ref(&k), hint)?))?;
+        let one = std::slice::from_ref(&k);
+        // As `prepare_store`: the writers' lock if it is free now, else wait for it without
+        // the GIL (another writer may hold it for long, and every Python thread would stall).
+        let out = self.contain(|| match self.inner.try_prepare_store(one, hint) {
+            Some(out) => Ok(out?),
+            None => Ok(py.detach(|| self.inner.prepare_store(one, hint))?),
+        })?;
         Ok(out.to_write.first().map(|(_, s)| *s))
     }
 
     #[pyo3(signature = (key, success=true))]
-    fn complete_store_one(&self, key: &Bound<'_, PyAny>, success: bool) -> PyResult<bool> {
-        let probe = probe_from_py(key)?;
-        self.contain(|| Ok(self.inner.complete_store(&[probe], success) == 1))
+    fn complete_store_one(&self, py: Python<'_>, key: &Bound<'_, PyAny>, success: bool) -> PyResult<bool> {
+        if success {
+            // Lock-free: no wait to fear, and no GIL release to pay for.
+            let probe = probe_from_py(key)?;
+            return self.contain(|| Ok(self.inner.complete_store(&[probe], true) == 1));
+        }
+        let k = key_from_py(key)?;
+        self.contain(|| Ok(py.detach(|| self.inner.complete_store(std::slice::from_ref(&k), false)) == 1))
     }
 
-    fn pin_one(&self, key: &Bound<'_, PyAny>) -> PyResult<u32> {
+    // The other one-key writers take the writers' lock, so they wait for it without the GIL,
+    // as the batch forms do: they are not the per-request hot path that a GIL release would
+    // slow down measurably.
+    fn pin_one(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<u32> {
         let k = key_from_py(key)?;
-        self.contain(|| Ok(self.inner.pin_for_load(std::slice::from_ref(&k))?[0]))
+        self.contain(|| Ok(py.detach(|| self.inner.pin_for_load(std::slice::from_ref(&k)))?[0]))
     }
 
     fn unpin_one(&self, key: &Bound<'_, PyAny>) -> PyResult<()> {
@@ -433,24 +481,30 @@ impl BlockIndex {
         self.contain(|| Ok(self.inner.unpin(std::slice::from_ref(&k))?))
     }
 
-    fn touch_one(&self, key: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn touch_one(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<()> {
         let k = key_from_py(key)?;
         self.contain(|| {
-            self.inner.touch(std::slice::from_ref(&k));
+            py.detach(|| self.inner.touch(std::slice::from_ref(&k)));
             Ok(())
         })
     }
 
     /// `renew` for one key: whether it was present (and renewed).
     #[pyo3(signature = (key, *, priority=35, duration_s=None))]
-    fn renew_one(&self, key: &Bound<'_, PyAny>, priority: i64, duration_s: Option<f64>) -> PyResult<bool> {
+    fn renew_one(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        priority: i64,
+        duration_s: Option<f64>,
+    ) -> PyResult<bool> {
         let (k, hint) = (key_from_py(key)?, insert_hint(priority, duration_s)?);
-        self.contain(|| Ok(self.inner.renew(std::slice::from_ref(&k), hint)? == 1))
+        self.contain(|| Ok(py.detach(|| self.inner.renew(std::slice::from_ref(&k), hint))? == 1))
     }
 
-    fn remove_one(&self, key: &Bound<'_, PyAny>) -> PyResult<bool> {
+    fn remove_one(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<bool> {
         let k = key_from_py(key)?;
-        self.contain(|| Ok(self.inner.remove(std::slice::from_ref(&k)).len() == 1))
+        self.contain(|| Ok(py.detach(|| self.inner.remove(std::slice::from_ref(&k))).len() == 1))
     }
 
     /// (state, pins, slot) of one key, or None. State is "writing", "ready" or "evicting".
@@ -461,7 +515,7 @@ impl BlockIndex {
 
     /// All resident keys as (key, state, pins, slot) tuples.
     fn entries<'py>(&self, py: Python<'py>) -> PyResult<Vec<EntryRow<'py>>> {
-        self.contain(|| Ok(self.inner.snapshot()))?
+        self.contain(|| Ok(py.detach(|| self.inner.snapshot())))?
             .into_iter()
             .map(|(k, s, p, slot)| Ok((key_to_py(py, &k)?, s.name(), p, slot)))
             .collect()
