@@ -184,3 +184,44 @@ def test_status_says_whether_the_dir_is_missing_or_not_a_directory(tmp_path, cap
     f = tmp_path / "file"
     f.write_text("")
     assert cli_fails(capsys, "status", "--dir", str(f)).endswith(f"--dir {f}: not a directory")
+
+
+@pytest.fixture
+def model_config(tmp_path) -> Path:
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 256}))
+    return p
+
+
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["--tier-policy", "bogus", "--cpu", "100blocks"], ["--tier-policy", "'bogus'", "lru"]),
+        (["--tier-policy", "opt", "--cpu", "100blocks"], ["--tier-policy", "'opt'", "offline"]),
+        (["--cpu-admission", "sometimes", "--cpu", "10blocks"], ["--cpu-admission", '"sometimes"']),
+        (["--disk-admission", "uses:0", "--cpu", "10blocks", "--disk", "99blocks"], ["--disk-admission", "uses:0"]),
+        (["--admission-thresholds", "2,300"], ["--admission-thresholds", "300", "1..=255"]),
+        (["--admission-thresholds", "2,x"], ["--admission-thresholds", "'2,x'"]),
+        (["--cpu", "1GiB"], ["--cpu", "needs --bytes-per-token or --model-config"]),
+        (["--cpu", "1KiB", "--bytes-per-token", "131072"], ["--cpu", "smaller than one block"]),
+        (["--gpu", "1MiB", "--bytes-per-token", "1024", "--block-size", "2048"], ["--gpu", "smaller than one block"]),
+        (["--disk", "100blocks"], ["--disk", "needs --cpu"]),
+        (["--kv-dtype", "fp8"], ["--kv-dtype", "needs --model-config"]),
+        (["--bytes-per-token", "0", "--model-config", "CONFIG"], ["--bytes-per-token"]),
+        (["--plot", "FILE/figs"], ["--plot", "not a directory"]),
+        (["--limit", "0"], ["--limit", "positive"]),
+        (["--warmup", "1"], ["--warmup", "[0, 1)"]),
+        (["--policies", "lru,mru"], ["--policies", "'mru'"]),
+    ],
+)
+def test_every_bad_option_is_refused_before_the_trace_is_read(tmp_path, model_config, capsys, args, words):
+    """The trace path does not exist: an option checked only after reading the trace (or after
+    a replay) would be reported as a missing trace instead of by its own name."""
+    file = tmp_path / "file"
+    file.write_text("")
+    args = [a.replace("CONFIG", str(model_config)).replace("FILE", str(file)) for a in args]
+    err = cli_fails(capsys, "plan", str(tmp_path / "missing.jsonl"), "--no-progress", *args)
+    assert err.startswith("kvtier plan: error: " + words[0]), err
+    for w in words[1:]:
+        assert w in err, err
+    assert "missing.jsonl" not in err

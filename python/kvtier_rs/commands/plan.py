@@ -128,23 +128,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _thresholds(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise PlanError(f"--admission-thresholds: expected integers like 2,3, got {text!r}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     from kvtier_rs.planner.model import parse_size
     from kvtier_rs.planner.plan import PlanOptions, run_plan
+    from kvtier_rs.planner.plots import check_plot_dir
     from kvtier_rs.planner.report import render_table
 
-    try:
-        thresholds = tuple(int(x) for x in args.admission_thresholds.split(",") if x.strip())
-    except ValueError:
-        raise PlanError(
-            f"--admission-thresholds: expected integers like 2,3, got {args.admission_thresholds!r}"
-        ) from None
-    if any(k < 1 for k in thresholds):
-        raise PlanError("--admission-thresholds: every K must be >= 1")
-    if args.block_size is not None and args.block_size <= 0:
-        raise PlanError(f"--block-size: must be positive, got {args.block_size}")
-    if args.limit is not None and args.limit <= 0:
-        raise PlanError(f"--limit: must be positive, got {args.limit}")
+    if args.plot:
+        check_plot_dir(args.plot)  # before the replay, with the other options (run_plan checks those)
+    thresholds = _thresholds(args.admission_thresholds)
     opts = PlanOptions(
         trace=args.trace,
         trace_format=args.trace_format,

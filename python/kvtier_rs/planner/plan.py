@@ -13,24 +13,14 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier_rs.planner.errors import PlanError
-from kvtier_rs.planner.model import (
-    MAX_BLOCKS,
-    MAX_BYTES_PER_TOKEN,
-    ModelBytes,
-    Size,
-    bytes_per_token_from_config,
-)
+from kvtier_rs.planner.checks import ONLINE_POLICIES, TIERS, check_options, tier_blocks
+from kvtier_rs.planner.model import ModelBytes, Size
 from kvtier_rs.planner.traces import TraceData, read_trace
 
 SCHEMA_VERSION = "kvtier.plan/1"
-ONLINE_POLICIES = ("fifo", "lru", "arc", "priority", "s3fifo")
-ALL_POLICIES = (*ONLINE_POLICIES, "opt")
 DEFAULT_POLICIES = ("fifo", "lru", "arc", "opt")
 # Sweep grid as fractions of the trace's distinct blocks (its working set).
 DEFAULT_FRACTIONS = (1 / 256, 1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2)
-MAX_THREADS = 1024
-MAX_TOP = 10_000
 
 
 @dataclass
@@ -148,60 +138,16 @@ def build_trace(data: TraceData):
 def run_plan(opts: PlanOptions) -> dict[str, Any]:
     from kvtier_rs._core import replay_sweep, replay_tiers
 
-    if not 0.0 <= opts.warmup < 1.0:
-        raise PlanError(f"--warmup: must be in [0, 1), got {opts.warmup}")
-    if opts.mode not in ("tree", "flat"):
-        raise PlanError(f"--mode: expected tree or flat, got {opts.mode!r}")
-    for pol in opts.policies:
-        if pol not in ALL_POLICIES:
-            raise PlanError(f"--policies: unknown policy {pol!r}; expected some of {', '.join(ALL_POLICIES)}")
-    for name, v in (
-        ("--pcie-gbps", opts.pcie_gbps),
-        ("--disk-gbps", opts.disk_gbps),
-        ("--prefill-tps", opts.prefill_tps),
-    ):
-        if not (v > 0 and math.isfinite(v)):
-            raise PlanError(f"{name}: must be a positive finite number, got {v}")
-    if not 0 <= opts.threads <= MAX_THREADS:
-        raise PlanError(f"--threads: must be between 0 (every core) and {MAX_THREADS}, got {opts.threads}")
-    if not 0 <= opts.top <= MAX_TOP:
-        raise PlanError(f"--top: must be between 0 and {MAX_TOP}, got {opts.top}")
-
-    # Model bytes.
-    model: ModelBytes | None = None
-    if opts.model_config and opts.bytes_per_token:
-        raise PlanError("give either --model-config or --bytes-per-token, not both")
-    if opts.model_config:
-        model = bytes_per_token_from_config(opts.model_config, opts.kv_dtype)
-    elif opts.bytes_per_token is not None:
-        if not 0 < opts.bytes_per_token <= MAX_BYTES_PER_TOKEN:
-            raise PlanError(
-                f"--bytes-per-token: must be between 1 and {MAX_BYTES_PER_TOKEN} (1 GiB), got {opts.bytes_per_token}"
-            )
-        model = ModelBytes(opts.bytes_per_token, "--bytes-per-token")
-
+    model = check_options(opts)  # every option, before the trace is read
     data = read_trace(
         opts.trace, opts.trace_format, block_size=opts.block_size, skip_bad=opts.skip_bad, limit=opts.limit
     )
     trace = build_trace(data)
     bs = data.block_size
     block_bytes = model.bytes_per_token * bs if model else None
-
-    tiers: dict[str, int] = {}
-    for name, size in (("gpu", opts.gpu), ("cpu", opts.cpu), ("disk", opts.disk)):
-        if size is not None:
-            blocks = size.blocks(block_bytes, f"--{name}")
-            if blocks <= 0:
-                raise PlanError(f"--{name}: smaller than one block ({block_bytes} bytes)")
-            if blocks > MAX_BLOCKS:
-                raise PlanError(
-                    f"--{name}: {blocks} blocks of {block_bytes} bytes; at most {MAX_BLOCKS} (10^12) blocks"
-                )
-            tiers[name] = blocks
+    tiers = {name: tier_blocks(f"--{name}", size, block_bytes) for name in TIERS if (size := getattr(opts, name))}
 
     if opts.capacities:
-        if any(not 0 < c <= MAX_BLOCKS for c in opts.capacities):
-            raise PlanError(f"--capacities: every capacity must be between 1 and {MAX_BLOCKS} (10^12) blocks")
         caps = sorted(set(opts.capacities))
     else:
         caps = default_capacities(trace.n_keys, list(tiers.values()))

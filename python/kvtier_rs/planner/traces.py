@@ -173,6 +173,14 @@ def detect_format(path: Path) -> str:
     )
 
 
+def check_reader_options(fmt: str, block_size: int | None) -> None:
+    """The reader's own options (`--trace-format`, `--block-size`), refused naming the option."""
+    if fmt not in FORMATS:
+        raise PlanError(f"--trace-format: unknown format {fmt!r}; expected one of {', '.join(FORMATS)}")
+    if block_size is not None and not 0 < block_size <= MAX_BLOCK_SIZE:
+        raise PlanError(f"--block-size: must be between 1 and {MAX_BLOCK_SIZE} tokens, got {block_size}")
+
+
 def read_trace(
     path: str | Path,
     fmt: str = "auto",
@@ -194,10 +202,7 @@ def read_trace(
         raise PlanError(f"{p}: is a directory, not a trace file")
     if not stat.S_ISREG(mode):
         raise PlanError(f"{p}: not a regular file (a FIFO, socket or device); give the trace as a file")
-    if fmt not in FORMATS:
-        raise PlanError(f"--trace-format: unknown format {fmt!r}; expected one of {', '.join(FORMATS)}")
-    if block_size is not None and not 0 < block_size <= MAX_BLOCK_SIZE:
-        raise PlanError(f"--block-size: must be between 1 and {MAX_BLOCK_SIZE} tokens, got {block_size}")
+    check_reader_options(fmt, block_size)
     try:
         if fmt == "auto":
             fmt = detect_format(p)
