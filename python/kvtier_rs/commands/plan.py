@@ -22,7 +22,8 @@ Trace formats (--trace-format auto detects; .gz accepted):
   kvcache-tester  kv-cache-tester JSON conversations {"block_size", "requests": [{"t", "in",
                   "out", "hash_ids"}]}; several conversations are merged in time order
   tokens          JSONL {"timestamp" (s), "token_ids": [...]}, hashed here into chained block keys
-A malformed record is an error naming file, line and field; --skip-bad counts and skips it.
+A malformed record is an error naming file, line and field; --skip-bad counts and skips it (the
+first line too: auto-detection then goes by the first good line); no usable line is an error.
 
 Replay semantics:
   - Requests are replayed in file order. A request's hits are the longest prefix of its blocks
