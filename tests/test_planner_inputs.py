@@ -455,3 +455,51 @@ def test_a_broken_pretty_printed_document_names_the_line_where_it_breaks(tmp_pat
     for skip in (False, True):  # one document: nothing in it can be skipped
         with pytest.raises(TraceError, match=rf"doc.json:{line}: not valid JSON"):
             read_trace(p, skip_bad=skip)
+
+
+def _moon(ts: float) -> dict:
+    return {"timestamp": ts, "input_length": 1000, "hash_ids": [0, 1]}
+
+
+def test_a_timestamp_going_backwards_is_a_bad_record(tmp_path, capsys):
+    """Requests replay in file order, and reuse times are differences of timestamps: a record
+    earlier than the one before it is refused like any bad record, naming its line, or skipped
+    and counted with --skip-bad (later records compare with the last one kept)."""
+    p = write_lines(tmp_path / "back.jsonl", [_moon(5000), _moon(5000), _moon(1000), _moon(7000), _moon(6000)])
+    with pytest.raises(TraceError) as e:
+        read_trace(p)
+    assert (e.value.where, e.value.field) == ("3", "timestamp")
+    assert "1000 is earlier than 5000 on line 2" in str(e.value)
+    d = read_trace(p, skip_bad=True)
+    assert (list(d.timestamps_s), d.skipped) == ([5.0, 5.0, 7.0], 2)
+    assert "back.jsonl:5: field 'timestamp': 6000 is earlier than 7000 on line 4" in d.skipped_examples[1]
+    err = plan_fails(capsys, str(p))
+    assert "back.jsonl:3: field 'timestamp'" in err
+    args = ["plan", str(p), "--skip-bad", "--warmup", "0", "--capacities", "1", "--format", "json", "--no-progress"]
+    assert main(args) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["trace"]["skipped_records"] == 2
+    # Two reuses at 0 s (5.0 -> 5.0) and two at 2 s (5.0 -> 7.0), none negative or clamped.
+    assert (rep["questions"]["reuse"]["time_s"]["count"], rep["questions"]["reuse"]["time_s"]["mean"]) == (4, 1.0)
+
+
+def test_backwards_timestamps_in_tokens_and_tester_traces(tmp_path):
+    tok = write_lines(
+        tmp_path / "tok.jsonl", [{"timestamp": 2, "token_ids": [1] * 20}, {"timestamp": 1, "token_ids": [1]}]
+    )
+    with pytest.raises(TraceError, match=r"tok.jsonl:2: field 'timestamp': 1 is earlier than 2 on line 1"):
+        read_trace(tok, block_size=16)
+    conv = {"block_size": 4, "requests": [{"t": 3, "in": 4, "hash_ids": [1]}, {"t": 2, "in": 4, "hash_ids": [1]}]}
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps(conv))
+    with pytest.raises(TraceError, match=r"requests\[1\]: field 't': 2 is earlier than 3 in requests\[0\]"):
+        read_trace(p)
+    assert read_trace(p, skip_bad=True).skipped == 1
+    # Conversations side by side: each must keep its own order; the merge interleaves them by time.
+    other = {"block_size": 4, "requests": [{"t": 1, "in": 4, "hash_ids": [7]}, {"t": 5, "in": 4, "hash_ids": [7]}]}
+    many = tmp_path / "many.json"
+    many.write_text(json.dumps([other, {**conv, "requests": conv["requests"][:1]}]))
+    assert list(read_trace(many).timestamps_s) == [1.0, 3.0, 5.0]
+    many.write_text(json.dumps([other, conv]))
+    with pytest.raises(TraceError, match=r"conversation 1: requests\[1\]: field 't': 2 is earlier than 3"):
+        read_trace(many)

@@ -184,3 +184,11 @@ def test_bad_arguments_name_the_argument():
         replay_sweep(trace, [("lru", 4, "sometimes")])
     with pytest.raises(InvalidArgumentError, match="hash_ids"):
         ReplayTrace([0, 3], [1, 2, 3], [5], [0.0], 4)
+
+
+def test_replay_trace_refuses_timestamps_that_go_backwards():
+    with pytest.raises(InvalidArgumentError, match=r"timestamps.*request 2: 1(\.0)? s is earlier than request 1's 3"):
+        ReplayTrace([0, 1, 2, 3], [1, 1, 1], [4, 4, 4], [0.0, 3.0, 1.0], 4)
+    # Negative timestamps are fine as long as they do not decrease: reuse times are differences.
+    a = ReplayTrace([0, 1, 2], [1, 1], [4, 4], [-5.0, -2.0], 4).analyze()
+    assert a["reuse_time_s"] == [3.0]

@@ -42,7 +42,8 @@ pub struct ReplayTrace {
 #[pymethods]
 impl ReplayTrace {
     /// `offsets`: requests + 1 cumulative block counts; `keys`: every request's block ids
-    /// (unsigned 64-bit) concatenated; `input_tokens` and `timestamps_s`: one per request.
+    /// (unsigned 64-bit) concatenated; `input_tokens` and `timestamps_s`: one per request, the
+    /// timestamps in trace order (never decreasing).
     #[new]
     fn new(
         py: Python<'_>,

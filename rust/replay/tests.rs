@@ -119,6 +119,17 @@ fn trace_validation_names_the_field() {
 }
 
 #[test]
+fn timestamps_must_not_decrease_and_may_be_negative() {
+    let e =
+        Trace::new(4, vec![0, 1, 2, 3], vec![1, 1, 1], vec![4, 4, 4], vec![0.0, 3.0, 1.0]).err().unwrap().to_string();
+    assert!(e.contains("timestamps") && e.contains("request 2") && e.contains("earlier than request 1's 3"), "{e}");
+    // Equal timestamps are fine (many Mooncake requests share one); reuse times are differences,
+    // so a trace on a negative clock gives the same ones as on a positive clock.
+    let t = Trace::new(4, vec![0, 1, 2, 3], vec![1, 1, 1], vec![4, 4, 4], vec![-5.0, -5.0, -2.5]).unwrap();
+    assert_eq!(analyze(&t, 1).reuse_time_s, vec![0.0, 2.5]);
+}
+
+#[test]
 fn warmup_excludes_early_requests_and_flags_underfilled() {
     let t = trace_of(&[vec![1], vec![1], vec![2], vec![1]]);
     let s =

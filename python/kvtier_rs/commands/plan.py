@@ -26,10 +26,11 @@ A malformed record is an error naming file, line and field; --skip-bad counts an
 first line too: auto-detection then goes by the first good line); no usable line is an error.
 
 Replay semantics:
-  - Requests are replayed in file order. A request's hits are the longest prefix of its blocks
-    that is cached: after the first miss, later blocks are misses even if cached. Hit rate is
-    token-weighted (the last block counts only its real tokens; tokens not covered by any listed
-    block always miss).
+  - Requests are replayed in file order, so timestamps must not decrease: a record earlier than
+    the one before it is a bad record (reuse times are differences of timestamps).
+  - A request's hits are the longest prefix of its blocks that is cached: after the first miss,
+    later blocks are misses even if cached. Hit rate is token-weighted (the last block counts
+    only its real tokens; tokens not covered by any listed block always miss).
   - --warmup F (default 0.5): the first F of the requests warm the cache and are not measured.
   - Prefix-tree mode (default, --mode tree): a block is admitted only if its parent is cached;
     only leaves of the cached prefix tree are evicted; the blocks of the request being served are

@@ -114,6 +114,17 @@ def _number(rec: dict, name: str) -> float:
     return float(v)
 
 
+def _in_order(ts: float, prev: tuple[float, str] | None, name: str) -> None:
+    """Requests are replayed in file order and reuse times are differences of timestamps, so a
+    record earlier than the last one kept is bad. `prev`: that record's time and where it is."""
+    if prev is not None and ts < prev[0]:
+        raise _Bad(name, f"{_show_time(ts)} is earlier than {_show_time(prev[0])} {prev[1]}")
+
+
+def _show_time(t: float) -> str:
+    return str(int(t)) if t.is_integer() and abs(t) < 1e15 else repr(t)
+
+
 def _ids(rec: dict, name: str) -> list[int]:
     if name not in rec:
         raise _Bad(name, "missing")
@@ -263,6 +274,7 @@ def _read_jsonl(p: Path, fmt: str, block_size: int | None, skip_bad: bool, limit
     bs = block_size or DEFAULT_BLOCK_SIZE[fmt]
     data = TraceData(str(p), fmt, bs)
     record_bs: int | None = None
+    prev: tuple[float, str] | None = None  # the last kept record's timestamp, as in the file
     for lineno, rec in _records(p):
         if limit is not None and data.n_requests >= limit:
             break
@@ -271,8 +283,9 @@ def _read_jsonl(p: Path, fmt: str, block_size: int | None, skip_bad: bool, limit
                 raise rec
             if not isinstance(rec, dict):
                 raise _Bad(None, f"expected a JSON object, got {type(rec).__name__}")
+            ts = _number(rec, "timestamp")
+            _in_order(ts, prev, "timestamp")
             if fmt == "tokens":
-                ts = _number(rec, "timestamp")
                 toks = rec.get("token_ids")
                 if not isinstance(toks, list) or not all(
                     isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= U64 for t in toks
@@ -282,8 +295,8 @@ def _read_jsonl(p: Path, fmt: str, block_size: int | None, skip_bad: bool, limit
                     raise _Bad("token_ids", f"{len(toks)} tokens; at most {MAX_TOKENS} per request")
                 keys = chain_hash(toks, bs)
                 data.add(keys, len(toks), _int(rec, "output_length", maximum=MAX_TOKENS, required=False), ts)
+                prev = (ts, f"on line {lineno}")
                 continue
-            ts = _number(rec, "timestamp")
             n_in = _int(rec, "input_length", maximum=MAX_TOKENS)
             n_out = _int(rec, "output_length", maximum=MAX_TOKENS, required=False)
             ids = _ids(rec, "hash_ids")
@@ -300,6 +313,7 @@ def _read_jsonl(p: Path, fmt: str, block_size: int | None, skip_bad: bool, limit
             _check_blocks(len(ids), n_in, bs, "input_length")
             # Mooncake timestamps are milliseconds; Bailian's are seconds.
             data.add(ids, n_in, n_out, ts / 1000.0 if fmt == "mooncake" else ts)
+            prev = (ts, f"on line {lineno}")
         except _Bad as bad:
             _skip_or_raise(data, skip_bad, p, str(lineno), bad)
     if data.n_requests == 0:
@@ -360,12 +374,14 @@ def _read_tester(p: Path, block_size: int | None, skip_bad: bool, limit: int | N
     remap: dict[tuple[int, int], int] = {}
     rows = []
     for ci, (where, d, _) in enumerate(convs):
+        prev: tuple[float, str] | None = None  # each conversation keeps its own order
         for ri, rec in enumerate(d["requests"]):
             loc = f"{where + ': ' if where else ''}requests[{ri}]"
             try:
                 if not isinstance(rec, dict):
                     raise _Bad(None, "expected an object")
                 t = _number(rec, "t")
+                _in_order(t, prev, "t")
                 n_in = _int(rec, "in", maximum=MAX_TOKENS)
                 n_out = _int(rec, "out", maximum=MAX_TOKENS, required=False)
                 ids = _ids(rec, "hash_ids")
@@ -373,6 +389,7 @@ def _read_tester(p: Path, block_size: int | None, skip_bad: bool, limit: int | N
                 if local:
                     ids = [remap.setdefault((ci, x), len(remap)) for x in ids]
                 rows.append((t, ci, ri, ids, n_in, n_out))
+                prev = (t, f"in requests[{ri}]")
             except _Bad as bad:
                 _skip_or_raise(data, skip_bad, p, loc, bad)
     if len(convs) > 1:
