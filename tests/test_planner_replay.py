@@ -61,7 +61,9 @@ def test_rust_equals_reference_on_shared_trace_slices(name, limit, caps, mode):
             assert got["hit_tokens"] == want["hit_tokens"], key
             assert (got["hit_blocks"], got["total_tokens"]) == (want["hit_blocks"], want["total_tokens"]), key
             assert (got["insertions"], got["evictions"]) == (want["insertions"], want["evictions"]), key
-            assert got["underfilled"] == want["underfilled"], key
+            assert (got["underfilled"], got["filled_at_request"]) == (want["underfilled"], want["filled_at_request"]), (
+                key
+            )
             assert got["hit_tokens"] <= ceiling["hit_tokens"], key
 
 
@@ -161,12 +163,13 @@ def test_random_chained_traces_equal_reference(reqs, cap, mode, warmup, admit):
     res = replay_sweep(trace, [(p, cap, adm) for p in policies], warmup=warmup, mode=mode, threads=1)
     for p, got in zip(policies, res, strict=True):
         want = ref.replay(reqs, 4, p, cap, warmup=warmup, mode=mode, admit_after=admit)
-        assert (got["hit_tokens"], got["hit_blocks"], got["insertions"], got["underfilled"]) == (
+        assert (got["hit_tokens"], got["hit_blocks"], got["insertions"], got["filled_at_request"]) == (
             want["hit_tokens"],
             want["hit_blocks"],
             want["insertions"],
-            want["underfilled"],
+            want["filled_at_request"],
         ), p
+        assert got["underfilled"] == want["underfilled"], p
     if mode == "tree" and admit == 1:
         opt = res[-1]["hit_blocks"]
         assert all(r["hit_blocks"] <= opt for r in res[:-1])

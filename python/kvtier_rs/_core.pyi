@@ -306,7 +306,8 @@ def replay_sweep(
     """Replay (policy, capacity_blocks, admission) jobs; policies fifo, lru, arc, priority,
     s3fifo, opt, ceiling. Each dict: policy, capacity_blocks (None for ceiling), admission,
     hit_tokens, total_tokens, hit_blocks, total_blocks, measured_requests, insertions,
-    evictions, peak_resident, underfilled."""
+    evictions, peak_resident, underfilled (never full during the replay), filled_at_request
+    (the request that first filled the cache, or None)."""
 
 def replay_tiers(
     trace: ReplayTrace,

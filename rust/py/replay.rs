@@ -146,6 +146,7 @@ fn stats_dict<'py>(py: Python<'py>, s: &ReplayStats) -> PyResult<Bound<'py, PyDi
     d.set_item("evictions", s.evictions)?;
     d.set_item("peak_resident", s.peak_resident)?;
     d.set_item("underfilled", s.underfilled)?;
+    d.set_item("filled_at_request", s.filled_at_request)?;
     Ok(d)
 }
 
@@ -224,6 +225,7 @@ pub fn replay_tiers<'py>(
         e.set_item("insertions", tr.insertions)?;
         e.set_item("evictions", tr.evictions)?;
         e.set_item("underfilled", tr.underfilled)?;
+        e.set_item("filled_at_request", tr.filled_at_request)?;
         list.append(e)?;
     }
     d.set_item("tiers", list)?;

@@ -31,7 +31,10 @@ pub struct TierResult {
     /// Blocks written into / evicted from this tier over the whole replay.
     pub insertions: u64,
     pub evictions: u64,
+    /// Never full during the replay; `filled_at_request`: the request that first filled it
+    /// (as in `ReplayStats`).
     pub underfilled: bool,
+    pub filled_at_request: Option<u64>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -60,13 +63,7 @@ pub fn replay_tiers(trace: &Trace, specs: &[TierSpec], mode: Mode, warmup: f64) 
         ..Default::default()
     };
     let first = trace.warmup_requests(warmup);
-    let mut full_before = vec![false; specs.len()];
     for r in 0..trace.n_requests() {
-        if r == first {
-            for (f, c) in full_before.iter_mut().zip(&caches) {
-                *f = c.ever_full();
-            }
-        }
         if r >= first {
             let keys = trace.request(r);
             let mut served = 0;
@@ -87,10 +84,11 @@ pub fn replay_tiers(trace: &Trace, specs: &[TierSpec], mode: Mode, warmup: f64) 
             cache.step(policy, trace, r);
         }
     }
-    for (i, (t, c)) in out.tiers.iter_mut().zip(&caches).enumerate() {
+    for (t, c) in out.tiers.iter_mut().zip(&caches) {
         t.insertions = c.insertions;
         t.evictions = c.evictions;
-        t.underfilled = if first == 0 { !c.ever_full() } else { !full_before[i] };
+        t.filled_at_request = c.filled_at();
+        t.underfilled = t.filled_at_request.is_none();
     }
     Ok(out)
 }

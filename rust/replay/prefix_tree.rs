@@ -41,9 +41,14 @@ pub struct ReplayStats {
     pub insertions: u64,
     pub evictions: u64,
     pub peak_resident: u64,
-    /// The cache was never full before the measured window began (with no warmup: never full
-    /// at all), so the measured rate says nothing about this capacity under pressure.
+    /// The cache never became full during the whole replay: nothing was ever evicted for lack
+    /// of room, so this capacity holds all the trace offered it (an infinite cache would hit
+    /// the same). Never set for the ceiling.
     pub underfilled: bool,
+    /// The request whose placement first filled the cache (None: never full). Requests up to
+    /// and including it were looked up in a cache not yet full; the planner flags a capacity
+    /// whose cache filled only well into the measured window (its rate is mostly warm-up).
+    pub filled_at_request: Option<u64>,
 }
 
 /// Residency and prefix-tree bookkeeping, indexed by dense key id.
@@ -61,7 +66,8 @@ pub(crate) struct Cache {
     applied: Vec<u32>,
     uses: Vec<u32>,
     admission: AdmissionRule,
-    ever_full: bool,
+    /// The request whose placement first filled the cache.
+    filled_at: Option<u32>,
     pub(crate) insertions: u64,
     pub(crate) evictions: u64,
     pub(crate) peak: usize,
@@ -81,7 +87,7 @@ impl Cache {
             applied: vec![0; n_keys],
             uses: vec![0; n_keys],
             admission,
-            ever_full: false,
+            filled_at: None,
             insertions: 0,
             evictions: 0,
             peak: 0,
@@ -99,8 +105,8 @@ impl Cache {
     pub(crate) fn mode(&self) -> Mode {
         self.mode
     }
-    pub(crate) fn ever_full(&self) -> bool {
-        self.ever_full
+    pub(crate) fn filled_at(&self) -> Option<u64> {
+        self.filled_at.map(u64::from)
     }
 
     /// May `k` be evicted while request `stamp - 1` is served?
@@ -185,8 +191,8 @@ impl Cache {
             }
             end += 1;
         }
-        if self.len >= self.capacity {
-            self.ever_full = true;
+        if self.len >= self.capacity && self.filled_at.is_none() {
+            self.filled_at = Some(r as u32);
         }
         // Tail first, each key once: the head of the chain ends up the most recent.
         for &k in keys[..end].iter().rev() {
@@ -354,11 +360,7 @@ fn run<S: Strategy>(
     const CHUNK: usize = 1024;
     let first = trace.warmup_requests(warmup);
     let mut st = ReplayStats::default();
-    let mut full_before_window = false;
     for r in 0..trace.n_requests() {
-        if r == first {
-            full_before_window = cache.ever_full();
-        }
         let hits = cache.step(strat, trace, r);
         if r >= first {
             st.measured_requests += 1;
@@ -379,6 +381,7 @@ fn run<S: Strategy>(
     st.insertions = cache.insertions;
     st.evictions = cache.evictions;
     st.peak_resident = cache.peak as u64;
-    st.underfilled = bounded && if first == 0 { !cache.ever_full() } else { !full_before_window };
+    st.filled_at_request = cache.filled_at();
+    st.underfilled = bounded && st.filled_at_request.is_none();
     st
 }

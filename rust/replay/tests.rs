@@ -132,13 +132,33 @@ fn timestamps_must_not_decrease_and_may_be_negative() {
 #[test]
 fn warmup_excludes_early_requests_and_flags_underfilled() {
     let t = trace_of(&[vec![1], vec![1], vec![2], vec![1]]);
-    let s =
-        replay_one(&t, Replayer::Policy(PolicyKind::Lru), 10, AdmissionRule::Always, Mode::Tree, 0.5, None).unwrap();
+    let lru = |cap| {
+        replay_one(&t, Replayer::Policy(PolicyKind::Lru), cap, AdmissionRule::Always, Mode::Tree, 0.5, None).unwrap()
+    };
+    let s = lru(10);
     assert_eq!((s.measured_requests, s.hit_blocks, s.total_blocks), (2, 1, 2));
     assert!(s.underfilled);
-    let s = replay_one(&t, Replayer::Policy(PolicyKind::Lru), 1, AdmissionRule::Always, Mode::Tree, 0.5, None).unwrap();
+    assert_eq!(s.filled_at_request, None);
+    let s = lru(1);
     assert!(!s.underfilled);
+    assert_eq!(s.filled_at_request, Some(0));
     assert!(replay_one(&t, Replayer::Opt, 1, AdmissionRule::Always, Mode::Tree, 1.0, None).is_err());
+}
+
+#[test]
+fn a_cache_that_fills_inside_the_measured_window_is_not_underfilled() {
+    // Two blocks fill capacity 2 at request 2, inside the measured window (requests 2 and 3):
+    // the cache did fill, so it is not underfilled; when it filled is reported.
+    let t = trace_of(&[vec![1], vec![1], vec![2], vec![1]]);
+    for which in [Replayer::Policy(PolicyKind::Lru), Replayer::Policy(PolicyKind::Fifo), Replayer::Opt] {
+        let s = replay_one(&t, which, 2, AdmissionRule::Always, Mode::Tree, 0.5, None).unwrap();
+        assert!(!s.underfilled, "{which:?}");
+        assert_eq!(s.filled_at_request, Some(2), "{which:?}");
+    }
+    let spec = TierSpec { name: "cpu".into(), capacity: 2, policy: PolicyKind::Lru, admission: AdmissionRule::Always };
+    let m = replay_tiers(&t, &[spec], Mode::Tree, 0.5).unwrap();
+    assert!(!m.tiers[0].underfilled);
+    assert_eq!(m.tiers[0].filled_at_request, Some(2));
 }
 
 #[test]

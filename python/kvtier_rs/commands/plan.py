@@ -42,8 +42,10 @@ Replay semantics:
     s3fifo (scan-resistant), and opt (Belady: evict the leaf whose next use is farthest; do not
     admit a block whose next use is later than every evictable leaf's). The ceiling is an
     infinite cache. Admission "uses:K" admits a block on its K-th use (counted exactly).
-  - A capacity the cache never filled before the measured window is reported as underfilled
-    (no hit rate) instead of a misleading rate.
+  - A capacity whose cache never became full during the replay is flagged underfilled (^ in
+    the table): it holds all it was offered, so its rate is an infinite cache's. One that filled
+    only after 10% of the measured requests is flagged filled_late (*): its rate is partly that
+    of a cache still warming up (no evictions yet) and overstates it; raise --warmup.
   - Multi-tier (--gpu/--cpu/--disk): tiers are inclusive and written through; each is its own
     cache with its own policy and admission; a block is served by the fastest tier holding it,
     counted as a GPU hit, a CPU promotion or a disk promotion; the usable prefix stops at the

@@ -21,6 +21,8 @@ SCHEMA_VERSION = "kvtier.plan/1"
 DEFAULT_POLICIES = ("fifo", "lru", "arc", "opt")
 # Sweep grid as fractions of the trace's distinct blocks (its working set).
 DEFAULT_FRACTIONS = (1 / 256, 1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2)
+# A cache that first filled after this share of the measured requests is flagged `filled_late`.
+LATE_FILL_SHARE = 0.1
 
 
 @dataclass
@@ -162,14 +164,14 @@ def run_plan(opts: PlanOptions) -> dict[str, Any]:
         "replay",
         opts.progress,
     )
-    results = [_result(r, block_bytes) for r in sweep[:-1]]
-    ceiling = _result(sweep[-1], block_bytes)
+    results = [_result(r, block_bytes, trace.n_requests) for r in sweep[:-1]]
+    ceiling = _result(sweep[-1], block_bytes, trace.n_requests)
 
     # Admission thresholds: the best online policy, at every capacity, with "admit after k uses".
     best_policy = _best_online(results, caps)
     adm_jobs = [(best_policy, c, f"uses:{k}") for k in opts.admission_thresholds for c in caps] if best_policy else []
     adm = replay_sweep(trace, adm_jobs, warmup=warm, mode=opts.mode, threads=opts.threads) if adm_jobs else []
-    admission_results = [_result(r, block_bytes) for r in adm]
+    admission_results = [_result(r, block_bytes, trace.n_requests) for r in adm]
 
     analysis = trace.analyze(opts.top)
     questions = _questions(data, trace, analysis, model, bs, results, admission_results, best_policy, opts)
@@ -184,6 +186,8 @@ def run_plan(opts: PlanOptions) -> dict[str, Any]:
                 adm_rule = {"gpu": "always", "cpu": opts.cpu_admission, "disk": opts.disk_admission}[name]
                 specs.append((name, tiers[name], tier_policy, adm_rule))
         multitier = replay_tiers(trace, specs, warmup=warm, mode=opts.mode)
+        for t in multitier["tiers"]:
+            t.update(fill_flags({**t, "measured_requests": multitier["measured_requests"]}, trace.n_requests))
         cost = _cost(multitier, model, bs, opts)
 
     report: dict[str, Any] = {
@@ -222,12 +226,30 @@ def run_plan(opts: PlanOptions) -> dict[str, Any]:
     return report
 
 
-def _result(r: dict, block_bytes: int | None) -> dict[str, Any]:
+def fill_flags(r: dict, n_requests: int) -> dict[str, Any]:
+    """How full a bounded cache was while it was measured: `unfilled_share`, the share of the
+    measured requests looked up before it first filled (1.0 if it never did), and
+    `filled_late`, set when that share is over LATE_FILL_SHARE: the cache filled only late in
+    the trace, so its measured rate is partly that of a cache still warming up (no evictions
+    yet), which overstates it. `underfilled` (never full at all) comes from the replay."""
+    measured = r["measured_requests"]
+    filled_at = r["filled_at_request"]
+    if filled_at is None:
+        unfilled = measured
+    else:
+        unfilled = min(measured, max(0, filled_at + 1 - (n_requests - measured)))
+    share = unfilled / measured if measured else 0.0
+    return {"unfilled_share": share, "filled_late": not r["underfilled"] and share > LATE_FILL_SHARE}
+
+
+def _result(r: dict, block_bytes: int | None, n_requests: int) -> dict[str, Any]:
     out = dict(r)
-    out["hit_rate"] = None if r["underfilled"] else _rate(r["hit_tokens"], r["total_tokens"])
-    out["block_hit_rate"] = None if r["underfilled"] else _rate(r["hit_blocks"], r["total_blocks"])
+    out["hit_rate"] = _rate(r["hit_tokens"], r["total_tokens"])
+    out["block_hit_rate"] = _rate(r["hit_blocks"], r["total_blocks"])
     cap = r["capacity_blocks"]
     out["capacity_bytes"] = cap * block_bytes if (cap is not None and block_bytes) else None
+    if cap is not None:  # the ceiling is unbounded: no fill to speak of
+        out.update(fill_flags(r, n_requests))
     return out
 
 
@@ -295,6 +317,7 @@ def _questions(data, trace, analysis, model, bs, results, admission_results, bes
                 "insertions": r["insertions"],
                 "insertions_always": base["insertions"] if base else None,
                 "underfilled": r["underfilled"],
+                "filled_late": r["filled_late"],
             }
         )
     return {
@@ -433,6 +456,11 @@ def recommend(report: dict, opts: PlanOptions) -> dict[str, Any]:
                 f"{best} at {knee['capacity_blocks']} blocks hits {knee['hit_rate']:.1%} of tokens "
                 f"against a ceiling of {ceiling_rate:.1%}"
             )
+            if knee["filled_late"]:
+                reasons.append(
+                    f"caution: that cache filled only after {knee['unfilled_share']:.0%} of the measured "
+                    "requests, so its rate is partly warm-up; raise --warmup or replay a longer trace"
+                )
     opt_rows = {r["capacity_blocks"]: r for r in results if r["policy"] == "opt"}
     if knee and knee["capacity_blocks"] in opt_rows and opt_rows[knee["capacity_blocks"]]["hit_rate"] is not None:
         reasons.append(f"opt (Belady) reaches {opt_rows[knee['capacity_blocks']]['hit_rate']:.1%} at that size")

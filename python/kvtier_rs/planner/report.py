@@ -5,10 +5,25 @@ from __future__ import annotations
 from typing import Any
 
 from kvtier_rs.planner.model import fmt_bytes
+from kvtier_rs.planner.plan import LATE_FILL_SHARE
 
 
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:6.1%}"
+
+
+def _rate(row: dict[str, Any]) -> str:
+    """A measured hit rate with its fill mark: ^ never filled, * filled late (see the legend)."""
+    mark = "^" if row.get("underfilled") else "*" if row.get("filled_late") else " "
+    return _pct(row["hit_rate"]) + mark
+
+
+def _fill_note(row: dict[str, Any]) -> str:
+    if row["underfilled"]:
+        return " (never filled)"
+    if row["filled_late"]:
+        return f" (filled late: {row['unfilled_share']:.0%} of the measured requests came before it filled)"
+    return ""
 
 
 def render_table(rep: dict[str, Any]) -> str:
@@ -30,16 +45,21 @@ def render_table(rep: dict[str, Any]) -> str:
         )
         lines += [f"          note: {n}" for n in m["notes"]]
     lines.append("")
-    lines.append("Hit rate (token-weighted) by capacity; '-' = the cache never filled before the measured window")
+    lines.append("Hit rate (token-weighted) by capacity")
+    lines.append("   ^ the cache never filled: it holds all it was offered (an infinite cache's rate)")
+    lines.append(
+        f"   * it filled only after {LATE_FILL_SHARE:.0%} of the measured requests: the rate is partly warm-up "
+        "and overstates it (raise --warmup or replay a longer trace)"
+    )
     caps = rep["capacities_blocks"]
     policies = list(dict.fromkeys(r["policy"] for r in rep["results"]))
-    head = f"{'blocks':>10} {'bytes':>10} " + " ".join(f"{p:>7}" for p in policies)
+    head = f"{'blocks':>10} {'bytes':>10} " + " ".join(f"{p:>8}" for p in policies)
     lines.append(head)
     by = {(r["policy"], r["capacity_blocks"]): r for r in rep["results"]}
     for c in caps:
         row = by.get((policies[0], c)) if policies else None
         b = fmt_bytes(row["capacity_bytes"]) if row and row["capacity_bytes"] else "-"
-        lines.append(f"{c:>10} {b:>10} " + " ".join(f"{_pct(by[(p, c)]['hit_rate']):>7}" for p in policies))
+        lines.append(f"{c:>10} {b:>10} " + " ".join(f"{_rate(by[(p, c)]):>8}" for p in policies))
     lines.append(f"{'ceiling':>10} {'inf':>10} {_pct(rep['ceiling']['hit_rate']):>7}")
     q = rep["questions"]
     lines.append("")
@@ -92,7 +112,7 @@ def render_table(rep: dict[str, Any]) -> str:
     for e in ad["threshold_effect"]:
         lines.append(
             f"   {e['policy']} @ {e['capacity_blocks']} blocks, admit {e['admission']}: hit rate "
-            f"{_pct(e['hit_rate'])} "
+            f"{_rate(e)}"
             f"(always: {_pct(e['hit_rate_always'])}), writes {e['insertions']} (always: "
             f"{e['insertions_always']})"
         )
@@ -107,7 +127,7 @@ def render_table(rep: dict[str, Any]) -> str:
                 f"   {x['name']:>4} {x['capacity_blocks']:>10} blocks {x['policy']:>7} admit "
                 f"{x['admission']:<8} "
                 f"{what}: {x['served_tokens'] / total:6.1%} of "
-                f"tokens{' (underfilled)' if x['underfilled'] else ''}"
+                f"tokens{_fill_note(x)}"
             )
         lines.append(f"   misses: {mt['miss_tokens'] / total:6.1%} of tokens")
     if rep["cost"]:
