@@ -13,7 +13,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier_rs.planner.checks import ONLINE_POLICIES, TIERS, check_options, tier_blocks
+from kvtier_rs.planner.advice import best_online, recommend
+from kvtier_rs.planner.checks import TIERS, check_options, tier_blocks
 from kvtier_rs.planner.model import ModelBytes, Size
 from kvtier_rs.planner.traces import TraceData, read_trace
 
@@ -168,7 +169,7 @@ def run_plan(opts: PlanOptions) -> dict[str, Any]:
     ceiling = _result(sweep[-1], block_bytes, trace.n_requests)
 
     # Admission thresholds: the best online policy, at every capacity, with "admit after k uses".
-    best_policy = _best_online(results, caps)
+    best_policy = best_online(results)
     adm_jobs = [(best_policy, c, f"uses:{k}") for k in opts.admission_thresholds for c in caps] if best_policy else []
     adm = replay_sweep(trace, adm_jobs, warmup=warm, mode=opts.mode, threads=opts.threads) if adm_jobs else []
     admission_results = [_result(r, block_bytes, trace.n_requests) for r in adm]
@@ -251,19 +252,6 @@ def _result(r: dict, block_bytes: int | None, n_requests: int) -> dict[str, Any]
     if cap is not None:  # the ceiling is unbounded: no fill to speak of
         out.update(fill_flags(r, n_requests))
     return out
-
-
-def _best_online(results: list[dict], caps: list[int]) -> str | None:
-    """The online policy with the most hit tokens summed over the filled capacities."""
-    score: dict[str, int] = {}
-    for r in results:
-        if r["policy"] != "opt" and not r["underfilled"]:
-            score[r["policy"]] = score.get(r["policy"], 0) + r["hit_tokens"]
-    if not score:
-        online = [r["policy"] for r in results if r["policy"] != "opt"]
-        return online[0] if online else None
-    # Ties go to the simpler policy (order of ONLINE_POLICIES: fifo, lru, ...).
-    return max(score, key=lambda p: (score[p], -ONLINE_POLICIES.index(p)))
 
 
 def _questions(data, trace, analysis, model, bs, results, admission_results, best_policy, opts) -> dict[str, Any]:
@@ -377,129 +365,3 @@ def _cost(mt: dict, model: ModelBytes | None, bs: int, opts: PlanOptions) -> dic
             }
         )
     return out
-
-
-def _knee(results: list[dict], policy: str, ceiling_rate: float) -> dict | None:
-    """Smallest swept capacity whose hit rate is within 10% of the ceiling's."""
-    rows = sorted((r for r in results if r["policy"] == policy), key=lambda r: r["capacity_blocks"])
-    filled = [r for r in rows if not r["underfilled"] and r["hit_rate"] is not None]
-    for r in filled:
-        if r["hit_rate"] >= 0.9 * ceiling_rate:
-            return r
-    for r in rows:
-        # Past the filled capacities the cache never filled: it already holds the working set.
-        if r["underfilled"]:
-            return r
-    return filled[-1] if filled else None
-
-
-def recommend(report: dict, opts: PlanOptions) -> dict[str, Any]:
-    ceiling_rate = report["ceiling"]["hit_rate"] or 0.0
-    results = report["results"]
-    q = report["questions"]
-    reasons: list[str] = []
-    rec: dict[str, Any] = {
-        "verdict": "tier",
-        "policy": None,
-        "capacity_blocks": None,
-        "capacity_bytes": None,
-        "admission": "always",
-    }
-    if ceiling_rate < 0.05:
-        rec["verdict"] = "no_tiering"
-        rec["summary"] = (
-            "Tiering will not pay for this workload: even an infinite cache would hit only "
-            f"{ceiling_rate:.1%} of input "
-            "tokens. Tiering cannot create reuse."
-        )
-        rec["reasons"] = [
-            f"{q['admission']['one_hit_token_fraction']:.0%} of block tokens belong to blocks used only once"
-        ]
-        return rec
-    transfer = q.get("transfer")
-    if transfer and not transfer["tiers"][0]["worth_loading"]:
-        t = transfer["tiers"][0]
-        rec["verdict"] = "no_tiering"
-        rec["summary"] = (
-            f"Tiering will not pay: loading a {transfer['block_bytes'] / 2**20:.1f} MiB block over "
-            "the CPU link takes "
-            f"{t['load_s_per_block'] * 1e3:.2f} ms, recomputing it "
-            f"{transfer['recompute_s_per_block'] * 1e3:.2f} ms."
-        )
-        rec["reasons"] = ["raise --pcie-gbps or lower --prefill-tps if these figures do not match your hardware"]
-        return rec
-    best = q["admission"]["policy"]
-    if best is None:
-        rec["verdict"] = "unknown"
-        rec["summary"] = "No online policy was replayed; add one to --policies for a recommendation."
-        rec["reasons"] = []
-        return rec
-    # The policy that reaches the knee with the least capacity (then the higher hit rate there).
-    knees = {}
-    for pol in dict.fromkeys(r["policy"] for r in results if r["policy"] != "opt"):
-        k = _knee(results, pol, ceiling_rate)
-        if k is not None:
-            knees[pol] = k
-    if knees:
-        best = min(knees, key=lambda p: (knees[p]["capacity_blocks"], -(knees[p]["hit_rate"] or 0.0)))
-    knee = knees.get(best)
-    rec["policy"] = best
-    if knee:
-        rec["capacity_blocks"] = knee["capacity_blocks"]
-        rec["capacity_bytes"] = knee["capacity_bytes"]
-        if knee["underfilled"]:
-            reasons.append(
-                f"a cache of {knee['capacity_blocks']} blocks never fills: it holds the whole reusable working set"
-            )
-        else:
-            reasons.append(
-                f"{best} at {knee['capacity_blocks']} blocks hits {knee['hit_rate']:.1%} of tokens "
-                f"against a ceiling of {ceiling_rate:.1%}"
-            )
-            if knee["filled_late"]:
-                reasons.append(
-                    f"caution: that cache filled only after {knee['unfilled_share']:.0%} of the measured "
-                    "requests, so its rate is partly warm-up; raise --warmup or replay a longer trace"
-                )
-    opt_rows = {r["capacity_blocks"]: r for r in results if r["policy"] == "opt"}
-    if knee and knee["capacity_blocks"] in opt_rows and opt_rows[knee["capacity_blocks"]]["hit_rate"] is not None:
-        reasons.append(f"opt (Belady) reaches {opt_rows[knee['capacity_blocks']]['hit_rate']:.1%} at that size")
-    # Admission: recommend the smallest threshold that costs under half a point of hit rate.
-    if knee and not knee["underfilled"]:
-        for t in q["admission"]["threshold_effect"]:
-            if (
-                t["capacity_blocks"] == knee["capacity_blocks"]
-                and t["hit_rate"] is not None
-                and knee["hit_rate"] is not None
-            ):
-                if t["hit_rate"] >= knee["hit_rate"] - 0.005:
-                    saved = 1 - t["insertions"] / max(knee["insertions"], 1)
-                    rec["admission"] = t["admission"]
-                    reasons.append(
-                        f"admission {t['admission']} keeps the hit rate ({t['hit_rate']:.1%}) and "
-                        f"cuts tier writes by {saved:.0%}"
-                    )
-                    break
-    gpu_tier = report["tiers"] and next((t for t in report["tiers"]["tiers"] if t["name"] == "gpu"), None)
-    if gpu_tier:
-        total = report["tiers"]["total_tokens"] or 1
-        gpu_rate = gpu_tier["served_tokens"] / total
-        lower = sum(t["served_tokens"] for t in report["tiers"]["tiers"] if t["name"] != "gpu") / total
-        if lower < 0.02:
-            rec["verdict"] = "no_tiering"
-            rec["summary"] = (
-                f"Tiering will not pay: the GPU prefix cache alone hits {gpu_rate:.1%} of tokens "
-                "and the CPU/disk tiers "
-                f"would add only {lower:.1%}."
-            )
-            rec["reasons"] = reasons
-            return rec
-        reasons.append(f"GPU alone hits {gpu_rate:.1%}; the lower tiers add {lower:.1%} of tokens as promotions")
-    size = f"{rec['capacity_blocks']} blocks" if rec["capacity_blocks"] else "?"
-    if rec["capacity_bytes"]:
-        from kvtier_rs.planner.model import fmt_bytes
-
-        size += f" ({fmt_bytes(rec['capacity_bytes'])})"
-    rec["summary"] = f"Tier it: a CPU tier of {size} with policy {best} and admission {rec['admission']}."
-    rec["reasons"] = reasons
-    return rec
