@@ -251,3 +251,28 @@ def test_underfilled_means_never_full_and_a_late_fill_is_flagged(tmp_path, capsy
     rows = {line.split()[0]: line for line in table.splitlines() if line.strip()[:2] in ("3 ", "7 ", "20")}
     assert rows["7"].rstrip().endswith("50.0%*") and rows["20"].rstrip().endswith("50.0%^"), table
     assert rows["3"].rstrip().endswith("0.0%"), table
+
+
+def test_one_policy_and_one_set_of_numbers_across_the_plan(tmp_path, capsys):
+    """On this trace arc has the most hit tokens over the sweep but s3fifo reaches the knee
+    first: the admission sweep, the tier replay and the advice must still all use one policy,
+    and quote the sweep's own rows for it."""
+    p = tmp_path / "t.jsonl"
+    write_trace(
+        synthesize(SynthConfig(requests=600, seed=3, mix={"chat": 0.5, "rag": 0.3, "system": 0.1, "unique": 0.1})), p
+    )
+    caps = "37,73,147,294,587,1174"
+    rep = plan_json(
+        capsys, str(p), "--policies", "arc,s3fifo,opt", "--capacities", caps, "--gpu", "20blocks", "--cpu", "300blocks"
+    )
+    rec, q = rep["recommendation"], rep["questions"]
+    policy = rec["policy"]
+    assert policy in ("arc", "s3fifo")
+    assert q["admission"]["policy"] == policy
+    assert {t["policy"] for t in rep["tiers"]["tiers"]} == {policy}
+    assert {e["policy"] for e in q["admission"]["threshold_effect"]} == {policy}
+    by = {(r["policy"], r["capacity_blocks"]): r for r in rep["results"]}
+    for e in q["admission"]["threshold_effect"]:
+        assert e["hit_rate_always"] == by[(policy, e["capacity_blocks"])]["hit_rate"]
+    row = by[(policy, rec["capacity_blocks"])]
+    assert any(f"{policy} at {row['capacity_blocks']} blocks hits {row['hit_rate']:.1%}" in x for x in rec["reasons"])

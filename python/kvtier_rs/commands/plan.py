@@ -111,7 +111,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     r.add_argument("--mode", choices=["tree", "flat"], default="tree")
     r.add_argument("--admission-thresholds", default="2,3", help="K values of uses:K to evaluate (default 2,3)")
-    r.add_argument("--tier-policy", help="policy of the tiers in the multi-tier replay (default: best online policy)")
+    r.add_argument(
+        "--tier-policy", help="policy of the tiers in the multi-tier replay (default: the policy the plan recommends)"
+    )
     r.add_argument("--cpu-admission", default="always", help="CPU tier admission in the multi-tier replay")
     r.add_argument("--disk-admission", default="uses:2", help="disk tier admission in the multi-tier replay")
     r.add_argument("--threads", type=int, default=0, help="replay threads (default: all cores)")

@@ -11,6 +11,21 @@ if TYPE_CHECKING:
     from kvtier_rs.planner.plan import PlanOptions
 
 
+def choose_policy(results: list[dict], ceiling_rate: float) -> str | None:
+    """The one online policy the whole plan uses: the admission sweep, the tier replay (unless
+    --tier-policy), the sizing and the verdict, so every figure quoted for it is the same row of
+    the sweep. It is the policy that reaches the knee with the least capacity (then the higher
+    hit rate there); with no knee, the one with the most hit tokens."""
+    knees = {}
+    for pol in dict.fromkeys(r["policy"] for r in results if r["policy"] != "opt"):
+        k = find_knee(results, pol, ceiling_rate)
+        if k is not None:
+            knees[pol] = k
+    if knees:
+        return min(knees, key=lambda p: (knees[p]["capacity_blocks"], -(knees[p]["hit_rate"] or 0.0)))
+    return best_online(results)
+
+
 def best_online(results: list[dict]) -> str | None:
     """The online policy with the most hit tokens summed over the filled capacities."""
     score: dict[str, int] = {}
@@ -73,21 +88,13 @@ def recommend(report: dict, opts: PlanOptions) -> dict[str, Any]:
         )
         rec["reasons"] = ["raise --pcie-gbps or lower --prefill-tps if these figures do not match your hardware"]
         return rec
-    best = q["admission"]["policy"]
+    best = q["admission"]["policy"]  # `choose_policy`'s, as everywhere in the plan
     if best is None:
         rec["verdict"] = "unknown"
         rec["summary"] = "No online policy was replayed; add one to --policies for a recommendation."
         rec["reasons"] = []
         return rec
-    # The policy that reaches the knee with the least capacity (then the higher hit rate there).
-    knees = {}
-    for pol in dict.fromkeys(r["policy"] for r in results if r["policy"] != "opt"):
-        k = find_knee(results, pol, ceiling_rate)
-        if k is not None:
-            knees[pol] = k
-    if knees:
-        best = min(knees, key=lambda p: (knees[p]["capacity_blocks"], -(knees[p]["hit_rate"] or 0.0)))
-    knee = knees.get(best)
+    knee = find_knee(results, best, ceiling_rate)
     rec["policy"] = best
     if knee:
         rec["capacity_blocks"] = knee["capacity_blocks"]
@@ -113,7 +120,8 @@ def recommend(report: dict, opts: PlanOptions) -> dict[str, Any]:
     if knee and not knee["underfilled"]:
         for t in q["admission"]["threshold_effect"]:
             if (
-                t["capacity_blocks"] == knee["capacity_blocks"]
+                t["policy"] == best
+                and t["capacity_blocks"] == knee["capacity_blocks"]
                 and t["hit_rate"] is not None
                 and knee["hit_rate"] is not None
             ):
@@ -139,7 +147,11 @@ def recommend(report: dict, opts: PlanOptions) -> dict[str, Any]:
             )
             rec["reasons"] = reasons
             return rec
-        reasons.append(f"GPU alone hits {gpu_rate:.1%}; the lower tiers add {lower:.1%} of tokens as promotions")
+        tier_policy = gpu_tier["policy"]
+        replayed = "" if tier_policy == best else f" (tiers replayed with --tier-policy {tier_policy})"
+        reasons.append(
+            f"GPU alone hits {gpu_rate:.1%}; the lower tiers add {lower:.1%} of tokens as promotions{replayed}"
+        )
     size = f"{rec['capacity_blocks']} blocks" if rec["capacity_blocks"] else "?"
     if rec["capacity_bytes"]:
         from kvtier_rs.planner.model import fmt_bytes

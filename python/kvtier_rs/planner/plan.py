@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier_rs.planner.advice import best_online, recommend
+from kvtier_rs.planner.advice import choose_policy, recommend
 from kvtier_rs.planner.checks import TIERS, check_options, tier_blocks
 from kvtier_rs.planner.model import ModelBytes, Size
 from kvtier_rs.planner.traces import TraceData, read_trace
@@ -168,8 +168,8 @@ def run_plan(opts: PlanOptions) -> dict[str, Any]:
     results = [_result(r, block_bytes, trace.n_requests) for r in sweep[:-1]]
     ceiling = _result(sweep[-1], block_bytes, trace.n_requests)
 
-    # Admission thresholds: the best online policy, at every capacity, with "admit after k uses".
-    best_policy = best_online(results)
+    # One policy for the rest of the plan; its admission thresholds at every capacity.
+    best_policy = choose_policy(results, ceiling["hit_rate"] or 0.0)
     adm_jobs = [(best_policy, c, f"uses:{k}") for k in opts.admission_thresholds for c in caps] if best_policy else []
     adm = replay_sweep(trace, adm_jobs, warmup=warm, mode=opts.mode, threads=opts.threads) if adm_jobs else []
     admission_results = [_result(r, block_bytes, trace.n_requests) for r in adm]
