@@ -276,3 +276,52 @@ def test_one_policy_and_one_set_of_numbers_across_the_plan(tmp_path, capsys):
         assert e["hit_rate_always"] == by[(policy, e["capacity_blocks"])]["hit_rate"]
     row = by[(policy, rec["capacity_blocks"])]
     assert any(f"{policy} at {row['capacity_blocks']} blocks hits {row['hit_rate']:.1%}" in x for x in rec["reasons"])
+
+
+def _knee_trace(tmp_path) -> Path:
+    p = tmp_path / "knee.jsonl"
+    write_trace(
+        synthesize(SynthConfig(requests=600, seed=3, mix={"chat": 0.5, "rag": 0.3, "system": 0.1, "unique": 0.1})), p
+    )
+    return p
+
+
+def test_no_knee_within_the_swept_range_is_said_plainly(tmp_path, capsys):
+    """The curve is still rising at the largest swept capacity (20 blocks hit 14% of tokens, the
+    ceiling 63%): there is no knee in range, so no size is recommended from it and the report
+    says to sweep larger capacities."""
+    rep = plan_json(capsys, str(_knee_trace(tmp_path)), "--policies", "lru,opt", "--capacities", "5,10,20")
+    rec = rep["recommendation"]
+    assert rec["capacity_blocks"] is None and rec["knee"] is None
+    assert "no knee within the swept capacities (5 to 20 blocks)" in rec["summary"]
+    assert any("--capacities 40,80,160" in x for x in rec["reasons"]), rec["reasons"]
+
+
+def test_a_flat_stretch_below_the_ceiling_is_no_knee(tmp_path, capsys):
+    """Only the shared first block hits at 2 to 8 blocks (a flat curve); the long chain comes
+    back only after 20 other requests: the knee is beyond the sweep, not at its largest point."""
+    chain = list(range(1, 32))
+    recs = [{"timestamp": 0, "input_length": 32 * 16, "hash_ids": [0, *chain], "block_size": 16}]
+    recs += [{"timestamp": 1 + i, "input_length": 32, "hash_ids": [0, 100 + i], "block_size": 16} for i in range(20)]
+    recs.append({"timestamp": 30, "input_length": 32 * 16, "hash_ids": [0, *chain], "block_size": 16})
+    p = tmp_path / "flat.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    rep = plan_json(capsys, str(p), "--policies", "lru", "--capacities", "2,4,8", "--warmup", "0")
+    rates = [r["hit_rate"] for r in rep["results"]]
+    assert rates[0] == rates[1] == rates[2] < 0.9 * rep["ceiling"]["hit_rate"]
+    assert rep["recommendation"]["capacity_blocks"] is None
+    assert "no knee within the swept capacities" in rep["recommendation"]["summary"]
+
+
+def test_the_knee_is_the_first_capacity_near_the_ceiling_not_the_largest(tmp_path, capsys):
+    p = str(_knee_trace(tmp_path))
+    rep = plan_json(capsys, p, "--policies", "lru", "--capacities", "320,640,1280,2560")
+    knee = rep["recommendation"]["knee"]
+    assert (knee["capacity_blocks"], knee["at_smallest_swept"]) == (1280, False)
+    assert rep["recommendation"]["capacity_blocks"] == 1280
+    assert knee["hit_rate"] >= 0.9 * rep["ceiling"]["hit_rate"] > rep["results"][1]["hit_rate"]
+    # Reached at the smallest swept capacity already: the knee may lie below it.
+    rep = plan_json(capsys, p, "--policies", "lru", "--capacities", "1280,2560")
+    knee = rep["recommendation"]["knee"]
+    assert (knee["capacity_blocks"], knee["at_smallest_swept"]) == (1280, True)
+    assert any("at or below 1280 blocks" in x for x in rep["recommendation"]["reasons"])

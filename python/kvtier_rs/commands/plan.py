@@ -50,6 +50,10 @@ Replay semantics:
     cache with its own policy and admission; a block is served by the fastest tier holding it,
     counted as a GPU hit, a CPU promotion or a disk promotion; the usable prefix stops at the
     first block no tier holds.
+  - The knee (the recommended size): the smallest swept capacity whose hit rate is within a
+    tenth of the infinite cache's. With none in the sweep (the curve still rising, or flat
+    below the ceiling, at the largest capacity) no size is recommended and the report asks for
+    larger --capacities; a knee at the smallest swept capacity may lie below it.
   - Cost model: loading a block costs bytes / bandwidth (disk: disk then PCIe), recomputing it
     block_size / --prefill-tps; TTFT estimate = mean over requests of missed tokens / prefill
     rate + load time (linear prefill, no overlap of loads with compute).

@@ -6,9 +6,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvtier_rs.planner.checks import ONLINE_POLICIES
+from kvtier_rs.planner.model import MAX_BLOCKS, fmt_bytes
 
 if TYPE_CHECKING:
     from kvtier_rs.planner.plan import PlanOptions
+
+# The knee: the smallest capacity whose hit rate is within a tenth of the infinite cache's.
+KNEE_SHARE = 0.9
 
 
 def choose_policy(results: list[dict], ceiling_rate: float) -> str | None:
@@ -39,18 +43,37 @@ def best_online(results: list[dict]) -> str | None:
     return max(score, key=lambda p: (score[p], -ONLINE_POLICIES.index(p)))
 
 
+def _rows(results: list[dict], policy: str) -> list[dict]:
+    return sorted((r for r in results if r["policy"] == policy), key=lambda r: r["capacity_blocks"])
+
+
 def find_knee(results: list[dict], policy: str, ceiling_rate: float) -> dict | None:
-    """Smallest swept capacity whose hit rate is within 10% of the ceiling's."""
-    rows = sorted((r for r in results if r["policy"] == policy), key=lambda r: r["capacity_blocks"])
-    filled = [r for r in rows if not r["underfilled"] and r["hit_rate"] is not None]
-    for r in filled:
-        if r["hit_rate"] >= 0.9 * ceiling_rate:
+    """The knee of `policy`'s miss-ratio curve: the smallest swept capacity whose hit rate is
+    within a tenth of the ceiling's (KNEE_SHARE), so that no capacity at all could win more
+    than another tenth of the reuse. None when no swept capacity gets there: the curve is still
+    rising, or flat below the ceiling, at the largest one, and its knee lies beyond the sweep
+    (never the largest swept capacity by default). A knee at the smallest swept capacity is
+    only a bound: the curve may have bent below it."""
+    for r in _rows(results, policy):
+        if r["hit_rate"] is not None and r["hit_rate"] >= KNEE_SHARE * ceiling_rate:
             return r
-    for r in rows:
-        # Past the filled capacities the cache never filled: it already holds the working set.
-        if r["underfilled"]:
-            return r
-    return filled[-1] if filled else None
+    return None
+
+
+def _no_knee(results: list[dict], policy: str, ceiling_rate: float) -> tuple[str, list[str]]:
+    """Summary and reasons when the sweep holds no knee: sweep larger capacities."""
+    rows = _rows(results, policy)
+    lo, hi = rows[0]["capacity_blocks"], rows[-1]["capacity_blocks"]
+    larger = [c for c in (2 * hi, 4 * hi, 8 * hi) if c <= MAX_BLOCKS]
+    summary = (
+        f"Tier it, but size it from a larger sweep: there is no knee within the swept capacities ({lo} to "
+        f"{hi} blocks); {policy} hits {rows[-1]['hit_rate']:.1%} of tokens at {hi} blocks against "
+        f"{ceiling_rate:.1%} for an infinite cache."
+    )
+    reasons = [f"the curve is still short of the ceiling at {hi} blocks (the knee is within a tenth of it)"]
+    if larger:
+        reasons.append(f"sweep larger capacities: rerun with --capacities {','.join(map(str, larger))}")
+    return summary, reasons
 
 
 def recommend(report: dict, opts: PlanOptions) -> dict[str, Any]:
@@ -96,9 +119,21 @@ def recommend(report: dict, opts: PlanOptions) -> dict[str, Any]:
         return rec
     knee = find_knee(results, best, ceiling_rate)
     rec["policy"] = best
-    if knee:
+    rec["knee"] = None
+    no_knee_summary = None
+    if knee is None:
+        no_knee_summary, no_knee_reasons = _no_knee(results, best, ceiling_rate)
+        reasons += no_knee_reasons
+    else:
         rec["capacity_blocks"] = knee["capacity_blocks"]
         rec["capacity_bytes"] = knee["capacity_bytes"]
+        at_smallest = knee["capacity_blocks"] == _rows(results, best)[0]["capacity_blocks"]
+        rec["knee"] = {
+            "policy": best,
+            "capacity_blocks": knee["capacity_blocks"],
+            "hit_rate": knee["hit_rate"],
+            "at_smallest_swept": at_smallest,
+        }
         if knee["underfilled"]:
             reasons.append(
                 f"a cache of {knee['capacity_blocks']} blocks never fills: it holds the whole reusable working set"
@@ -113,6 +148,11 @@ def recommend(report: dict, opts: PlanOptions) -> dict[str, Any]:
                     f"caution: that cache filled only after {knee['unfilled_share']:.0%} of the measured "
                     "requests, so its rate is partly warm-up; raise --warmup or replay a longer trace"
                 )
+        if at_smallest:
+            reasons.append(
+                f"the knee is at or below {knee['capacity_blocks']} blocks, the smallest swept capacity: "
+                "sweep smaller capacities to size the tier tighter"
+            )
     opt_rows = {r["capacity_blocks"]: r for r in results if r["policy"] == "opt"}
     if knee and knee["capacity_blocks"] in opt_rows and opt_rows[knee["capacity_blocks"]]["hit_rate"] is not None:
         reasons.append(f"opt (Belady) reaches {opt_rows[knee['capacity_blocks']]['hit_rate']:.1%} at that size")
@@ -152,11 +192,12 @@ def recommend(report: dict, opts: PlanOptions) -> dict[str, Any]:
         reasons.append(
             f"GPU alone hits {gpu_rate:.1%}; the lower tiers add {lower:.1%} of tokens as promotions{replayed}"
         )
-    size = f"{rec['capacity_blocks']} blocks" if rec["capacity_blocks"] else "?"
+    rec["reasons"] = reasons
+    if no_knee_summary is not None:
+        rec["summary"] = no_knee_summary
+        return rec
+    size = f"{rec['capacity_blocks']} blocks"
     if rec["capacity_bytes"]:
-        from kvtier_rs.planner.model import fmt_bytes
-
         size += f" ({fmt_bytes(rec['capacity_bytes'])})"
     rec["summary"] = f"Tier it: a CPU tier of {size} with policy {best} and admission {rec['admission']}."
-    rec["reasons"] = reasons
     return rec
