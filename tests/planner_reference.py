@@ -156,9 +156,10 @@ def replay(requests, block_size, policy, capacity, *, warmup=0.5, mode="tree", a
     cap = float("inf") if policy == "ceiling" else capacity
     cache = Cache(policy, cap, mode, 1 if policy == "ceiling" else admit_after, requests)
     first = int(len(requests) * warmup)
-    out = {"hit_tokens": 0, "total_tokens": 0, "hit_blocks": 0, "total_blocks": 0}
+    out = {"hit_tokens": 0, "total_tokens": 0, "hit_blocks": 0, "total_blocks": 0, "all_hit_blocks": 0}
     for r, (keys, n_in) in enumerate(requests):
         hits = cache.step(r, keys, n_in)
+        out["all_hit_blocks"] += hits
         if r >= first:
             out["total_tokens"] += n_in
             out["total_blocks"] += len(keys)

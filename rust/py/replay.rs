@@ -142,6 +142,7 @@ fn stats_dict<'py>(py: Python<'py>, s: &ReplayStats) -> PyResult<Bound<'py, PyDi
     d.set_item("hit_blocks", s.hit_blocks)?;
     d.set_item("total_blocks", s.total_blocks)?;
     d.set_item("measured_requests", s.measured_requests)?;
+    d.set_item("all_hit_blocks", s.all_hit_blocks)?;
     d.set_item("insertions", s.insertions)?;
     d.set_item("evictions", s.evictions)?;
     d.set_item("peak_resident", s.peak_resident)?;

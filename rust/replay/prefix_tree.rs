@@ -37,7 +37,9 @@ pub struct ReplayStats {
     pub hit_blocks: u64,
     pub total_blocks: u64,
     pub measured_requests: u64,
-    /// Over the whole replay, warmup included.
+    /// Over the whole replay, warmup included: hit blocks (what Belady's `opt` maximises, and
+    /// so bounds for every policy at the same capacity), insertions, evictions, peak residency.
+    pub all_hit_blocks: u64,
     pub insertions: u64,
     pub evictions: u64,
     pub peak_resident: u64,
@@ -362,6 +364,7 @@ fn run<S: Strategy>(
     let mut st = ReplayStats::default();
     for r in 0..trace.n_requests() {
         let hits = cache.step(strat, trace, r);
+        st.all_hit_blocks += hits as u64;
         if r >= first {
             st.measured_requests += 1;
             st.total_tokens += trace.input_tokens(r);

@@ -40,8 +40,11 @@ Replay semantics:
     admitted or evicted; hits must still be contiguous).
   - Policies: fifo, lru, arc, priority (no priorities in traces: all blocks at the default level),
     s3fifo (scan-resistant), and opt (Belady: evict the leaf whose next use is farthest; do not
-    admit a block whose next use is later than every evictable leaf's). The ceiling is an
-    infinite cache. Admission "uses:K" admits a block on its K-th use (counted exactly).
+    admit a block whose next use is later than every evictable leaf's). opt bounds the block
+    hits of every policy at the same capacity over the whole replay (all_block_hit_rate,
+    warm-up included), not the measured rates: it does not weigh a partial block less, and
+    may spend hits in the warm-up. The ceiling is an infinite cache; it bounds every rate.
+    Admission "uses:K" admits a block on its K-th use (counted exactly).
   - A capacity whose cache never became full during the replay is flagged underfilled (^ in
     the table): it holds all it was offered, so its rate is an infinite cache's. One that filled
     only after 10% of the measured requests is flagged filled_late (*): its rate is partly that

@@ -50,7 +50,8 @@ def write_plots(rep: dict[str, Any], out_dir: str | Path) -> list[str]:
         xs = [r["capacity_blocks"] for r in rows if r["hit_rate"] is not None]
         ys = [1 - r["hit_rate"] for r in rows if r["hit_rate"] is not None]
         style = "k--" if p == "opt" else "-o"
-        ax.plot(xs, ys, style, label=p, markersize=4)
+        label = "opt (Belady: bounds whole-replay block hits, not these rates)" if p == "opt" else p
+        ax.plot(xs, ys, style, label=label, markersize=4)
     ceil = rep["ceiling"]["hit_rate"]
     if ceil is not None:
         ax.axhline(1 - ceil, color="grey", linestyle=":", label="ceiling (infinite cache)")

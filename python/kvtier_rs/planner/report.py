@@ -53,6 +53,11 @@ def render_table(rep: dict[str, Any]) -> str:
     )
     caps = rep["capacities_blocks"]
     policies = list(dict.fromkeys(r["policy"] for r in rep["results"]))
+    if "opt" in policies:
+        lines.append(
+            "   opt = Belady: the most block hits any eviction order gets at that capacity over the whole replay "
+            "(warm-up included); not a bound on these measured token-weighted rates"
+        )
     head = f"{'blocks':>10} {'bytes':>10} " + " ".join(f"{p:>8}" for p in policies)
     lines.append(head)
     by = {(r["policy"], r["capacity_blocks"]): r for r in rep["results"]}
