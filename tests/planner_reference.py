@@ -157,18 +157,24 @@ def replay(requests, block_size, policy, capacity, *, warmup=0.5, mode="tree", a
     cache = Cache(policy, cap, mode, 1 if policy == "ceiling" else admit_after, requests)
     first = int(len(requests) * warmup)
     out = {"hit_tokens": 0, "total_tokens": 0, "hit_blocks": 0, "total_blocks": 0, "all_hit_blocks": 0}
+    by_hits: dict = {}  # hit blocks -> (measured requests, their hit tokens)
     for r, (keys, n_in) in enumerate(requests):
         hits = cache.step(r, keys, n_in)
         out["all_hit_blocks"] += hits
         if r >= first:
+            tokens = sum(block_tokens(n_in, i, block_size) for i in range(hits))
             out["total_tokens"] += n_in
             out["total_blocks"] += len(keys)
             out["hit_blocks"] += hits
-            out["hit_tokens"] += sum(block_tokens(n_in, i, block_size) for i in range(hits))
+            out["hit_tokens"] += tokens
+            if hits:
+                reqs, toks = by_hits.get(hits, (0, 0))
+                by_hits[hits] = (reqs + 1, toks + tokens)
     # Underfilled: never full during the whole replay (the ceiling never is, and is not flagged).
     out["underfilled"] = policy != "ceiling" and cache.filled_at is None
     out["filled_at_request"] = cache.filled_at
     out["insertions"], out["evictions"] = cache.insertions, cache.evictions
+    out["hit_histogram"] = [(n, *by_hits[n]) for n in sorted(by_hits)]
     return out
 
 

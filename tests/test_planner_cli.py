@@ -363,3 +363,62 @@ def test_opt_is_labelled_a_bound_on_block_hits_only(tmp_path, capsys):
     rep = plan_json(capsys, str(warm), "--policies", "fifo,opt", "--capacities", "4", "--warmup", "0.6")
     fifo, opt = rep["results"]
     assert fifo["hit_blocks"] > opt["hit_blocks"] and fifo["all_hit_blocks"] == opt["all_hit_blocks"]
+
+
+def test_promotions_not_worth_loading_are_not_gains(tmp_path, capsys):
+    """Disk reads at 0.5 GB/s take longer than recomputing a 64 MiB block: the orchestrator
+    would recompute those disk hits, so the plan must not count them. With them set aside the
+    CPU tier adds 1.1% of tokens behind a 100-block GPU cache: tiering does not pay."""
+    from kvtier_rs._core import replay_tiers
+    from kvtier_rs.orchestrator.cost import CostModel
+    from kvtier_rs.planner.plan import build_trace
+    from kvtier_rs.planner.traces import read_trace
+
+    p = str(_knee_trace(tmp_path))
+    tiers = ["--bytes-per-token", "131072", "--gpu", "100blocks", "--cpu", "110blocks", "--disk", "2000blocks"]
+    fast = plan_json(capsys, p, *tiers)
+    slow = plan_json(capsys, p, *tiers, "--disk-gbps", "0.5")
+    assert fast["recommendation"]["verdict"] == "tier"
+    assert slow["recommendation"]["verdict"] == "no_tiering"
+    served = {t["name"]: t["served_tokens"] for t in slow["tiers"]["tiers"]}
+    c = slow["cost"]
+    assert served["disk"] > 0.1 * c["total_tokens"]
+    assert (c["prefill_tokens_saved_by_lower_tiers"], c["not_worth_loading_tokens"]) == (served["cpu"], served["disk"])
+    assert fast["cost"]["prefill_tokens_saved_by_lower_tiers"] == served["cpu"] + served["disk"]
+    # The loads the TTFT estimate counts are the orchestrator's: CostModel per request and tier.
+    cost = CostModel(10_000.0, 512, 131072 * 512, bandwidth={"cpu": 25e9, "disk": 0.5e9})
+    specs = [("gpu", 100, "arc", "always"), ("cpu", 110, "arc", "always"), ("disk", 2000, "arc", "uses:2")]
+    assert [t["policy"] for t in slow["tiers"]["tiers"]] == ["arc"] * 3
+    mt = replay_tiers(build_trace(read_trace(p)), specs)
+    load_s = sum(reqs * cost.load_seconds("cpu", blocks[1]) for blocks, reqs, _ in mt["served_histogram"] if blocks[1])
+    assert c["transfer_s"] == pytest.approx(load_s)
+    n, total = mt["measured_requests"], mt["total_tokens"]
+    assert c["mean_ttft_tiered_s"] == pytest.approx(((total - served["gpu"] - served["cpu"]) / 10_000 + load_s) / n)
+
+
+def test_sweep_gains_weigh_each_request_load_as_the_orchestrator_does(tmp_path, capsys):
+    """A 50 us fixed cost per load job and a link a hair faster than recompute per block: one
+    block alone is not worth loading, five or more are. The sweep's gains are the hits of the
+    requests whose load the orchestrator's CostModel would take, and the knee goes by them."""
+    from kvtier_rs._core import replay_sweep
+    from kvtier_rs.orchestrator.cost import CostModel
+    from kvtier_rs.planner.plan import build_trace
+    from kvtier_rs.planner.traces import read_trace
+
+    p = str(_knee_trace(tmp_path))
+    gbps = 51200 / (0.0512 - 12e-6) / 1e9  # 100 bytes/token x 512 tokens per block
+    rep = plan_json(capsys, p, "--policies", "lru", "--capacities", "160,1280", "--bytes-per-token", "100",
+                    "--pcie-gbps", str(gbps))  # fmt: skip
+    cpu = rep["questions"]["transfer"]["tiers"][0]
+    assert cpu["name"] == "cpu" and not cpu["worth_loading"]  # one block alone
+    cost = CostModel(10_000.0, 512, 51200, bandwidth={"cpu": gbps * 1e9, "disk": 6e9})
+    assert not cost.worth_loading("cpu", 4) and cost.worth_loading("cpu", 5)
+    trace = build_trace(read_trace(p))
+    for row, want in zip(
+        rep["results"], replay_sweep(trace, [("lru", 160, "always"), ("lru", 1280, "always")]), strict=True
+    ):
+        gain = sum(toks for n, _, toks in want["hit_histogram"] if cost.worth_loading("cpu", n))
+        assert 0 < gain < row["hit_tokens"] == want["hit_tokens"]
+        assert (row["gain_tokens"], row["gain_rate"]) == (gain, gain / row["total_tokens"])
+    knee = rep["recommendation"]["knee"]
+    assert knee["gain_rate"] >= 0.9 * rep["ceiling"]["gain_rate"]

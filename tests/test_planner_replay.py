@@ -61,6 +61,7 @@ def test_rust_equals_reference_on_shared_trace_slices(name, limit, caps, mode):
             assert got["hit_tokens"] == want["hit_tokens"], key
             assert (got["hit_blocks"], got["total_tokens"]) == (want["hit_blocks"], want["total_tokens"]), key
             assert got["all_hit_blocks"] == want["all_hit_blocks"], key
+            assert [tuple(e) for e in got["hit_histogram"]] == want["hit_histogram"], key
             assert (got["insertions"], got["evictions"]) == (want["insertions"], want["evictions"]), key
             assert (got["underfilled"], got["filled_at_request"]) == (want["underfilled"], want["filled_at_request"]), (
                 key

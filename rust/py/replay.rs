@@ -148,6 +148,7 @@ fn stats_dict<'py>(py: Python<'py>, s: &ReplayStats) -> PyResult<Bound<'py, PyDi
     d.set_item("peak_resident", s.peak_resident)?;
     d.set_item("underfilled", s.underfilled)?;
     d.set_item("filled_at_request", s.filled_at_request)?;
+    d.set_item("hit_histogram", &s.hit_histogram)?;
     Ok(d)
 }
 
@@ -235,5 +236,6 @@ pub fn replay_tiers<'py>(
     d.set_item("total_tokens", r.total_tokens)?;
     d.set_item("total_blocks", r.total_blocks)?;
     d.set_item("measured_requests", r.measured_requests)?;
+    d.set_item("served_histogram", &r.served_histogram)?;
     Ok(d)
 }

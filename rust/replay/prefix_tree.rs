@@ -51,6 +51,10 @@ pub struct ReplayStats {
     /// and including it were looked up in a cache not yet full; the planner flags a capacity
     /// whose cache filled only well into the measured window (its rate is mostly warm-up).
     pub filled_at_request: Option<u64>,
+    /// Measured requests by their number of hit blocks: `(hit blocks, requests, their hit
+    /// tokens)`, for each count > 0 that occurs, ascending. A request's hits are loaded as one
+    /// job, so the planner weighs load against recompute per entry (see planner/gains.py).
+    pub hit_histogram: Vec<(u32, u64, u64)>,
 }
 
 /// Residency and prefix-tree bookkeeping, indexed by dense key id.
@@ -362,15 +366,25 @@ fn run<S: Strategy>(
     const CHUNK: usize = 1024;
     let first = trace.warmup_requests(warmup);
     let mut st = ReplayStats::default();
+    // (requests, hit tokens) by hit blocks.
+    let mut by_hits: Vec<(u64, u64)> = Vec::new();
     for r in 0..trace.n_requests() {
         let hits = cache.step(strat, trace, r);
         st.all_hit_blocks += hits as u64;
         if r >= first {
+            let hit_tokens = (0..hits).map(|i| trace.block_tokens(r, i)).sum::<u64>();
             st.measured_requests += 1;
             st.total_tokens += trace.input_tokens(r);
             st.total_blocks += trace.request(r).len() as u64;
             st.hit_blocks += hits as u64;
-            st.hit_tokens += (0..hits).map(|i| trace.block_tokens(r, i)).sum::<u64>();
+            st.hit_tokens += hit_tokens;
+            if hits > 0 {
+                if by_hits.len() <= hits {
+                    by_hits.resize(hits + 1, (0, 0));
+                }
+                by_hits[hits].0 += 1;
+                by_hits[hits].1 += hit_tokens;
+            }
         }
         if let Some(p) = progress {
             if (r + 1) % CHUNK == 0 {
@@ -384,6 +398,8 @@ fn run<S: Strategy>(
     st.insertions = cache.insertions;
     st.evictions = cache.evictions;
     st.peak_resident = cache.peak as u64;
+    st.hit_histogram =
+        by_hits.iter().enumerate().filter(|(_, e)| e.0 > 0).map(|(n, &(reqs, toks))| (n as u32, reqs, toks)).collect();
     st.filled_at_request = cache.filled_at();
     st.underfilled = bounded && st.filled_at_request.is_none();
     st

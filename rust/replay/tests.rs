@@ -228,6 +228,31 @@ fn multitier_serves_each_block_from_the_fastest_holder() {
 }
 
 #[test]
+fn histograms_count_measured_requests_by_blocks_served() {
+    // LRU, capacity 3, no warm-up: r1 hits 1 block (4 tokens), r3 hits 2, r4 hits 1.
+    let t = trace_of(&[vec![1, 2], vec![1, 3], vec![4], vec![1, 3], vec![1, 2]]);
+    let s = run(&t, Replayer::Policy(PolicyKind::Lru), 3, Mode::Tree);
+    assert_eq!(s.hit_histogram, vec![(1, 2, 8), (2, 1, 8)]);
+    let sum: u64 = s.hit_histogram.iter().map(|e| e.2).sum();
+    assert_eq!(sum, s.hit_tokens);
+    // Two tiers: a 1-block GPU tier in front of a 3-block CPU tier. r0 and r2 find nothing;
+    // r1 and r4 find block 1 on the GPU (r2 evicted it there, r3 brought it back) and their
+    // second block nowhere; r3 finds [1, 3] in the CPU tier only.
+    let spec = |name: &str, capacity| TierSpec {
+        name: name.into(),
+        capacity,
+        policy: PolicyKind::Lru,
+        admission: AdmissionRule::Always,
+    };
+    let m = replay_tiers(&t, &[spec("gpu", 1), spec("cpu", 3)], Mode::Tree, 0.0).unwrap();
+    assert_eq!(
+        m.served_histogram,
+        vec![(vec![0, 0], 2, vec![0, 0]), (vec![0, 2], 1, vec![0, 8]), (vec![1, 0], 2, vec![8, 0])]
+    );
+    assert_eq!((m.tiers[0].served_tokens, m.tiers[1].served_tokens), (8, 8));
+}
+
+#[test]
 fn sweep_matches_individual_replays() {
     let t = chained(&(0..200u32).map(|i| ((i * 7 % 13) as u8, (i * 5 % 11) as u8, (i % 6) as u8)).collect::<Vec<_>>());
     let mut jobs = Vec::new();

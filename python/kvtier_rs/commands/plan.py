@@ -57,9 +57,14 @@ Replay semantics:
     tenth of the infinite cache's. With none in the sweep (the curve still rising, or flat
     below the ceiling, at the largest capacity) no size is recommended and the report asks for
     larger --capacities; a knee at the smallest swept capacity may lie below it.
-  - Cost model: loading a block costs bytes / bandwidth (disk: disk then PCIe), recomputing it
-    block_size / --prefill-tps; TTFT estimate = mean over requests of missed tokens / prefill
-    rate + load time (linear prefill, no overlap of loads with compute).
+  - Cost model: the live orchestrator's (kvtier_rs.orchestrator.cost.CostModel). Loading n
+    blocks from a tier as one job costs a fixed latency per hop plus bytes / bandwidth per hop
+    (disk: disk then PCIe), recomputing them n x block_size / --prefill-tps; a request's hits
+    from a tier count as gains only when their load beats recomputing them, and a CPU part not
+    worth loading cuts the chain before its disk part, as the orchestrator decides. Sizing, the
+    knee and the verdict go by these gains (without model bytes every hit counts). TTFT
+    estimate = mean over requests of recomputed tokens / prefill rate + load time (linear
+    prefill, no overlap of loads with compute).
 
 Output: --format table (default) or json (schema "kvtier.plan/1": "results" holds one entry per
 (policy, capacity): policy, capacity_blocks, hit_rate, hit_tokens, total_tokens, hit_blocks,

@@ -1,5 +1,9 @@
 """The planner's advice: the policy, the size at the knee of the miss-ratio curve, the admission
-rule, and the verdict on whether tiering pays, from the replays `run_plan` made."""
+rule, and the verdict on whether tiering pays, from the replays `run_plan` made.
+
+Every choice weighs gains, not raw hits: a row's `gain_rate` counts only the hits whose load
+beats recomputing them under the orchestrator's cost model (planner/gains.py); without model
+bytes the two are the same."""
 
 from __future__ import annotations
 
@@ -11,31 +15,35 @@ from kvtier_rs.planner.model import MAX_BLOCKS, fmt_bytes
 if TYPE_CHECKING:
     from kvtier_rs.planner.plan import PlanOptions
 
-# The knee: the smallest capacity whose hit rate is within a tenth of the infinite cache's.
+# The knee: the smallest capacity whose gain is within a tenth of the infinite cache's.
 KNEE_SHARE = 0.9
+# Below this share of tokens saved, tiering is not worth running.
+MIN_GAIN = 0.02
+# An admission threshold may cost at most this much gain (half a point) to be recommended.
+ADMISSION_SLACK = 0.005
 
 
 def choose_policy(results: list[dict], ceiling_rate: float) -> str | None:
     """The one online policy the whole plan uses: the admission sweep, the tier replay (unless
     --tier-policy), the sizing and the verdict, so every figure quoted for it is the same row of
     the sweep. It is the policy that reaches the knee with the least capacity (then the higher
-    hit rate there); with no knee, the one with the most hit tokens."""
+    gain there); with no knee, the one with the most gain."""
     knees = {}
     for pol in dict.fromkeys(r["policy"] for r in results if r["policy"] != "opt"):
         k = find_knee(results, pol, ceiling_rate)
         if k is not None:
             knees[pol] = k
     if knees:
-        return min(knees, key=lambda p: (knees[p]["capacity_blocks"], -(knees[p]["hit_rate"] or 0.0)))
+        return min(knees, key=lambda p: (knees[p]["capacity_blocks"], -(knees[p]["gain_rate"] or 0.0)))
     return best_online(results)
 
 
 def best_online(results: list[dict]) -> str | None:
-    """The online policy with the most hit tokens summed over the filled capacities."""
+    """The online policy with the most gain (tokens) summed over the filled capacities."""
     score: dict[str, int] = {}
     for r in results:
         if r["policy"] != "opt" and not r["underfilled"]:
-            score[r["policy"]] = score.get(r["policy"], 0) + r["hit_tokens"]
+            score[r["policy"]] = score.get(r["policy"], 0) + r["gain_tokens"]
     if not score:
         online = [r["policy"] for r in results if r["policy"] != "opt"]
         return online[0] if online else None
@@ -47,28 +55,36 @@ def _rows(results: list[dict], policy: str) -> list[dict]:
     return sorted((r for r in results if r["policy"] == policy), key=lambda r: r["capacity_blocks"])
 
 
-def find_knee(results: list[dict], policy: str, ceiling_rate: float) -> dict | None:
-    """The knee of `policy`'s miss-ratio curve: the smallest swept capacity whose hit rate is
+def find_knee(results: list[dict], policy: str, ceiling_gain: float) -> dict | None:
+    """The knee of `policy`'s miss-ratio curve: the smallest swept capacity whose gain rate is
     within a tenth of the ceiling's (KNEE_SHARE), so that no capacity at all could win more
-    than another tenth of the reuse. None when no swept capacity gets there: the curve is still
+    than another tenth of the reuse worth loading. None when no swept capacity gets there: the curve is still
     rising, or flat below the ceiling, at the largest one, and its knee lies beyond the sweep
     (never the largest swept capacity by default). A knee at the smallest swept capacity is
     only a bound: the curve may have bent below it."""
     for r in _rows(results, policy):
-        if r["hit_rate"] is not None and r["hit_rate"] >= KNEE_SHARE * ceiling_rate:
+        if r["gain_rate"] is not None and r["gain_rate"] >= KNEE_SHARE * ceiling_gain:
             return r
     return None
 
 
-def _no_knee(results: list[dict], policy: str, ceiling_rate: float) -> tuple[str, list[str]]:
+def _hits(row: dict, weighted: bool) -> str:
+    """`row`'s hit rate as the advice quotes it, with the part worth loading when that differs."""
+    text = f"{row['hit_rate']:.1%} of tokens"
+    if weighted and row["gain_tokens"] != row["hit_tokens"]:
+        text += f" ({row['gain_rate']:.1%} worth loading)"
+    return text
+
+
+def _no_knee(results: list[dict], policy: str, ceiling: dict, weighted: bool) -> tuple[str, list[str]]:
     """Summary and reasons when the sweep holds no knee: sweep larger capacities."""
     rows = _rows(results, policy)
     lo, hi = rows[0]["capacity_blocks"], rows[-1]["capacity_blocks"]
     larger = [c for c in (2 * hi, 4 * hi, 8 * hi) if c <= MAX_BLOCKS]
     summary = (
         f"Tier it, but size it from a larger sweep: there is no knee within the swept capacities ({lo} to "
-        f"{hi} blocks); {policy} hits {rows[-1]['hit_rate']:.1%} of tokens at {hi} blocks against "
-        f"{ceiling_rate:.1%} for an infinite cache."
+        f"{hi} blocks); {policy} hits {_hits(rows[-1], weighted)} at {hi} blocks against "
+        f"{_hits(ceiling, weighted)} for an infinite cache."
     )
     reasons = [f"the curve is still short of the ceiling at {hi} blocks (the knee is within a tenth of it)"]
     if larger:
@@ -77,7 +93,10 @@ def _no_knee(results: list[dict], policy: str, ceiling_rate: float) -> tuple[str
 
 
 def recommend(report: dict, opts: PlanOptions) -> dict[str, Any]:
-    ceiling_rate = report["ceiling"]["hit_rate"] or 0.0
+    ceiling = report["ceiling"]
+    ceiling_rate = ceiling["hit_rate"] or 0.0
+    ceiling_gain = ceiling["gain_rate"] or 0.0
+    weighted = report["cost_weighted"]
     results = report["results"]
     q = report["questions"]
     reasons: list[str] = []
@@ -100,14 +119,16 @@ def recommend(report: dict, opts: PlanOptions) -> dict[str, Any]:
         ]
         return rec
     transfer = q.get("transfer")
-    if transfer and not transfer["tiers"][0]["worth_loading"]:
+    if transfer and ceiling_gain < MIN_GAIN:
+        # Reuse there is, but loading it does not beat recomputing it.
         t = transfer["tiers"][0]
         rec["verdict"] = "no_tiering"
         rec["summary"] = (
             f"Tiering will not pay: loading a {transfer['block_bytes'] / 2**20:.1f} MiB block over "
             "the CPU link takes "
             f"{t['load_s_per_block'] * 1e3:.2f} ms, recomputing it "
-            f"{transfer['recompute_s_per_block'] * 1e3:.2f} ms."
+            f"{transfer['recompute_s_per_block'] * 1e3:.2f} ms; even an infinite cache's hits "
+            f"({ceiling_rate:.1%} of tokens) are only {ceiling_gain:.1%} worth loading."
         )
         rec["reasons"] = ["raise --pcie-gbps or lower --prefill-tps if these figures do not match your hardware"]
         return rec
@@ -117,12 +138,12 @@ def recommend(report: dict, opts: PlanOptions) -> dict[str, Any]:
         rec["summary"] = "No online policy was replayed; add one to --policies for a recommendation."
         rec["reasons"] = []
         return rec
-    knee = find_knee(results, best, ceiling_rate)
+    knee = find_knee(results, best, ceiling_gain)
     rec["policy"] = best
     rec["knee"] = None
     no_knee_summary = None
     if knee is None:
-        no_knee_summary, no_knee_reasons = _no_knee(results, best, ceiling_rate)
+        no_knee_summary, no_knee_reasons = _no_knee(results, best, ceiling, weighted)
         reasons += no_knee_reasons
     else:
         rec["capacity_blocks"] = knee["capacity_blocks"]
@@ -132,6 +153,7 @@ def recommend(report: dict, opts: PlanOptions) -> dict[str, Any]:
             "policy": best,
             "capacity_blocks": knee["capacity_blocks"],
             "hit_rate": knee["hit_rate"],
+            "gain_rate": knee["gain_rate"],
             "at_smallest_swept": at_smallest,
         }
         if knee["underfilled"]:
@@ -140,8 +162,8 @@ def recommend(report: dict, opts: PlanOptions) -> dict[str, Any]:
             )
         else:
             reasons.append(
-                f"{best} at {knee['capacity_blocks']} blocks hits {knee['hit_rate']:.1%} of tokens "
-                f"against a ceiling of {ceiling_rate:.1%}"
+                f"{best} at {knee['capacity_blocks']} blocks hits {_hits(knee, weighted)} "
+                f"against a ceiling of {_hits(ceiling, weighted)}"
             )
             if knee["filled_late"]:
                 reasons.append(
@@ -163,16 +185,16 @@ def recommend(report: dict, opts: PlanOptions) -> dict[str, Any]:
             f"at that size, the most any eviction order can ({best}: {knee['all_block_hit_rate']:.1%}); it "
             "bounds that, not the measured token-weighted rates"
         )
-    # Admission: recommend the smallest threshold that costs under half a point of hit rate.
+    # Admission: recommend the smallest threshold that costs under half a point of gain.
     if knee and not knee["underfilled"]:
         for t in q["admission"]["threshold_effect"]:
             if (
                 t["policy"] == best
                 and t["capacity_blocks"] == knee["capacity_blocks"]
-                and t["hit_rate"] is not None
-                and knee["hit_rate"] is not None
+                and t["gain_rate"] is not None
+                and knee["gain_rate"] is not None
             ):
-                if t["hit_rate"] >= knee["hit_rate"] - 0.005:
+                if t["gain_rate"] >= knee["gain_rate"] - ADMISSION_SLACK:
                     saved = 1 - t["insertions"] / max(knee["insertions"], 1)
                     rec["admission"] = t["admission"]
                     reasons.append(
@@ -184,8 +206,9 @@ def recommend(report: dict, opts: PlanOptions) -> dict[str, Any]:
     if gpu_tier:
         total = report["tiers"]["total_tokens"] or 1
         gpu_rate = gpu_tier["served_tokens"] / total
-        lower = sum(t["served_tokens"] for t in report["tiers"]["tiers"] if t["name"] != "gpu") / total
-        if lower < 0.02:
+        # Promotions count only where loading them beats recomputing them (`saved_tokens`).
+        lower = sum(t["saved_tokens"] for t in report["tiers"]["tiers"] if t["name"] != "gpu") / total
+        if lower < MIN_GAIN:
             rec["verdict"] = "no_tiering"
             rec["summary"] = (
                 f"Tiering will not pay: the GPU prefix cache alone hits {gpu_rate:.1%} of tokens "
@@ -197,7 +220,8 @@ def recommend(report: dict, opts: PlanOptions) -> dict[str, Any]:
         tier_policy = gpu_tier["policy"]
         replayed = "" if tier_policy == best else f" (tiers replayed with --tier-policy {tier_policy})"
         reasons.append(
-            f"GPU alone hits {gpu_rate:.1%}; the lower tiers add {lower:.1%} of tokens as promotions{replayed}"
+            f"GPU alone hits {gpu_rate:.1%}; the lower tiers add {lower:.1%} of tokens as promotions worth "
+            f"loading{replayed}"
         )
     rec["reasons"] = reasons
     if no_knee_summary is not None:

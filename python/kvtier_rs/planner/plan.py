@@ -13,9 +13,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier_rs.planner import gains
 from kvtier_rs.planner.advice import choose_policy, recommend
 from kvtier_rs.planner.checks import TIERS, check_options, tier_blocks
-from kvtier_rs.planner.model import ModelBytes, Size
+from kvtier_rs.planner.model import Size
 from kvtier_rs.planner.traces import TraceData, read_trace
 
 SCHEMA_VERSION = "kvtier.plan/1"
@@ -159,6 +160,8 @@ def run_plan(opts: PlanOptions) -> dict[str, Any]:
     trace = build_trace(data)
     bs = data.block_size
     block_bytes = model.bytes_per_token * bs if model else None
+    # The live orchestrator's load-or-recompute rule, for every gain the report counts.
+    cost = gains.cost_model(block_bytes, bs, opts.prefill_tps, opts.pcie_gbps, opts.disk_gbps)
     tiers = {name: tier_blocks(f"--{name}", size, block_bytes) for name in TIERS if (size := getattr(opts, name))}
 
     if opts.capacities:
@@ -176,20 +179,20 @@ def run_plan(opts: PlanOptions) -> dict[str, Any]:
         "replay",
         opts.progress,
     )
-    results = [_result(r, block_bytes, trace) for r in sweep[:-1]]
-    ceiling = _result(sweep[-1], block_bytes, trace)
+    results = [_result(r, block_bytes, trace, cost) for r in sweep[:-1]]
+    ceiling = _result(sweep[-1], block_bytes, trace, cost)
 
     # One policy for the rest of the plan; its admission thresholds at every capacity.
-    best_policy = choose_policy(results, ceiling["hit_rate"] or 0.0)
+    best_policy = choose_policy(results, ceiling["gain_rate"] or 0.0)
     adm_jobs = [(best_policy, c, f"uses:{k}") for k in opts.admission_thresholds for c in caps] if best_policy else []
     adm = replay_sweep(trace, adm_jobs, warmup=warm, mode=opts.mode, threads=opts.threads) if adm_jobs else []
-    admission_results = [_result(r, block_bytes, trace) for r in adm]
+    admission_results = [_result(r, block_bytes, trace, cost) for r in adm]
 
     analysis = trace.analyze(opts.top)
-    questions = _questions(data, trace, analysis, model, bs, results, admission_results, best_policy, opts)
+    questions = _questions(trace, analysis, model, cost, results, admission_results, best_policy)
 
     multitier = None
-    cost = None
+    tier_costs = None
     if len(tiers) >= 1:
         tier_policy = opts.tier_policy or best_policy or "lru"
         specs = []
@@ -200,7 +203,10 @@ def run_plan(opts: PlanOptions) -> dict[str, Any]:
         multitier = replay_tiers(trace, specs, warmup=warm, mode=opts.mode)
         for t in multitier["tiers"]:
             t.update(fill_flags({**t, "measured_requests": multitier["measured_requests"]}, trace.n_requests))
-        cost = _cost(multitier, model, bs, opts)
+        tier_costs = gains.tiers_cost(multitier, cost, opts.prefill_tps)
+        for t in multitier["tiers"]:
+            t["saved_tokens"] = tier_costs["saved_tokens_by_tier"].get(t["name"], t["served_tokens"])
+        del multitier["served_histogram"]
 
     report: dict[str, Any] = {
         "schema": SCHEMA_VERSION,
@@ -233,7 +239,8 @@ def run_plan(opts: PlanOptions) -> dict[str, Any]:
         "admission_results": admission_results,
         "questions": questions,
         "tiers": multitier,
-        "cost": cost,
+        "cost_weighted": cost is not None,
+        "cost": tier_costs,
     }
     report["recommendation"] = recommend(report, opts)
     return report
@@ -255,9 +262,13 @@ def fill_flags(r: dict, n_requests: int) -> dict[str, Any]:
     return {"unfilled_share": share, "filled_late": not r["underfilled"] and share > LATE_FILL_SHARE}
 
 
-def _result(r: dict, block_bytes: int | None, trace) -> dict[str, Any]:
+def _result(r: dict, block_bytes: int | None, trace, cost) -> dict[str, Any]:
     n_requests = trace.n_requests
     out = dict(r)
+    # Hits worth loading (all hits without a cost model): what the advice counts as gains.
+    gain = gains.sweep_gain(r, cost)
+    out.update(gain_tokens=gain["gain_tokens"], gain_rate=gain["gain_rate"])
+    del out["hit_histogram"]
     out["all_block_hit_rate"] = _rate(r["all_hit_blocks"], trace.n_refs)
     out["hit_rate"] = _rate(r["hit_tokens"], r["total_tokens"])
     out["block_hit_rate"] = _rate(r["hit_blocks"], r["total_blocks"])
@@ -268,7 +279,7 @@ def _result(r: dict, block_bytes: int | None, trace) -> dict[str, Any]:
     return out
 
 
-def _questions(data, trace, analysis, model, bs, results, admission_results, best_policy, opts) -> dict[str, Any]:
+def _questions(trace, analysis, model, cost, results, admission_results, best_policy) -> dict[str, Any]:
     total_tokens = trace.total_tokens
     tops = []
     for p in analysis["top_prefixes"]:
@@ -283,28 +294,8 @@ def _questions(data, trace, analysis, model, bs, results, admission_results, bes
     times = analysis["reuse_time_s"]
     dists = analysis["reuse_distance"]
     transfer = None
-    if model:
-        block_bytes = model.bytes_per_token * bs
-        recompute = bs / opts.prefill_tps
-        links = [
-            ("cpu", opts.pcie_gbps * 1e9),
-            ("disk", 1 / (1 / (opts.disk_gbps * 1e9) + 1 / (opts.pcie_gbps * 1e9))),
-        ]
-        transfer = {
-            "bytes_per_token": model.bytes_per_token,
-            "block_bytes": block_bytes,
-            "recompute_s_per_block": recompute,
-            "tiers": [
-                {
-                    "name": name,
-                    "effective_bytes_per_s": bw,
-                    "load_s_per_block": block_bytes / bw,
-                    "worth_loading": block_bytes / bw < recompute,
-                    "load_to_recompute": (block_bytes / bw) / recompute,
-                }
-                for name, bw in links
-            ],
-        }
+    if cost is not None:
+        transfer = {"bytes_per_token": model.bytes_per_token, **gains.transfer(cost)}
     threshold_effect = []
     by_key = {(r["policy"], r["capacity_blocks"]): r for r in results}
     for r in admission_results:
@@ -316,6 +307,8 @@ def _questions(data, trace, analysis, model, bs, results, admission_results, bes
                 "admission": r["admission"],
                 "hit_rate": r["hit_rate"],
                 "hit_rate_always": base["hit_rate"] if base else None,
+                "gain_rate": r["gain_rate"],
+                "gain_rate_always": base["gain_rate"] if base else None,
                 "insertions": r["insertions"],
                 "insertions_always": base["insertions"] if base else None,
                 "underfilled": r["underfilled"],
@@ -340,42 +333,3 @@ def _questions(data, trace, analysis, model, bs, results, admission_results, bes
             "threshold_effect": threshold_effect,
         },
     }
-
-
-def _cost(mt: dict, model: ModelBytes | None, bs: int, opts: PlanOptions) -> dict[str, Any]:
-    served = {t["name"]: t["served_tokens"] for t in mt["tiers"]}
-    n = mt["measured_requests"] or 1
-    gpu = served.get("gpu", 0)
-    cpu = served.get("cpu", 0)
-    disk = served.get("disk", 0)
-    tps = opts.prefill_tps
-    out: dict[str, Any] = {
-        "prefill_tokens_per_s": tps,
-        "pcie_gbps": opts.pcie_gbps,
-        "disk_gbps": opts.disk_gbps,
-        "total_tokens": mt["total_tokens"],
-        "gpu_hit_tokens": gpu,
-        "cpu_promoted_tokens": cpu,
-        "disk_promoted_tokens": disk,
-        "miss_tokens": mt["miss_tokens"],
-        "prefill_tokens_saved_by_lower_tiers": cpu + disk,
-        "prefill_compute_saved_s": (cpu + disk) / tps,
-        "prefill_compute_saved_share": (cpu + disk) / mt["total_tokens"] if mt["total_tokens"] else 0.0,
-    }
-    if model:
-        bpt = model.bytes_per_token
-        load_s = cpu * bpt / (opts.pcie_gbps * 1e9) + disk * bpt * (
-            1 / (opts.disk_gbps * 1e9) + 1 / (opts.pcie_gbps * 1e9)
-        )
-        ttft_gpu_only = (mt["total_tokens"] - gpu) / tps / n
-        ttft_tiered = (mt["miss_tokens"] / tps + load_s) / n
-        out.update(
-            {
-                "transfer_bytes": (cpu + disk) * bpt,
-                "transfer_s": load_s,
-                "mean_ttft_gpu_only_s": ttft_gpu_only,
-                "mean_ttft_tiered_s": ttft_tiered,
-                "mean_ttft_change_s": ttft_tiered - ttft_gpu_only,
-            }
-        )
-    return out

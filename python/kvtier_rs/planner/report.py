@@ -66,6 +66,14 @@ def render_table(rep: dict[str, Any]) -> str:
         b = fmt_bytes(row["capacity_bytes"]) if row and row["capacity_bytes"] else "-"
         lines.append(f"{c:>10} {b:>10} " + " ".join(f"{_rate(by[(p, c)]):>8}" for p in policies))
     lines.append(f"{'ceiling':>10} {'inf':>10} {_pct(rep['ceiling']['hit_rate']):>7}")
+    rows = [*rep["results"], rep["ceiling"]]
+    if rep["cost_weighted"] and any(r["gain_tokens"] != r["hit_tokens"] for r in rows):
+        # Only when the cost model set some hits aside: the advice goes by these.
+        lines.append("Hits worth loading (a request's load beats recomputing it), share of tokens:")
+        lines.append(head)
+        for c in caps:
+            lines.append(f"{c:>10} {'':>10} " + " ".join(f"{_pct(by[(p, c)]['gain_rate']):>7} " for p in policies))
+        lines.append(f"{'ceiling':>10} {'inf':>10} {_pct(rep['ceiling']['gain_rate']):>7}")
     q = rep["questions"]
     lines.append("")
     lines.append("1. Which prefixes are shared?")
@@ -128,11 +136,14 @@ def render_table(rep: dict[str, Any]) -> str:
         total = mt["total_tokens"] or 1
         for x in mt["tiers"]:
             what = "GPU hits" if x["name"] == "gpu" else f"{x['name'].upper()} promotions"
+            worth = ""
+            if x["saved_tokens"] != x["served_tokens"]:
+                worth = f" ({x['saved_tokens'] / total:.1%} worth loading)"
             lines.append(
                 f"   {x['name']:>4} {x['capacity_blocks']:>10} blocks {x['policy']:>7} admit "
                 f"{x['admission']:<8} "
                 f"{what}: {x['served_tokens'] / total:6.1%} of "
-                f"tokens{_fill_note(x)}"
+                f"tokens{worth}{_fill_note(x)}"
             )
         lines.append(f"   misses: {mt['miss_tokens'] / total:6.1%} of tokens")
     if rep["cost"]:
@@ -142,6 +153,11 @@ def render_table(rep: dict[str, Any]) -> str:
             f"({c['prefill_compute_saved_share']:.1%} of tokens) "
             f"at {c['prefill_tokens_per_s']:.0f} tokens/s"
         )
+        if c["not_worth_loading_tokens"]:
+            lines.append(
+                f"   promotions not worth loading (recomputed, as the orchestrator would): "
+                f"{c['not_worth_loading_tokens'] / (c['total_tokens'] or 1):.1%} of tokens"
+            )
         if "mean_ttft_change_s" in c:
             lines.append(
                 f"   mean TTFT estimate: {c['mean_ttft_gpu_only_s'] * 1e3:.0f} ms GPU-only -> "
