@@ -422,3 +422,33 @@ def test_sweep_gains_weigh_each_request_load_as_the_orchestrator_does(tmp_path, 
         assert (row["gain_tokens"], row["gain_rate"]) == (gain, gain / row["total_tokens"])
     knee = rep["recommendation"]["knee"]
     assert knee["gain_rate"] >= 0.9 * rep["ceiling"]["gain_rate"]
+
+
+def test_the_verdict_judges_the_tiers_asked_for_cpu_and_disk(tmp_path, capsys):
+    """30 four-block prompts, sent three times round-robin: a block comes back 120 blocks
+    later. A 1-block CPU tier alone saves nothing, so tiering as asked does not pay, whatever
+    the sweep's knee (120 blocks) says; with a 2000-block disk tier behind it (admitting on
+    the second use) the third round hits on disk, and the verdict must count the disk tier."""
+    recs = [
+        {"timestamp": r * 30 + i, "input_length": 2048, "hash_ids": [i * 10 + k for k in range(1, 5)]}
+        for r in range(3)
+        for i in range(30)
+    ]
+    p = tmp_path / "rounds.jsonl"
+    p.write_text("".join(json.dumps(x) + "\n" for x in recs))
+    common = [str(p), "--policies", "lru", "--capacities", "30,120,240", "--bytes-per-token", "131072"]
+    rec = plan_json(capsys, *common, "--cpu", "1blocks")["recommendation"]
+    assert rec["verdict"] == "no_tiering", rec["summary"]
+    assert rec["summary"].startswith("Tiering will not pay with the tiers asked for: together they save only 0.0%")
+    assert rec["knee"]["capacity_blocks"] == 120  # the sizing advice stays, among the reasons
+    both = plan_json(capsys, *common, "--cpu", "1blocks", "--disk", "2000blocks")
+    rec, mt = both["recommendation"], both["tiers"]
+    saved = {t["name"]: t["saved_tokens"] / mt["total_tokens"] for t in mt["tiers"]}
+    assert rec["verdict"] == "tier" and saved == {"cpu": 0.0, "disk": pytest.approx(2 / 3)}
+    assert rec["summary"].startswith(f"Tier it as asked: the tiers save {saved['disk']:.1%} of prefill tokens")
+    assert f"the DISK tier of 2000 blocks saves {saved['disk']:.1%} of tokens" in rec["summary"]
+    assert "the CPU tier of 1 blocks saves 0.0% of tokens" in rec["summary"]
+    # Only a GPU cache given: no lower tier to judge, so not "they add 0%" but the knee over it.
+    rec = plan_json(capsys, *common, "--gpu", "1blocks")["recommendation"]
+    assert rec["verdict"] == "tier", rec["summary"]
+    assert "a CPU tier of 120 blocks" in rec["summary"] and "to the GPU cache's 0.0%" in rec["summary"]

@@ -57,6 +57,10 @@ Replay semantics:
     tenth of the infinite cache's. With none in the sweep (the curve still rising, or flat
     below the ceiling, at the largest capacity) no size is recommended and the report asks for
     larger --capacities; a knee at the smallest swept capacity may lie below it.
+  - The verdict: with --cpu (and --disk) it judges the tiers asked for, from their multi-tier
+    replay: they pay when their promotions worth loading save 2% of the tokens (over what the
+    --gpu cache hits); the knee and admission advice follow as reasons. Without them it judges
+    a CPU tier at the knee (less what the --gpu cache alone hits, if given).
   - Cost model: the live orchestrator's (kvtier_rs.orchestrator.cost.CostModel). Loading n
     blocks from a tier as one job costs a fixed latency per hop plus bytes / bandwidth per hop
     (disk: disk then PCIe), recomputing them n x block_size / --prefill-tps; a request's hits

@@ -202,33 +202,79 @@ def recommend(report: dict, opts: PlanOptions) -> dict[str, Any]:
                         f"cuts tier writes by {saved:.0%}"
                     )
                     break
-    gpu_tier = report["tiers"] and next((t for t in report["tiers"]["tiers"] if t["name"] == "gpu"), None)
-    if gpu_tier:
-        total = report["tiers"]["total_tokens"] or 1
-        gpu_rate = gpu_tier["served_tokens"] / total
-        # Promotions count only where loading them beats recomputing them (`saved_tokens`).
-        lower = sum(t["saved_tokens"] for t in report["tiers"]["tiers"] if t["name"] != "gpu") / total
-        if lower < MIN_GAIN:
-            rec["verdict"] = "no_tiering"
-            rec["summary"] = (
-                f"Tiering will not pay: the GPU prefix cache alone hits {gpu_rate:.1%} of tokens "
-                "and the CPU/disk tiers "
-                f"would add only {lower:.1%}."
-            )
-            rec["reasons"] = reasons
-            return rec
-        tier_policy = gpu_tier["policy"]
-        replayed = "" if tier_policy == best else f" (tiers replayed with --tier-policy {tier_policy})"
-        reasons.append(
-            f"GPU alone hits {gpu_rate:.1%}; the lower tiers add {lower:.1%} of tokens as promotions worth "
-            f"loading{replayed}"
-        )
     rec["reasons"] = reasons
+    asked = report["tiers"]
+    if asked and any(t["name"] != "gpu" for t in asked["tiers"]):
+        return _judge_asked(rec, asked, report["cost"], best)
     if no_knee_summary is not None:
         rec["summary"] = no_knee_summary
         return rec
+    if asked:  # a GPU prefix cache only: a CPU tier pays only for what it adds to it
+        return _judge_knee_over_gpu(rec, knee, asked)
     size = f"{rec['capacity_blocks']} blocks"
     if rec["capacity_bytes"]:
         size += f" ({fmt_bytes(rec['capacity_bytes'])})"
     rec["summary"] = f"Tier it: a CPU tier of {size} with policy {best} and admission {rec['admission']}."
+    return rec
+
+
+def _tier_name(t: dict) -> str:
+    return "GPU cache" if t["name"] == "gpu" else f"{t['name'].upper()} tier"
+
+
+def _judge_asked(rec: dict, mt: dict, cost: dict, policy: str) -> dict:
+    """The verdict on the tiers asked for (--cpu, with --disk and --gpu if given), from their
+    multi-tier replay: they pay when their promotions worth loading save MIN_GAIN of the
+    tokens. The knee and admission advice stay as reasons (sizing)."""
+    total = mt["total_tokens"] or 1
+    lower = [t for t in mt["tiers"] if t["name"] != "gpu"]
+    gpu = next((t for t in mt["tiers"] if t["name"] == "gpu"), None)
+    added = sum(t["saved_tokens"] for t in lower) / total
+    parts = []
+    for t in lower:
+        share = f"{t['saved_tokens'] / total:.1%} of tokens"
+        if t["saved_tokens"] != t["served_tokens"]:
+            share += f" (of {t['served_tokens'] / total:.1%} promoted; the rest is not worth loading)"
+        parts.append(f"the {_tier_name(t)} of {t['capacity_blocks']} blocks saves {share}")
+    config = "; ".join(parts)
+    tier_policy = lower[0]["policy"]
+    if tier_policy != policy:
+        config += f" (replayed with --tier-policy {tier_policy})"
+    base = f" over the GPU cache's {gpu['served_tokens'] / total:.1%}" if gpu else ""
+    extra = [] if gpu else ["no --gpu: every hit of the CPU tier counts as a promotion (no GPU prefix cache in front)"]
+    if added < MIN_GAIN:
+        rec["verdict"] = "no_tiering"
+        rec["summary"] = (
+            f"Tiering will not pay with the tiers asked for: together they save only {added:.1%} of prefill "
+            f"tokens{base} ({config})."
+        )
+    else:
+        rec["verdict"] = "tier"
+        ttft = ""
+        if "mean_ttft_change_s" in cost:
+            ttft = f", mean TTFT {cost['mean_ttft_change_s'] * 1e3:+.0f} ms"
+        rec["summary"] = f"Tier it as asked: the tiers save {added:.1%} of prefill tokens{base}{ttft} ({config})."
+    rec["reasons"] = extra + rec["reasons"]
+    return rec
+
+
+def _judge_knee_over_gpu(rec: dict, knee: dict, mt: dict) -> dict:
+    """Only a GPU prefix cache was given: a CPU tier at the knee would add about its gain less
+    what the GPU cache already hits (tiers are inclusive); no CPU tier was replayed."""
+    gpu = mt["tiers"][0]
+    gpu_rate = gpu["served_tokens"] / (mt["total_tokens"] or 1)
+    added = (knee["gain_rate"] or 0.0) - gpu_rate
+    if added < MIN_GAIN:
+        rec["verdict"] = "no_tiering"
+        rec["summary"] = (
+            f"Tiering will not pay: the GPU prefix cache alone ({gpu['capacity_blocks']} blocks) hits "
+            f"{gpu_rate:.1%} of tokens, and a CPU tier of {knee['capacity_blocks']} blocks (the knee) would add "
+            f"about {max(added, 0.0):.1%}."
+        )
+    else:
+        rec["summary"] = (
+            f"Tier it: a CPU tier of {knee['capacity_blocks']} blocks with policy {rec['policy']} and admission "
+            f"{rec['admission']} would add about {added:.1%} of tokens to the GPU cache's {gpu_rate:.1%}."
+        )
+    rec["reasons"].append("give --cpu (and --disk) to replay that configuration exactly")
     return rec
