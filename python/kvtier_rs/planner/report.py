@@ -125,7 +125,7 @@ def render_table(rep: dict[str, Any]) -> str:
     for e in ad["threshold_effect"]:
         lines.append(
             f"   {e['policy']} @ {e['capacity_blocks']} blocks, admit {e['admission']}: hit rate "
-            f"{_rate(e)}"
+            f"{_rate(e).rstrip()} "
             f"(always: {_pct(e['hit_rate_always'])}), writes {e['insertions']} (always: "
             f"{e['insertions_always']})"
         )
