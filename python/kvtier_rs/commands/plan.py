@@ -72,7 +72,8 @@ Replay semantics:
 
 Output: --format table (default) or json (schema "kvtier.plan/1": "results" holds one entry per
 (policy, capacity): policy, capacity_blocks, hit_rate, hit_tokens, total_tokens, hit_blocks,
-total_blocks, underfilled, ...; "ceiling" has the same fields; see the README for the rest).
+total_blocks, gain_rate, all_block_hit_rate, underfilled, filled_late, ...; "ceiling" has the
+same fields; "bounds" says which rate opt and the ceiling bound; see the README for the rest).
 --plot DIR writes miss_ratio_curves.png, reuse_time_histogram.png, reuse_distance_histogram.png.
 """
 

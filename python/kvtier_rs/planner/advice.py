@@ -23,14 +23,14 @@ MIN_GAIN = 0.02
 ADMISSION_SLACK = 0.005
 
 
-def choose_policy(results: list[dict], ceiling_rate: float) -> str | None:
+def choose_policy(results: list[dict], ceiling_gain: float) -> str | None:
     """The one online policy the whole plan uses: the admission sweep, the tier replay (unless
     --tier-policy), the sizing and the verdict, so every figure quoted for it is the same row of
     the sweep. It is the policy that reaches the knee with the least capacity (then the higher
     gain there); with no knee, the one with the most gain."""
     knees = {}
     for pol in dict.fromkeys(r["policy"] for r in results if r["policy"] != "opt"):
-        k = find_knee(results, pol, ceiling_rate)
+        k = find_knee(results, pol, ceiling_gain)
         if k is not None:
             knees[pol] = k
     if knees:
@@ -58,10 +58,10 @@ def _rows(results: list[dict], policy: str) -> list[dict]:
 def find_knee(results: list[dict], policy: str, ceiling_gain: float) -> dict | None:
     """The knee of `policy`'s miss-ratio curve: the smallest swept capacity whose gain rate is
     within a tenth of the ceiling's (KNEE_SHARE), so that no capacity at all could win more
-    than another tenth of the reuse worth loading. None when no swept capacity gets there: the curve is still
-    rising, or flat below the ceiling, at the largest one, and its knee lies beyond the sweep
-    (never the largest swept capacity by default). A knee at the smallest swept capacity is
-    only a bound: the curve may have bent below it."""
+    than another tenth of the reuse worth loading. None when no swept capacity gets there: the
+    curve is still rising, or flat below the ceiling, at the largest one, and its knee lies
+    beyond the sweep (never the largest swept capacity by default). A knee at the smallest
+    swept capacity is only a bound: the curve may have bent below it."""
     for r in _rows(results, policy):
         if r["gain_rate"] is not None and r["gain_rate"] >= KNEE_SHARE * ceiling_gain:
             return r
