@@ -452,3 +452,16 @@ def test_the_verdict_judges_the_tiers_asked_for_cpu_and_disk(tmp_path, capsys):
     rec = plan_json(capsys, *common, "--gpu", "1blocks")["recommendation"]
     assert rec["verdict"] == "tier", rec["summary"]
     assert "a CPU tier of 120 blocks" in rec["summary"] and "to the GPU cache's 0.0%" in rec["summary"]
+
+
+@pytest.mark.parametrize("policy", ["fifo", "lru", "arc", "priority", "s3fifo"])
+def test_a_policy_gets_the_same_numbers_from_the_sweep_and_the_tier_replay(tmp_path, capsys, policy):
+    """A lone CPU tier is the sweep's single cache: the two paths (the sweep, with its indexed
+    FIFO, and the tier replay, with the core's policies) must agree on every figure, hits and
+    gains alike."""
+    args = ["--policies", policy, "--tier-policy", policy, "--capacities", "300", "--cpu", "300blocks"]
+    rep = plan_json(capsys, str(_knee_trace(tmp_path)), *args, "--bytes-per-token", "131072")
+    (row,) = rep["results"]
+    (cpu,) = rep["tiers"]["tiers"]
+    assert (cpu["served_tokens"], cpu["saved_tokens"]) == (row["hit_tokens"], row["gain_tokens"])
+    assert (cpu["underfilled"], cpu["filled_late"]) == (row["underfilled"], row["filled_late"])
