@@ -70,7 +70,7 @@ class Cache:
         self.parent: dict = {}
         self.kids: dict = {}
         self.uses: dict = {}
-        self.ever_full = False
+        self.filled_at = None  # the request whose placement first filled the cache
         self.insertions = 0
         self.evictions = 0
         if policy == "opt":
@@ -123,8 +123,8 @@ class Cache:
                     self.parent[k] = keys[end - 1]
                     self.kids[keys[end - 1]] = self.kids.get(keys[end - 1], 0) + 1
             end += 1
-        if len(self.cached) >= self.capacity:
-            self.ever_full = True
+        if len(self.cached) >= self.capacity and self.filled_at is None:
+            self.filled_at = r
         if self.policy_name == "opt":
             for i, k in enumerate(keys):
                 if k in self.cached:
@@ -156,20 +156,25 @@ def replay(requests, block_size, policy, capacity, *, warmup=0.5, mode="tree", a
     cap = float("inf") if policy == "ceiling" else capacity
     cache = Cache(policy, cap, mode, 1 if policy == "ceiling" else admit_after, requests)
     first = int(len(requests) * warmup)
-    out = {"hit_tokens": 0, "total_tokens": 0, "hit_blocks": 0, "total_blocks": 0}
-    full_before = False
+    out = {"hit_tokens": 0, "total_tokens": 0, "hit_blocks": 0, "total_blocks": 0, "all_hit_blocks": 0}
+    by_hits: dict = {}  # hit blocks -> (measured requests, their hit tokens)
     for r, (keys, n_in) in enumerate(requests):
-        if r == first:
-            full_before = cache.ever_full
         hits = cache.step(r, keys, n_in)
+        out["all_hit_blocks"] += hits
         if r >= first:
+            tokens = sum(block_tokens(n_in, i, block_size) for i in range(hits))
             out["total_tokens"] += n_in
             out["total_blocks"] += len(keys)
             out["hit_blocks"] += hits
-            out["hit_tokens"] += sum(block_tokens(n_in, i, block_size) for i in range(hits))
-    bounded = policy != "ceiling"
-    out["underfilled"] = bounded and (not cache.ever_full if first == 0 else not full_before)
+            out["hit_tokens"] += tokens
+            if hits:
+                reqs, toks = by_hits.get(hits, (0, 0))
+                by_hits[hits] = (reqs + 1, toks + tokens)
+    # Underfilled: never full during the whole replay (the ceiling never is, and is not flagged).
+    out["underfilled"] = policy != "ceiling" and cache.filled_at is None
+    out["filled_at_request"] = cache.filled_at
     out["insertions"], out["evictions"] = cache.insertions, cache.evictions
+    out["hit_histogram"] = [(n, *by_hits[n]) for n in sorted(by_hits)]
     return out
 
 

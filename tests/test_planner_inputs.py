@@ -390,3 +390,116 @@ def test_model_config_that_is_a_directory(tmp_path, capsys):
     trace.write_bytes(REC)
     err = plan_fails(capsys, str(trace), "--model-config", str(tmp_path))
     assert f"--model-config: {tmp_path}: cannot read: Is a directory" in err
+
+
+GOOD = [json.dumps(r) for r in MOON]
+
+
+@pytest.mark.parametrize(
+    "first,reason",
+    [
+        ("{not json", "not valid JSON"),
+        ('{"timestamp": 0, "input_length": 1000, "hash_ids": [0, 1]', "not valid JSON"),  # truncated
+        ('{"timestamp": 0, "input_length": 1000}', "field 'hash_ids': missing"),
+        ('{"timestamp": 0}', "field 'input_length': missing"),
+        ("42", "expected a JSON object"),
+        (b"\xff\xfe garbage", "not valid UTF-8"),
+    ],
+)
+def test_skip_bad_skips_a_bad_first_line_too(tmp_path, capsys, first, reason):
+    p = tmp_path / "first_bad.jsonl"
+    p.write_bytes((first if isinstance(first, bytes) else first.encode()) + b"\n" + "\n".join(GOOD).encode() + b"\n")
+    # Without --skip-bad: the first line is reported as a bad record (file, line 1, what is wrong).
+    with pytest.raises(TraceError) as e:
+        read_trace(p)
+    assert e.value.where == "1" and reason in str(e.value)
+    d = read_trace(p, skip_bad=True)
+    assert (d.format, d.n_requests, d.skipped) == ("mooncake", 2, 1)
+    assert d.skipped_examples[0].startswith(f"{p}:1: ") and reason in d.skipped_examples[0]
+    args = ["plan", str(p), "--skip-bad", "--warmup", "0", "--capacities", "1", "--format", "json", "--no-progress"]
+    assert main(args) == 0
+    trace = json.loads(capsys.readouterr().out)["trace"]
+    assert (trace["format"], trace["requests"], trace["skipped_records"]) == ("mooncake", 2, 1)
+
+
+def test_skip_bad_skips_several_bad_lines_before_the_first_good_one(tmp_path):
+    p = write_lines(tmp_path / "t.jsonl", ["{oops", "", "[1, 2", '{"timestamp": 0}', *GOOD, "{bad again"])
+    d = read_trace(p, skip_bad=True)
+    assert (d.n_requests, d.skipped) == (2, 4)
+    assert [x.split(": ")[0] for x in d.skipped_examples] == [f"{p}:{n}" for n in (1, 3, 4, 7)]
+
+
+def test_a_trace_with_no_usable_line_is_one_clear_error(tmp_path, capsys):
+    p = write_lines(tmp_path / "junk.jsonl", ["{oops", '{"timestamp": 0, "input_length": -1, "hash_ids": []}'])
+    err = plan_fails(capsys, str(p), "--skip-bad")
+    assert "no usable requests" in err and "skipped 2 bad records" in err
+    junk = write_lines(tmp_path / "junk2.jsonl", ["{oops", "{nope"])
+    err = plan_fails(capsys, str(junk), "--skip-bad")
+    assert f"{junk}:1: not valid JSON" in err
+
+
+def test_skip_bad_skips_bad_lines_of_a_conversation_per_line_tester_file(tmp_path):
+    conv = {"block_size": 4, "requests": [{"t": 0, "in": 9, "hash_ids": [1, 2]}, {"t": 1, "in": 5, "hash_ids": [1]}]}
+    p = write_lines(tmp_path / "convs.jsonl", ["{broken", conv, {**conv, "requests": conv["requests"][:1]}])
+    with pytest.raises(TraceError, match=r"convs.jsonl:1: not valid JSON"):
+        read_trace(p)
+    d = read_trace(p, skip_bad=True)
+    assert (d.format, d.n_requests, d.skipped) == ("kvcache-tester", 3, 1)
+
+
+def test_a_broken_pretty_printed_document_names_the_line_where_it_breaks(tmp_path):
+    p = tmp_path / "doc.json"
+    text = json.dumps({"block_size": 4, "requests": [{"t": 0, "in": 9, "hash_ids": [1, 2]}]}, indent=2)
+    p.write_text(text.replace('"in": 9', '"in" 9'))
+    line = next(i for i, s in enumerate(p.read_text().splitlines(), 1) if '"in" 9' in s)
+    for skip in (False, True):  # one document: nothing in it can be skipped
+        with pytest.raises(TraceError, match=rf"doc.json:{line}: not valid JSON"):
+            read_trace(p, skip_bad=skip)
+
+
+def _moon(ts: float) -> dict:
+    return {"timestamp": ts, "input_length": 1000, "hash_ids": [0, 1]}
+
+
+def test_a_timestamp_going_backwards_is_a_bad_record(tmp_path, capsys):
+    """Requests replay in file order, and reuse times are differences of timestamps: a record
+    earlier than the one before it is refused like any bad record, naming its line, or skipped
+    and counted with --skip-bad (later records compare with the last one kept)."""
+    p = write_lines(tmp_path / "back.jsonl", [_moon(5000), _moon(5000), _moon(1000), _moon(7000), _moon(6000)])
+    with pytest.raises(TraceError) as e:
+        read_trace(p)
+    assert (e.value.where, e.value.field) == ("3", "timestamp")
+    assert "1000 is earlier than 5000 on line 2" in str(e.value)
+    d = read_trace(p, skip_bad=True)
+    assert (list(d.timestamps_s), d.skipped) == ([5.0, 5.0, 7.0], 2)
+    assert "back.jsonl:5: field 'timestamp': 6000 is earlier than 7000 on line 4" in d.skipped_examples[1]
+    err = plan_fails(capsys, str(p))
+    assert "back.jsonl:3: field 'timestamp'" in err
+    args = ["plan", str(p), "--skip-bad", "--warmup", "0", "--capacities", "1", "--format", "json", "--no-progress"]
+    assert main(args) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["trace"]["skipped_records"] == 2
+    # Two reuses at 0 s (5.0 -> 5.0) and two at 2 s (5.0 -> 7.0), none negative or clamped.
+    assert (rep["questions"]["reuse"]["time_s"]["count"], rep["questions"]["reuse"]["time_s"]["mean"]) == (4, 1.0)
+
+
+def test_backwards_timestamps_in_tokens_and_tester_traces(tmp_path):
+    tok = write_lines(
+        tmp_path / "tok.jsonl", [{"timestamp": 2, "token_ids": [1] * 20}, {"timestamp": 1, "token_ids": [1]}]
+    )
+    with pytest.raises(TraceError, match=r"tok.jsonl:2: field 'timestamp': 1 is earlier than 2 on line 1"):
+        read_trace(tok, block_size=16)
+    conv = {"block_size": 4, "requests": [{"t": 3, "in": 4, "hash_ids": [1]}, {"t": 2, "in": 4, "hash_ids": [1]}]}
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps(conv))
+    with pytest.raises(TraceError, match=r"requests\[1\]: field 't': 2 is earlier than 3 in requests\[0\]"):
+        read_trace(p)
+    assert read_trace(p, skip_bad=True).skipped == 1
+    # Conversations side by side: each must keep its own order; the merge interleaves them by time.
+    other = {"block_size": 4, "requests": [{"t": 1, "in": 4, "hash_ids": [7]}, {"t": 5, "in": 4, "hash_ids": [7]}]}
+    many = tmp_path / "many.json"
+    many.write_text(json.dumps([other, {**conv, "requests": conv["requests"][:1]}]))
+    assert list(read_trace(many).timestamps_s) == [1.0, 3.0, 5.0]
+    many.write_text(json.dumps([other, conv]))
+    with pytest.raises(TraceError, match=r"conversation 1: requests\[1\]: field 't': 2 is earlier than 3"):
+        read_trace(many)

@@ -305,8 +305,11 @@ def replay_sweep(
 ) -> list[dict[str, Any]]:
     """Replay (policy, capacity_blocks, admission) jobs; policies fifo, lru, arc, priority,
     s3fifo, opt, ceiling. Each dict: policy, capacity_blocks (None for ceiling), admission,
-    hit_tokens, total_tokens, hit_blocks, total_blocks, measured_requests, insertions,
-    evictions, peak_resident, underfilled."""
+    hit_tokens, total_tokens, hit_blocks, total_blocks, measured_requests, all_hit_blocks
+    (hit blocks over the whole replay, warm-up included: what opt bounds), insertions,
+    evictions, peak_resident, underfilled (never full during the replay), filled_at_request
+    (the request that first filled the cache, or None), hit_histogram ((hit blocks, measured
+    requests, their hit tokens) for each count > 0)."""
 
 def replay_tiers(
     trace: ReplayTrace,
@@ -315,4 +318,7 @@ def replay_tiers(
     warmup: float = 0.5,
     mode: str = "tree",
 ) -> dict[str, Any]:
-    """Inclusive write-through tiers (name, capacity_blocks, policy, admission), fastest first."""
+    """Inclusive write-through tiers (name, capacity_blocks, policy, admission), fastest first.
+    The dict: tiers (per tier: served_tokens, served_blocks, insertions, evictions, underfilled,
+    filled_at_request, ...), miss_tokens, miss_blocks, total_tokens, total_blocks,
+    measured_requests, served_histogram ((blocks per tier, measured requests, tokens per tier))."""

@@ -42,7 +42,8 @@ pub struct ReplayTrace {
 #[pymethods]
 impl ReplayTrace {
     /// `offsets`: requests + 1 cumulative block counts; `keys`: every request's block ids
-    /// (unsigned 64-bit) concatenated; `input_tokens` and `timestamps_s`: one per request.
+    /// (unsigned 64-bit) concatenated; `input_tokens` and `timestamps_s`: one per request, the
+    /// timestamps in trace order (never decreasing).
     #[new]
     fn new(
         py: Python<'_>,
@@ -141,10 +142,13 @@ fn stats_dict<'py>(py: Python<'py>, s: &ReplayStats) -> PyResult<Bound<'py, PyDi
     d.set_item("hit_blocks", s.hit_blocks)?;
     d.set_item("total_blocks", s.total_blocks)?;
     d.set_item("measured_requests", s.measured_requests)?;
+    d.set_item("all_hit_blocks", s.all_hit_blocks)?;
     d.set_item("insertions", s.insertions)?;
     d.set_item("evictions", s.evictions)?;
     d.set_item("peak_resident", s.peak_resident)?;
     d.set_item("underfilled", s.underfilled)?;
+    d.set_item("filled_at_request", s.filled_at_request)?;
+    d.set_item("hit_histogram", &s.hit_histogram)?;
     Ok(d)
 }
 
@@ -223,6 +227,7 @@ pub fn replay_tiers<'py>(
         e.set_item("insertions", tr.insertions)?;
         e.set_item("evictions", tr.evictions)?;
         e.set_item("underfilled", tr.underfilled)?;
+        e.set_item("filled_at_request", tr.filled_at_request)?;
         list.append(e)?;
     }
     d.set_item("tiers", list)?;
@@ -231,5 +236,6 @@ pub fn replay_tiers<'py>(
     d.set_item("total_tokens", r.total_tokens)?;
     d.set_item("total_blocks", r.total_blocks)?;
     d.set_item("measured_requests", r.measured_requests)?;
+    d.set_item("served_histogram", &r.served_histogram)?;
     Ok(d)
 }

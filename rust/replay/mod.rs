@@ -80,6 +80,20 @@ impl Trace {
         if let Some((r, t)) = timestamps_s.iter().enumerate().find(|(_, t)| !t.is_finite()) {
             return Err(KvError::invalid("timestamps", format!("request {r}: {t} is not a finite number of seconds")));
         }
+        // Requests replay in trace order and reuse times are differences of timestamps: a
+        // timestamp earlier than the one before it would make them negative.
+        if let Some(r) = (1..n).find(|&r| timestamps_s[r] < timestamps_s[r - 1]) {
+            return Err(KvError::invalid(
+                "timestamps",
+                format!(
+                    "request {r}: {} s is earlier than request {}'s {} s; requests replay in trace order, so \
+                     timestamps must not decrease",
+                    timestamps_s[r],
+                    r - 1,
+                    timestamps_s[r - 1]
+                ),
+            ));
+        }
         // The replays sum tokens in u64 (hit tokens, totals): refuse a trace whose sum would wrap.
         if input_tokens.iter().try_fold(0u64, |sum, &t| sum.checked_add(t)).is_none() {
             return Err(KvError::invalid("input_tokens", "their sum is beyond 2^64"));
@@ -119,8 +133,9 @@ impl Trace {
                 })
             })
             .collect();
-        let timestamps_ns =
-            timestamps_s.iter().map(|&t| if t.is_finite() && t > 0.0 { (t * 1e9) as u64 } else { 0 }).collect();
+        // Nanoseconds since the first request, so negative (but ordered) timestamps work too.
+        let t0 = timestamps_s.first().copied().unwrap_or(0.0);
+        let timestamps_ns = timestamps_s.iter().map(|&t| ((t - t0) * 1e9) as u64).collect();
         Ok(Trace {
             block_size,
             offsets: offsets.into_iter().map(|o| o as u32).collect(),

@@ -8,6 +8,8 @@
 //! held by some tier; each block of it is served by the fastest tier holding it (tier order),
 //! so a block from the CPU tier is a CPU promotion and one from disk a disk promotion.
 
+use std::collections::BTreeMap;
+
 use super::prefix_tree::{Cache, Mode, Online};
 use super::{check_warmup, Trace};
 use crate::admission::AdmissionRule;
@@ -31,7 +33,10 @@ pub struct TierResult {
     /// Blocks written into / evicted from this tier over the whole replay.
     pub insertions: u64,
     pub evictions: u64,
+    /// Never full during the replay; `filled_at_request`: the request that first filled it
+    /// (as in `ReplayStats`).
     pub underfilled: bool,
+    pub filled_at_request: Option<u64>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -42,6 +47,10 @@ pub struct TiersResult {
     pub total_tokens: u64,
     pub total_blocks: u64,
     pub measured_requests: u64,
+    /// Measured requests by how many blocks each tier served them: `(blocks per tier, requests,
+    /// tokens per tier)`, tiers in spec order, ascending by blocks. A request's blocks from one
+    /// tier are loaded as one job, so the planner weighs load against recompute per entry.
+    pub served_histogram: Vec<(Vec<u32>, u64, Vec<u64>)>,
 }
 
 pub fn replay_tiers(trace: &Trace, specs: &[TierSpec], mode: Mode, warmup: f64) -> KvResult<TiersResult> {
@@ -60,22 +69,23 @@ pub fn replay_tiers(trace: &Trace, specs: &[TierSpec], mode: Mode, warmup: f64) 
         ..Default::default()
     };
     let first = trace.warmup_requests(warmup);
-    let mut full_before = vec![false; specs.len()];
+    let mut histogram: BTreeMap<Vec<u32>, (u64, Vec<u64>)> = BTreeMap::new();
     for r in 0..trace.n_requests() {
-        if r == first {
-            for (f, c) in full_before.iter_mut().zip(&caches) {
-                *f = c.ever_full();
-            }
-        }
         if r >= first {
             let keys = trace.request(r);
             let mut served = 0;
+            let (mut blocks, mut tokens) = (vec![0u32; specs.len()], vec![0u64; specs.len()]);
             for (i, &k) in keys.iter().enumerate() {
                 let Some(t) = caches.iter().position(|c| c.is_resident(k)) else { break };
                 out.tiers[t].served_tokens += trace.block_tokens(r, i);
                 out.tiers[t].served_blocks += 1;
+                blocks[t] += 1;
+                tokens[t] += trace.block_tokens(r, i);
                 served += 1;
             }
+            let e = histogram.entry(blocks).or_insert_with(|| (0, vec![0; specs.len()]));
+            e.0 += 1;
+            e.1.iter_mut().zip(&tokens).for_each(|(a, b)| *a += b);
             let served_tokens: u64 = (0..served).map(|i| trace.block_tokens(r, i)).sum();
             out.measured_requests += 1;
             out.total_tokens += trace.input_tokens(r);
@@ -87,10 +97,12 @@ pub fn replay_tiers(trace: &Trace, specs: &[TierSpec], mode: Mode, warmup: f64) 
             cache.step(policy, trace, r);
         }
     }
-    for (i, (t, c)) in out.tiers.iter_mut().zip(&caches).enumerate() {
+    out.served_histogram = histogram.into_iter().map(|(blocks, (reqs, tokens))| (blocks, reqs, tokens)).collect();
+    for (t, c) in out.tiers.iter_mut().zip(&caches) {
         t.insertions = c.insertions;
         t.evictions = c.evictions;
-        t.underfilled = if first == 0 { !c.ever_full() } else { !full_before[i] };
+        t.filled_at_request = c.filled_at();
+        t.underfilled = t.filled_at_request.is_none();
     }
     Ok(out)
 }

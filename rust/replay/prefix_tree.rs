@@ -37,13 +37,24 @@ pub struct ReplayStats {
     pub hit_blocks: u64,
     pub total_blocks: u64,
     pub measured_requests: u64,
-    /// Over the whole replay, warmup included.
+    /// Over the whole replay, warmup included: hit blocks (what Belady's `opt` maximises, and
+    /// so bounds for every policy at the same capacity), insertions, evictions, peak residency.
+    pub all_hit_blocks: u64,
     pub insertions: u64,
     pub evictions: u64,
     pub peak_resident: u64,
-    /// The cache was never full before the measured window began (with no warmup: never full
-    /// at all), so the measured rate says nothing about this capacity under pressure.
+    /// The cache never became full during the whole replay: nothing was ever evicted for lack
+    /// of room, so this capacity holds all the trace offered it (an infinite cache would hit
+    /// the same). Never set for the ceiling.
     pub underfilled: bool,
+    /// The request whose placement first filled the cache (None: never full). Requests up to
+    /// and including it were looked up in a cache not yet full; the planner flags a capacity
+    /// whose cache filled only well into the measured window (its rate is mostly warm-up).
+    pub filled_at_request: Option<u64>,
+    /// Measured requests by their number of hit blocks: `(hit blocks, requests, their hit
+    /// tokens)`, for each count > 0 that occurs, ascending. A request's hits are loaded as one
+    /// job, so the planner weighs load against recompute per entry (see planner/gains.py).
+    pub hit_histogram: Vec<(u32, u64, u64)>,
 }
 
 /// Residency and prefix-tree bookkeeping, indexed by dense key id.
@@ -61,7 +72,8 @@ pub(crate) struct Cache {
     applied: Vec<u32>,
     uses: Vec<u32>,
     admission: AdmissionRule,
-    ever_full: bool,
+    /// The request whose placement first filled the cache.
+    filled_at: Option<u32>,
     pub(crate) insertions: u64,
     pub(crate) evictions: u64,
     pub(crate) peak: usize,
@@ -81,7 +93,7 @@ impl Cache {
             applied: vec![0; n_keys],
             uses: vec![0; n_keys],
             admission,
-            ever_full: false,
+            filled_at: None,
             insertions: 0,
             evictions: 0,
             peak: 0,
@@ -99,8 +111,8 @@ impl Cache {
     pub(crate) fn mode(&self) -> Mode {
         self.mode
     }
-    pub(crate) fn ever_full(&self) -> bool {
-        self.ever_full
+    pub(crate) fn filled_at(&self) -> Option<u64> {
+        self.filled_at.map(u64::from)
     }
 
     /// May `k` be evicted while request `stamp - 1` is served?
@@ -185,8 +197,8 @@ impl Cache {
             }
             end += 1;
         }
-        if self.len >= self.capacity {
-            self.ever_full = true;
+        if self.len >= self.capacity && self.filled_at.is_none() {
+            self.filled_at = Some(r as u32);
         }
         // Tail first, each key once: the head of the chain ends up the most recent.
         for &k in keys[..end].iter().rev() {
@@ -354,18 +366,25 @@ fn run<S: Strategy>(
     const CHUNK: usize = 1024;
     let first = trace.warmup_requests(warmup);
     let mut st = ReplayStats::default();
-    let mut full_before_window = false;
+    // (requests, hit tokens) by hit blocks.
+    let mut by_hits: Vec<(u64, u64)> = Vec::new();
     for r in 0..trace.n_requests() {
-        if r == first {
-            full_before_window = cache.ever_full();
-        }
         let hits = cache.step(strat, trace, r);
+        st.all_hit_blocks += hits as u64;
         if r >= first {
+            let hit_tokens = (0..hits).map(|i| trace.block_tokens(r, i)).sum::<u64>();
             st.measured_requests += 1;
             st.total_tokens += trace.input_tokens(r);
             st.total_blocks += trace.request(r).len() as u64;
             st.hit_blocks += hits as u64;
-            st.hit_tokens += (0..hits).map(|i| trace.block_tokens(r, i)).sum::<u64>();
+            st.hit_tokens += hit_tokens;
+            if hits > 0 {
+                if by_hits.len() <= hits {
+                    by_hits.resize(hits + 1, (0, 0));
+                }
+                by_hits[hits].0 += 1;
+                by_hits[hits].1 += hit_tokens;
+            }
         }
         if let Some(p) = progress {
             if (r + 1) % CHUNK == 0 {
@@ -379,6 +398,9 @@ fn run<S: Strategy>(
     st.insertions = cache.insertions;
     st.evictions = cache.evictions;
     st.peak_resident = cache.peak as u64;
-    st.underfilled = bounded && if first == 0 { !cache.ever_full() } else { !full_before_window };
+    st.hit_histogram =
+        by_hits.iter().enumerate().filter(|(_, e)| e.0 > 0).map(|(n, &(reqs, toks))| (n as u32, reqs, toks)).collect();
+    st.filled_at_request = cache.filled_at();
+    st.underfilled = bounded && st.filled_at_request.is_none();
     st
 }

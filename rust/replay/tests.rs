@@ -119,15 +119,46 @@ fn trace_validation_names_the_field() {
 }
 
 #[test]
+fn timestamps_must_not_decrease_and_may_be_negative() {
+    let e =
+        Trace::new(4, vec![0, 1, 2, 3], vec![1, 1, 1], vec![4, 4, 4], vec![0.0, 3.0, 1.0]).err().unwrap().to_string();
+    assert!(e.contains("timestamps") && e.contains("request 2") && e.contains("earlier than request 1's 3"), "{e}");
+    // Equal timestamps are fine (many Mooncake requests share one); reuse times are differences,
+    // so a trace on a negative clock gives the same ones as on a positive clock.
+    let t = Trace::new(4, vec![0, 1, 2, 3], vec![1, 1, 1], vec![4, 4, 4], vec![-5.0, -5.0, -2.5]).unwrap();
+    assert_eq!(analyze(&t, 1).reuse_time_s, vec![0.0, 2.5]);
+}
+
+#[test]
 fn warmup_excludes_early_requests_and_flags_underfilled() {
     let t = trace_of(&[vec![1], vec![1], vec![2], vec![1]]);
-    let s =
-        replay_one(&t, Replayer::Policy(PolicyKind::Lru), 10, AdmissionRule::Always, Mode::Tree, 0.5, None).unwrap();
+    let lru = |cap| {
+        replay_one(&t, Replayer::Policy(PolicyKind::Lru), cap, AdmissionRule::Always, Mode::Tree, 0.5, None).unwrap()
+    };
+    let s = lru(10);
     assert_eq!((s.measured_requests, s.hit_blocks, s.total_blocks), (2, 1, 2));
     assert!(s.underfilled);
-    let s = replay_one(&t, Replayer::Policy(PolicyKind::Lru), 1, AdmissionRule::Always, Mode::Tree, 0.5, None).unwrap();
+    assert_eq!(s.filled_at_request, None);
+    let s = lru(1);
     assert!(!s.underfilled);
+    assert_eq!(s.filled_at_request, Some(0));
     assert!(replay_one(&t, Replayer::Opt, 1, AdmissionRule::Always, Mode::Tree, 1.0, None).is_err());
+}
+
+#[test]
+fn a_cache_that_fills_inside_the_measured_window_is_not_underfilled() {
+    // Two blocks fill capacity 2 at request 2, inside the measured window (requests 2 and 3):
+    // the cache did fill, so it is not underfilled; when it filled is reported.
+    let t = trace_of(&[vec![1], vec![1], vec![2], vec![1]]);
+    for which in [Replayer::Policy(PolicyKind::Lru), Replayer::Policy(PolicyKind::Fifo), Replayer::Opt] {
+        let s = replay_one(&t, which, 2, AdmissionRule::Always, Mode::Tree, 0.5, None).unwrap();
+        assert!(!s.underfilled, "{which:?}");
+        assert_eq!(s.filled_at_request, Some(2), "{which:?}");
+    }
+    let spec = TierSpec { name: "cpu".into(), capacity: 2, policy: PolicyKind::Lru, admission: AdmissionRule::Always };
+    let m = replay_tiers(&t, &[spec], Mode::Tree, 0.5).unwrap();
+    assert!(!m.tiers[0].underfilled);
+    assert_eq!(m.tiers[0].filled_at_request, Some(2));
 }
 
 #[test]
@@ -137,6 +168,28 @@ fn admission_after_two_uses_keeps_one_hit_blocks_out() {
         .unwrap();
     assert_eq!(s.insertions, 1); // only key 1, on its second use
     assert_eq!(s.hit_blocks, 1); // its third use
+}
+
+#[test]
+fn opt_bounds_block_hits_over_the_whole_replay_not_in_the_measured_window() {
+    // Belady maximises hits over the whole replay: here FIFO and opt both hit 13 blocks in all,
+    // but opt spends one more in the warm-up, so FIFO hits more in the measured window (9 > 8).
+    let t = trace_of(&[
+        vec![2, 7],
+        vec![1, 4],
+        vec![1, 5, 16],
+        vec![1, 4],
+        vec![1],
+        vec![2],
+        vec![1, 5, 16],
+        vec![1, 5],
+        vec![1, 5, 16],
+        vec![2, 8],
+    ]);
+    let measured = |which| replay_one(&t, which, 4, AdmissionRule::Always, Mode::Tree, 0.6, None).unwrap();
+    let (fifo, opt) = (measured(Replayer::Policy(PolicyKind::Fifo)), measured(Replayer::Opt));
+    assert_eq!((fifo.all_hit_blocks, opt.all_hit_blocks), (13, 13));
+    assert_eq!((fifo.hit_blocks, opt.hit_blocks), (9, 8));
 }
 
 #[test]
@@ -175,6 +228,31 @@ fn multitier_serves_each_block_from_the_fastest_holder() {
 }
 
 #[test]
+fn histograms_count_measured_requests_by_blocks_served() {
+    // LRU, capacity 3, no warm-up: r1 hits 1 block (4 tokens), r3 hits 2, r4 hits 1.
+    let t = trace_of(&[vec![1, 2], vec![1, 3], vec![4], vec![1, 3], vec![1, 2]]);
+    let s = run(&t, Replayer::Policy(PolicyKind::Lru), 3, Mode::Tree);
+    assert_eq!(s.hit_histogram, vec![(1, 2, 8), (2, 1, 8)]);
+    let sum: u64 = s.hit_histogram.iter().map(|e| e.2).sum();
+    assert_eq!(sum, s.hit_tokens);
+    // Two tiers: a 1-block GPU tier in front of a 3-block CPU tier. r0 and r2 find nothing;
+    // r1 and r4 find block 1 on the GPU (r2 evicted it there, r3 brought it back) and their
+    // second block nowhere; r3 finds [1, 3] in the CPU tier only.
+    let spec = |name: &str, capacity| TierSpec {
+        name: name.into(),
+        capacity,
+        policy: PolicyKind::Lru,
+        admission: AdmissionRule::Always,
+    };
+    let m = replay_tiers(&t, &[spec("gpu", 1), spec("cpu", 3)], Mode::Tree, 0.0).unwrap();
+    assert_eq!(
+        m.served_histogram,
+        vec![(vec![0, 0], 2, vec![0, 0]), (vec![0, 2], 1, vec![0, 8]), (vec![1, 0], 2, vec![8, 0])]
+    );
+    assert_eq!((m.tiers[0].served_tokens, m.tiers[1].served_tokens), (8, 8));
+}
+
+#[test]
 fn sweep_matches_individual_replays() {
     let t = chained(&(0..200u32).map(|i| ((i * 7 % 13) as u8, (i * 5 % 11) as u8, (i % 6) as u8)).collect::<Vec<_>>());
     let mut jobs = Vec::new();
@@ -210,19 +288,22 @@ fn analysis_reuse_distance_and_shared_prefixes() {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
 
-    /// Belady is optimal in blocks on chained traces; the infinite cache bounds everything;
-    /// a cache that holds every key equals the ceiling.
+    /// Belady is optimal in blocks on chained traces over the whole replay (warm-up included),
+    /// in both modes and against any admission rule; the infinite cache bounds everything; a
+    /// cache that holds every key equals the ceiling.
     #[test]
     fn opt_dominates_and_ceiling_bounds(ops in prop::collection::vec((0u8..255, 0u8..255, 0u8..255), 1..120),
-                                         cap in 1usize..30) {
+                                         cap in 1usize..30, flat in any::<bool>(), uses in 1u32..4) {
         let t = chained(&ops);
-        let ceil = run(&t, Replayer::Ceiling, 0, Mode::Tree);
-        let opt = run(&t, Replayer::Opt, cap, Mode::Tree);
+        let mode = if flat { Mode::Flat } else { Mode::Tree };
+        let adm = if uses == 1 { AdmissionRule::Always } else { AdmissionRule::AfterUses(uses) };
+        let ceil = run(&t, Replayer::Ceiling, 0, mode);
+        let opt = run(&t, Replayer::Opt, cap, mode);
         prop_assert!(opt.hit_blocks <= ceil.hit_blocks);
         for kind in ONLINE {
-            let s = run(&t, Replayer::Policy(kind), cap, Mode::Tree);
-            prop_assert!(s.hit_blocks <= opt.hit_blocks, "{:?} {} > opt {}", kind, s.hit_blocks, opt.hit_blocks);
-            let big = run(&t, Replayer::Policy(kind), t.n_keys(), Mode::Tree);
+            let s = replay_one(&t, Replayer::Policy(kind), cap, adm, mode, 0.5, None).unwrap();
+            prop_assert!(s.all_hit_blocks <= opt.all_hit_blocks, "{:?} {} > opt {}", kind, s.all_hit_blocks, opt.all_hit_blocks);
+            let big = run(&t, Replayer::Policy(kind), t.n_keys(), mode);
             prop_assert_eq!(big.hit_tokens, ceil.hit_tokens);
         }
     }

@@ -22,13 +22,15 @@ Trace formats (--trace-format auto detects; .gz accepted):
   kvcache-tester  kv-cache-tester JSON conversations {"block_size", "requests": [{"t", "in",
                   "out", "hash_ids"}]}; several conversations are merged in time order
   tokens          JSONL {"timestamp" (s), "token_ids": [...]}, hashed here into chained block keys
-A malformed record is an error naming file, line and field; --skip-bad counts and skips it.
+A malformed record is an error naming file, line and field; --skip-bad counts and skips it (the
+first line too: auto-detection then goes by the first good line); no usable line is an error.
 
 Replay semantics:
-  - Requests are replayed in file order. A request's hits are the longest prefix of its blocks
-    that is cached: after the first miss, later blocks are misses even if cached. Hit rate is
-    token-weighted (the last block counts only its real tokens; tokens not covered by any listed
-    block always miss).
+  - Requests are replayed in file order, so timestamps must not decrease: a record earlier than
+    the one before it is a bad record (reuse times are differences of timestamps).
+  - A request's hits are the longest prefix of its blocks that is cached: after the first miss,
+    later blocks are misses even if cached. Hit rate is token-weighted (the last block counts
+    only its real tokens; tokens not covered by any listed block always miss).
   - --warmup F (default 0.5): the first F of the requests warm the cache and are not measured.
   - Prefix-tree mode (default, --mode tree): a block is admitted only if its parent is cached;
     only leaves of the cached prefix tree are evicted; the blocks of the request being served are
@@ -38,21 +40,40 @@ Replay semantics:
     admitted or evicted; hits must still be contiguous).
   - Policies: fifo, lru, arc, priority (no priorities in traces: all blocks at the default level),
     s3fifo (scan-resistant), and opt (Belady: evict the leaf whose next use is farthest; do not
-    admit a block whose next use is later than every evictable leaf's). The ceiling is an
-    infinite cache. Admission "uses:K" admits a block on its K-th use (counted exactly).
-  - A capacity the cache never filled before the measured window is reported as underfilled
-    (no hit rate) instead of a misleading rate.
+    admit a block whose next use is later than every evictable leaf's). opt bounds the block
+    hits of every policy at the same capacity over the whole replay (all_block_hit_rate,
+    warm-up included), not the measured rates: it does not weigh a partial block less, and
+    may spend hits in the warm-up. The ceiling is an infinite cache; it bounds every rate.
+    Admission "uses:K" admits a block on its K-th use (counted exactly).
+  - A capacity whose cache never became full during the replay is flagged underfilled (^ in
+    the table): it holds all it was offered, so its rate is an infinite cache's. One that filled
+    only after 10% of the measured requests is flagged filled_late (*): its rate is partly that
+    of a cache still warming up (no evictions yet) and overstates it; raise --warmup.
   - Multi-tier (--gpu/--cpu/--disk): tiers are inclusive and written through; each is its own
     cache with its own policy and admission; a block is served by the fastest tier holding it,
     counted as a GPU hit, a CPU promotion or a disk promotion; the usable prefix stops at the
     first block no tier holds.
-  - Cost model: loading a block costs bytes / bandwidth (disk: disk then PCIe), recomputing it
-    block_size / --prefill-tps; TTFT estimate = mean over requests of missed tokens / prefill
-    rate + load time (linear prefill, no overlap of loads with compute).
+  - The knee (the recommended size): the smallest swept capacity whose hit rate is within a
+    tenth of the infinite cache's. With none in the sweep (the curve still rising, or flat
+    below the ceiling, at the largest capacity) no size is recommended and the report asks for
+    larger --capacities; a knee at the smallest swept capacity may lie below it.
+  - The verdict: with --cpu (and --disk) it judges the tiers asked for, from their multi-tier
+    replay: they pay when their promotions worth loading save 2% of the tokens (over what the
+    --gpu cache hits); the knee and admission advice follow as reasons. Without them it judges
+    a CPU tier at the knee (less what the --gpu cache alone hits, if given).
+  - Cost model: the live orchestrator's (kvtier_rs.orchestrator.cost.CostModel). Loading n
+    blocks from a tier as one job costs a fixed latency per hop plus bytes / bandwidth per hop
+    (disk: disk then PCIe), recomputing them n x block_size / --prefill-tps; a request's hits
+    from a tier count as gains only when their load beats recomputing them, and a CPU part not
+    worth loading cuts the chain before its disk part, as the orchestrator decides. Sizing, the
+    knee and the verdict go by these gains (without model bytes every hit counts). TTFT
+    estimate = mean over requests of recomputed tokens / prefill rate + load time (linear
+    prefill, no overlap of loads with compute).
 
 Output: --format table (default) or json (schema "kvtier.plan/1": "results" holds one entry per
 (policy, capacity): policy, capacity_blocks, hit_rate, hit_tokens, total_tokens, hit_blocks,
-total_blocks, underfilled, ...; "ceiling" has the same fields; see the README for the rest).
+total_blocks, gain_rate, all_block_hit_rate, underfilled, filled_late, ...; "ceiling" has the
+same fields; "bounds" says which rate opt and the ceiling bound; see the README for the rest).
 --plot DIR writes miss_ratio_curves.png, reuse_time_histogram.png, reuse_distance_histogram.png.
 """
 
@@ -107,7 +128,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     r.add_argument("--mode", choices=["tree", "flat"], default="tree")
     r.add_argument("--admission-thresholds", default="2,3", help="K values of uses:K to evaluate (default 2,3)")
-    r.add_argument("--tier-policy", help="policy of the tiers in the multi-tier replay (default: best online policy)")
+    r.add_argument(
+        "--tier-policy", help="policy of the tiers in the multi-tier replay (default: the policy the plan recommends)"
+    )
     r.add_argument("--cpu-admission", default="always", help="CPU tier admission in the multi-tier replay")
     r.add_argument("--disk-admission", default="uses:2", help="disk tier admission in the multi-tier replay")
     r.add_argument("--threads", type=int, default=0, help="replay threads (default: all cores)")
@@ -128,23 +151,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _thresholds(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise PlanError(f"--admission-thresholds: expected integers like 2,3, got {text!r}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     from kvtier_rs.planner.model import parse_size
     from kvtier_rs.planner.plan import PlanOptions, run_plan
+    from kvtier_rs.planner.plots import check_plot_dir
     from kvtier_rs.planner.report import render_table
 
-    try:
-        thresholds = tuple(int(x) for x in args.admission_thresholds.split(",") if x.strip())
-    except ValueError:
-        raise PlanError(
-            f"--admission-thresholds: expected integers like 2,3, got {args.admission_thresholds!r}"
-        ) from None
-    if any(k < 1 for k in thresholds):
-        raise PlanError("--admission-thresholds: every K must be >= 1")
-    if args.block_size is not None and args.block_size <= 0:
-        raise PlanError(f"--block-size: must be positive, got {args.block_size}")
-    if args.limit is not None and args.limit <= 0:
-        raise PlanError(f"--limit: must be positive, got {args.limit}")
+    if args.plot:
+        check_plot_dir(args.plot)  # before the replay, with the other options (run_plan checks those)
+    thresholds = _thresholds(args.admission_thresholds)
     opts = PlanOptions(
         trace=args.trace,
         trace_format=args.trace_format,

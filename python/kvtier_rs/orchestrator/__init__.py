@@ -1,16 +1,42 @@
-"""The engine-agnostic data path over GPU blocks, the CPU tier and the disk tier."""
+"""The engine-agnostic data path over GPU blocks, the CPU tier and the disk tier.
 
-from kvtier_rs.orchestrator.cost import CostModel
-from kvtier_rs.orchestrator.disk_stager import DiskStager, PromotionDone
-from kvtier_rs.orchestrator.guard import GuardRule, SloGuard
-from kvtier_rs.orchestrator.latency import BUCKETS, LatencyRecorder
-from kvtier_rs.orchestrator.orchestrator import (
-    LoadPlan,
-    LoadResult,
-    OffloadTicket,
-    Reservation,
-    TierOrchestrator,
-)
+Names are imported on first use (PEP 562), so that `kvtier_rs.orchestrator.cost` alone (the
+load-or-recompute rule the planner shares) does not pull in the transfer engines and torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvtier_rs.orchestrator.cost import CostModel
+    from kvtier_rs.orchestrator.disk_stager import DiskStager, PromotionDone
+    from kvtier_rs.orchestrator.guard import GuardRule, SloGuard
+    from kvtier_rs.orchestrator.latency import BUCKETS, LatencyRecorder
+    from kvtier_rs.orchestrator.orchestrator import (
+        LoadPlan,
+        LoadResult,
+        OffloadTicket,
+        Reservation,
+        TierOrchestrator,
+    )
+
+# Each public name and the submodule that defines it.
+_WHERE = {
+    "BUCKETS": "latency",
+    "CostModel": "cost",
+    "DiskStager": "disk_stager",
+    "GuardRule": "guard",
+    "LatencyRecorder": "latency",
+    "LoadPlan": "orchestrator",
+    "LoadResult": "orchestrator",
+    "OffloadTicket": "orchestrator",
+    "PromotionDone": "disk_stager",
+    "Reservation": "orchestrator",
+    "SloGuard": "guard",
+    "TierOrchestrator": "orchestrator",
+}
 
 __all__ = [
     "BUCKETS",
@@ -26,3 +52,12 @@ __all__ = [
     "SloGuard",
     "TierOrchestrator",
 ]
+assert sorted(_WHERE) == __all__
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value

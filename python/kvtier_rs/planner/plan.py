@@ -13,24 +13,29 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier_rs.planner.errors import PlanError
-from kvtier_rs.planner.model import (
-    MAX_BLOCKS,
-    MAX_BYTES_PER_TOKEN,
-    ModelBytes,
-    Size,
-    bytes_per_token_from_config,
-)
+from kvtier_rs.planner import gains
+from kvtier_rs.planner.advice import choose_policy, recommend
+from kvtier_rs.planner.checks import TIERS, check_options, tier_blocks
+from kvtier_rs.planner.model import Size
 from kvtier_rs.planner.traces import TraceData, read_trace
 
 SCHEMA_VERSION = "kvtier.plan/1"
-ONLINE_POLICIES = ("fifo", "lru", "arc", "priority", "s3fifo")
-ALL_POLICIES = (*ONLINE_POLICIES, "opt")
 DEFAULT_POLICIES = ("fifo", "lru", "arc", "opt")
 # Sweep grid as fractions of the trace's distinct blocks (its working set).
 DEFAULT_FRACTIONS = (1 / 256, 1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2)
-MAX_THREADS = 1024
-MAX_TOP = 10_000
+# What the two reference curves bound, as the report labels them. The ceiling (an infinite
+# cache) holds every block any finite cache could, so no policy hits more blocks or tokens.
+# Belady (`opt`) keeps the blocks whose next use comes soonest, which maximises block hits over
+# the whole replay (`all_block_hit_rate`: warm-up included). It does not weigh blocks by their
+# tokens, so a policy that keeps fuller blocks (a request's last block is often partial) can hit
+# more tokens; nor does it favour the measured window, so after a warm-up another policy can hit
+# more blocks there. Neither measured rate is bounded by opt's.
+BOUNDS = {
+    "opt": {"metric": "all_block_hit_rate", "of": "every policy at the same capacity"},
+    "ceiling": {"metric": ["hit_rate", "block_hit_rate", "all_block_hit_rate"], "of": "every policy at every capacity"},
+}
+# A cache that first filled after this share of the measured requests is flagged `filled_late`.
+LATE_FILL_SHARE = 0.1
 
 
 @dataclass
@@ -148,60 +153,18 @@ def build_trace(data: TraceData):
 def run_plan(opts: PlanOptions) -> dict[str, Any]:
     from kvtier_rs._core import replay_sweep, replay_tiers
 
-    if not 0.0 <= opts.warmup < 1.0:
-        raise PlanError(f"--warmup: must be in [0, 1), got {opts.warmup}")
-    if opts.mode not in ("tree", "flat"):
-        raise PlanError(f"--mode: expected tree or flat, got {opts.mode!r}")
-    for pol in opts.policies:
-        if pol not in ALL_POLICIES:
-            raise PlanError(f"--policies: unknown policy {pol!r}; expected some of {', '.join(ALL_POLICIES)}")
-    for name, v in (
-        ("--pcie-gbps", opts.pcie_gbps),
-        ("--disk-gbps", opts.disk_gbps),
-        ("--prefill-tps", opts.prefill_tps),
-    ):
-        if not (v > 0 and math.isfinite(v)):
-            raise PlanError(f"{name}: must be a positive finite number, got {v}")
-    if not 0 <= opts.threads <= MAX_THREADS:
-        raise PlanError(f"--threads: must be between 0 (every core) and {MAX_THREADS}, got {opts.threads}")
-    if not 0 <= opts.top <= MAX_TOP:
-        raise PlanError(f"--top: must be between 0 and {MAX_TOP}, got {opts.top}")
-
-    # Model bytes.
-    model: ModelBytes | None = None
-    if opts.model_config and opts.bytes_per_token:
-        raise PlanError("give either --model-config or --bytes-per-token, not both")
-    if opts.model_config:
-        model = bytes_per_token_from_config(opts.model_config, opts.kv_dtype)
-    elif opts.bytes_per_token is not None:
-        if not 0 < opts.bytes_per_token <= MAX_BYTES_PER_TOKEN:
-            raise PlanError(
-                f"--bytes-per-token: must be between 1 and {MAX_BYTES_PER_TOKEN} (1 GiB), got {opts.bytes_per_token}"
-            )
-        model = ModelBytes(opts.bytes_per_token, "--bytes-per-token")
-
+    model = check_options(opts)  # every option, before the trace is read
     data = read_trace(
         opts.trace, opts.trace_format, block_size=opts.block_size, skip_bad=opts.skip_bad, limit=opts.limit
     )
     trace = build_trace(data)
     bs = data.block_size
     block_bytes = model.bytes_per_token * bs if model else None
-
-    tiers: dict[str, int] = {}
-    for name, size in (("gpu", opts.gpu), ("cpu", opts.cpu), ("disk", opts.disk)):
-        if size is not None:
-            blocks = size.blocks(block_bytes, f"--{name}")
-            if blocks <= 0:
-                raise PlanError(f"--{name}: smaller than one block ({block_bytes} bytes)")
-            if blocks > MAX_BLOCKS:
-                raise PlanError(
-                    f"--{name}: {blocks} blocks of {block_bytes} bytes; at most {MAX_BLOCKS} (10^12) blocks"
-                )
-            tiers[name] = blocks
+    # The live orchestrator's load-or-recompute rule, for every gain the report counts.
+    cost = gains.cost_model(block_bytes, bs, opts.prefill_tps, opts.pcie_gbps, opts.disk_gbps)
+    tiers = {name: tier_blocks(f"--{name}", size, block_bytes) for name in TIERS if (size := getattr(opts, name))}
 
     if opts.capacities:
-        if any(not 0 < c <= MAX_BLOCKS for c in opts.capacities):
-            raise PlanError(f"--capacities: every capacity must be between 1 and {MAX_BLOCKS} (10^12) blocks")
         caps = sorted(set(opts.capacities))
     else:
         caps = default_capacities(trace.n_keys, list(tiers.values()))
@@ -216,20 +179,20 @@ def run_plan(opts: PlanOptions) -> dict[str, Any]:
         "replay",
         opts.progress,
     )
-    results = [_result(r, block_bytes) for r in sweep[:-1]]
-    ceiling = _result(sweep[-1], block_bytes)
+    results = [_result(r, block_bytes, trace, cost) for r in sweep[:-1]]
+    ceiling = _result(sweep[-1], block_bytes, trace, cost)
 
-    # Admission thresholds: the best online policy, at every capacity, with "admit after k uses".
-    best_policy = _best_online(results, caps)
+    # One policy for the rest of the plan; its admission thresholds at every capacity.
+    best_policy = choose_policy(results, ceiling["gain_rate"] or 0.0)
     adm_jobs = [(best_policy, c, f"uses:{k}") for k in opts.admission_thresholds for c in caps] if best_policy else []
     adm = replay_sweep(trace, adm_jobs, warmup=warm, mode=opts.mode, threads=opts.threads) if adm_jobs else []
-    admission_results = [_result(r, block_bytes) for r in adm]
+    admission_results = [_result(r, block_bytes, trace, cost) for r in adm]
 
     analysis = trace.analyze(opts.top)
-    questions = _questions(data, trace, analysis, model, bs, results, admission_results, best_policy, opts)
+    questions = _questions(trace, analysis, model, cost, results, admission_results, best_policy)
 
     multitier = None
-    cost = None
+    tier_costs = None
     if len(tiers) >= 1:
         tier_policy = opts.tier_policy or best_policy or "lru"
         specs = []
@@ -238,7 +201,12 @@ def run_plan(opts: PlanOptions) -> dict[str, Any]:
                 adm_rule = {"gpu": "always", "cpu": opts.cpu_admission, "disk": opts.disk_admission}[name]
                 specs.append((name, tiers[name], tier_policy, adm_rule))
         multitier = replay_tiers(trace, specs, warmup=warm, mode=opts.mode)
-        cost = _cost(multitier, model, bs, opts)
+        for t in multitier["tiers"]:
+            t.update(fill_flags({**t, "measured_requests": multitier["measured_requests"]}, trace.n_requests))
+        tier_costs = gains.tiers_cost(multitier, cost, opts.prefill_tps)
+        for t in multitier["tiers"]:
+            t["saved_tokens"] = tier_costs["saved_tokens_by_tier"].get(t["name"], t["served_tokens"])
+        del multitier["served_histogram"]
 
     report: dict[str, Any] = {
         "schema": SCHEMA_VERSION,
@@ -265,40 +233,53 @@ def run_plan(opts: PlanOptions) -> dict[str, Any]:
             "notes": model.notes,
         },
         "capacities_blocks": caps,
+        "bounds": BOUNDS,
         "results": results,
         "ceiling": ceiling,
         "admission_results": admission_results,
         "questions": questions,
         "tiers": multitier,
-        "cost": cost,
+        "cost_weighted": cost is not None,
+        "cost": tier_costs,
     }
     report["recommendation"] = recommend(report, opts)
     return report
 
 
-def _result(r: dict, block_bytes: int | None) -> dict[str, Any]:
+def fill_flags(r: dict, n_requests: int) -> dict[str, Any]:
+    """How full a bounded cache was while it was measured: `unfilled_share`, the share of the
+    measured requests looked up before it first filled (1.0 if it never did), and
+    `filled_late`, set when that share is over LATE_FILL_SHARE: the cache filled only late in
+    the trace, so its measured rate is partly that of a cache still warming up (no evictions
+    yet), which overstates it. `underfilled` (never full at all) comes from the replay."""
+    measured = r["measured_requests"]
+    filled_at = r["filled_at_request"]
+    if filled_at is None:
+        unfilled = measured
+    else:
+        unfilled = min(measured, max(0, filled_at + 1 - (n_requests - measured)))
+    share = unfilled / measured if measured else 0.0
+    return {"unfilled_share": share, "filled_late": not r["underfilled"] and share > LATE_FILL_SHARE}
+
+
+def _result(r: dict, block_bytes: int | None, trace, cost) -> dict[str, Any]:
+    n_requests = trace.n_requests
     out = dict(r)
-    out["hit_rate"] = None if r["underfilled"] else _rate(r["hit_tokens"], r["total_tokens"])
-    out["block_hit_rate"] = None if r["underfilled"] else _rate(r["hit_blocks"], r["total_blocks"])
+    # Hits worth loading (all hits without a cost model): what the advice counts as gains.
+    gain = gains.sweep_gain(r, cost)
+    out.update(gain_tokens=gain["gain_tokens"], gain_rate=gain["gain_rate"])
+    del out["hit_histogram"]
+    out["all_block_hit_rate"] = _rate(r["all_hit_blocks"], trace.n_refs)
+    out["hit_rate"] = _rate(r["hit_tokens"], r["total_tokens"])
+    out["block_hit_rate"] = _rate(r["hit_blocks"], r["total_blocks"])
     cap = r["capacity_blocks"]
     out["capacity_bytes"] = cap * block_bytes if (cap is not None and block_bytes) else None
+    if cap is not None:  # the ceiling is unbounded: no fill to speak of
+        out.update(fill_flags(r, n_requests))
     return out
 
 
-def _best_online(results: list[dict], caps: list[int]) -> str | None:
-    """The online policy with the most hit tokens summed over the filled capacities."""
-    score: dict[str, int] = {}
-    for r in results:
-        if r["policy"] != "opt" and not r["underfilled"]:
-            score[r["policy"]] = score.get(r["policy"], 0) + r["hit_tokens"]
-    if not score:
-        online = [r["policy"] for r in results if r["policy"] != "opt"]
-        return online[0] if online else None
-    # Ties go to the simpler policy (order of ONLINE_POLICIES: fifo, lru, ...).
-    return max(score, key=lambda p: (score[p], -ONLINE_POLICIES.index(p)))
-
-
-def _questions(data, trace, analysis, model, bs, results, admission_results, best_policy, opts) -> dict[str, Any]:
+def _questions(trace, analysis, model, cost, results, admission_results, best_policy) -> dict[str, Any]:
     total_tokens = trace.total_tokens
     tops = []
     for p in analysis["top_prefixes"]:
@@ -313,28 +294,8 @@ def _questions(data, trace, analysis, model, bs, results, admission_results, bes
     times = analysis["reuse_time_s"]
     dists = analysis["reuse_distance"]
     transfer = None
-    if model:
-        block_bytes = model.bytes_per_token * bs
-        recompute = bs / opts.prefill_tps
-        links = [
-            ("cpu", opts.pcie_gbps * 1e9),
-            ("disk", 1 / (1 / (opts.disk_gbps * 1e9) + 1 / (opts.pcie_gbps * 1e9))),
-        ]
-        transfer = {
-            "bytes_per_token": model.bytes_per_token,
-            "block_bytes": block_bytes,
-            "recompute_s_per_block": recompute,
-            "tiers": [
-                {
-                    "name": name,
-                    "effective_bytes_per_s": bw,
-                    "load_s_per_block": block_bytes / bw,
-                    "worth_loading": block_bytes / bw < recompute,
-                    "load_to_recompute": (block_bytes / bw) / recompute,
-                }
-                for name, bw in links
-            ],
-        }
+    if cost is not None:
+        transfer = {"bytes_per_token": model.bytes_per_token, **gains.transfer(cost)}
     threshold_effect = []
     by_key = {(r["policy"], r["capacity_blocks"]): r for r in results}
     for r in admission_results:
@@ -346,9 +307,12 @@ def _questions(data, trace, analysis, model, bs, results, admission_results, bes
                 "admission": r["admission"],
                 "hit_rate": r["hit_rate"],
                 "hit_rate_always": base["hit_rate"] if base else None,
+                "gain_rate": r["gain_rate"],
+                "gain_rate_always": base["gain_rate"] if base else None,
                 "insertions": r["insertions"],
                 "insertions_always": base["insertions"] if base else None,
                 "underfilled": r["underfilled"],
+                "filled_late": r["filled_late"],
             }
         )
     return {
@@ -369,163 +333,3 @@ def _questions(data, trace, analysis, model, bs, results, admission_results, bes
             "threshold_effect": threshold_effect,
         },
     }
-
-
-def _cost(mt: dict, model: ModelBytes | None, bs: int, opts: PlanOptions) -> dict[str, Any]:
-    served = {t["name"]: t["served_tokens"] for t in mt["tiers"]}
-    n = mt["measured_requests"] or 1
-    gpu = served.get("gpu", 0)
-    cpu = served.get("cpu", 0)
-    disk = served.get("disk", 0)
-    tps = opts.prefill_tps
-    out: dict[str, Any] = {
-        "prefill_tokens_per_s": tps,
-        "pcie_gbps": opts.pcie_gbps,
-        "disk_gbps": opts.disk_gbps,
-        "total_tokens": mt["total_tokens"],
-        "gpu_hit_tokens": gpu,
-        "cpu_promoted_tokens": cpu,
-        "disk_promoted_tokens": disk,
-        "miss_tokens": mt["miss_tokens"],
-        "prefill_tokens_saved_by_lower_tiers": cpu + disk,
-        "prefill_compute_saved_s": (cpu + disk) / tps,
-        "prefill_compute_saved_share": (cpu + disk) / mt["total_tokens"] if mt["total_tokens"] else 0.0,
-    }
-    if model:
-        bpt = model.bytes_per_token
-        load_s = cpu * bpt / (opts.pcie_gbps * 1e9) + disk * bpt * (
-            1 / (opts.disk_gbps * 1e9) + 1 / (opts.pcie_gbps * 1e9)
-        )
-        ttft_gpu_only = (mt["total_tokens"] - gpu) / tps / n
-        ttft_tiered = (mt["miss_tokens"] / tps + load_s) / n
-        out.update(
-            {
-                "transfer_bytes": (cpu + disk) * bpt,
-                "transfer_s": load_s,
-                "mean_ttft_gpu_only_s": ttft_gpu_only,
-                "mean_ttft_tiered_s": ttft_tiered,
-                "mean_ttft_change_s": ttft_tiered - ttft_gpu_only,
-            }
-        )
-    return out
-
-
-def _knee(results: list[dict], policy: str, ceiling_rate: float) -> dict | None:
-    """Smallest swept capacity whose hit rate is within 10% of the ceiling's."""
-    rows = sorted((r for r in results if r["policy"] == policy), key=lambda r: r["capacity_blocks"])
-    filled = [r for r in rows if not r["underfilled"] and r["hit_rate"] is not None]
-    for r in filled:
-        if r["hit_rate"] >= 0.9 * ceiling_rate:
-            return r
-    for r in rows:
-        # Past the filled capacities the cache never filled: it already holds the working set.
-        if r["underfilled"]:
-            return r
-    return filled[-1] if filled else None
-
-
-def recommend(report: dict, opts: PlanOptions) -> dict[str, Any]:
-    ceiling_rate = report["ceiling"]["hit_rate"] or 0.0
-    results = report["results"]
-    q = report["questions"]
-    reasons: list[str] = []
-    rec: dict[str, Any] = {
-        "verdict": "tier",
-        "policy": None,
-        "capacity_blocks": None,
-        "capacity_bytes": None,
-        "admission": "always",
-    }
-    if ceiling_rate < 0.05:
-        rec["verdict"] = "no_tiering"
-        rec["summary"] = (
-            "Tiering will not pay for this workload: even an infinite cache would hit only "
-            f"{ceiling_rate:.1%} of input "
-            "tokens. Tiering cannot create reuse."
-        )
-        rec["reasons"] = [
-            f"{q['admission']['one_hit_token_fraction']:.0%} of block tokens belong to blocks used only once"
-        ]
-        return rec
-    transfer = q.get("transfer")
-    if transfer and not transfer["tiers"][0]["worth_loading"]:
-        t = transfer["tiers"][0]
-        rec["verdict"] = "no_tiering"
-        rec["summary"] = (
-            f"Tiering will not pay: loading a {transfer['block_bytes'] / 2**20:.1f} MiB block over "
-            "the CPU link takes "
-            f"{t['load_s_per_block'] * 1e3:.2f} ms, recomputing it "
-            f"{transfer['recompute_s_per_block'] * 1e3:.2f} ms."
-        )
-        rec["reasons"] = ["raise --pcie-gbps or lower --prefill-tps if these figures do not match your hardware"]
-        return rec
-    best = q["admission"]["policy"]
-    if best is None:
-        rec["verdict"] = "unknown"
-        rec["summary"] = "No online policy was replayed; add one to --policies for a recommendation."
-        rec["reasons"] = []
-        return rec
-    # The policy that reaches the knee with the least capacity (then the higher hit rate there).
-    knees = {}
-    for pol in dict.fromkeys(r["policy"] for r in results if r["policy"] != "opt"):
-        k = _knee(results, pol, ceiling_rate)
-        if k is not None:
-            knees[pol] = k
-    if knees:
-        best = min(knees, key=lambda p: (knees[p]["capacity_blocks"], -(knees[p]["hit_rate"] or 0.0)))
-    knee = knees.get(best)
-    rec["policy"] = best
-    if knee:
-        rec["capacity_blocks"] = knee["capacity_blocks"]
-        rec["capacity_bytes"] = knee["capacity_bytes"]
-        if knee["underfilled"]:
-            reasons.append(
-                f"a cache of {knee['capacity_blocks']} blocks never fills: it holds the whole reusable working set"
-            )
-        else:
-            reasons.append(
-                f"{best} at {knee['capacity_blocks']} blocks hits {knee['hit_rate']:.1%} of tokens "
-                f"against a ceiling of {ceiling_rate:.1%}"
-            )
-    opt_rows = {r["capacity_blocks"]: r for r in results if r["policy"] == "opt"}
-    if knee and knee["capacity_blocks"] in opt_rows and opt_rows[knee["capacity_blocks"]]["hit_rate"] is not None:
-        reasons.append(f"opt (Belady) reaches {opt_rows[knee['capacity_blocks']]['hit_rate']:.1%} at that size")
-    # Admission: recommend the smallest threshold that costs under half a point of hit rate.
-    if knee and not knee["underfilled"]:
-        for t in q["admission"]["threshold_effect"]:
-            if (
-                t["capacity_blocks"] == knee["capacity_blocks"]
-                and t["hit_rate"] is not None
-                and knee["hit_rate"] is not None
-            ):
-                if t["hit_rate"] >= knee["hit_rate"] - 0.005:
-                    saved = 1 - t["insertions"] / max(knee["insertions"], 1)
-                    rec["admission"] = t["admission"]
-                    reasons.append(
-                        f"admission {t['admission']} keeps the hit rate ({t['hit_rate']:.1%}) and "
-                        f"cuts tier writes by {saved:.0%}"
-                    )
-                    break
-    gpu_tier = report["tiers"] and next((t for t in report["tiers"]["tiers"] if t["name"] == "gpu"), None)
-    if gpu_tier:
-        total = report["tiers"]["total_tokens"] or 1
-        gpu_rate = gpu_tier["served_tokens"] / total
-        lower = sum(t["served_tokens"] for t in report["tiers"]["tiers"] if t["name"] != "gpu") / total
-        if lower < 0.02:
-            rec["verdict"] = "no_tiering"
-            rec["summary"] = (
-                f"Tiering will not pay: the GPU prefix cache alone hits {gpu_rate:.1%} of tokens "
-                "and the CPU/disk tiers "
-                f"would add only {lower:.1%}."
-            )
-            rec["reasons"] = reasons
-            return rec
-        reasons.append(f"GPU alone hits {gpu_rate:.1%}; the lower tiers add {lower:.1%} of tokens as promotions")
-    size = f"{rec['capacity_blocks']} blocks" if rec["capacity_blocks"] else "?"
-    if rec["capacity_bytes"]:
-        from kvtier_rs.planner.model import fmt_bytes
-
-        size += f" ({fmt_bytes(rec['capacity_bytes'])})"
-    rec["summary"] = f"Tier it: a CPU tier of {size} with policy {best} and admission {rec['admission']}."
-    rec["reasons"] = reasons
-    return rec

@@ -2,10 +2,30 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 from kvtier_rs.planner.errors import PlanError
+
+
+def check_plot_dir(out_dir: str | Path) -> None:
+    """Refuse, before any replay, a --plot DIR the figures could not be written into (or a
+    missing matplotlib); creates nothing."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise PlanError("--plot needs matplotlib: pip install 'kvtier[plan]'") from None
+    d = Path(out_dir)
+    existing = d
+    while not existing.exists() and existing != existing.parent:
+        if existing.is_symlink():  # a dangling link: mkdir would fail on it
+            raise PlanError(f"--plot: cannot create {d}: {existing} is a broken symbolic link")
+        existing = existing.parent
+    if not existing.is_dir():
+        raise PlanError(f"--plot: cannot create {d}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise PlanError(f"--plot: cannot write into {existing}: permission denied")
 
 
 def write_plots(rep: dict[str, Any], out_dir: str | Path) -> list[str]:
@@ -30,7 +50,8 @@ def write_plots(rep: dict[str, Any], out_dir: str | Path) -> list[str]:
         xs = [r["capacity_blocks"] for r in rows if r["hit_rate"] is not None]
         ys = [1 - r["hit_rate"] for r in rows if r["hit_rate"] is not None]
         style = "k--" if p == "opt" else "-o"
-        ax.plot(xs, ys, style, label=p, markersize=4)
+        label = "opt (Belady: bounds whole-replay block hits, not these rates)" if p == "opt" else p
+        ax.plot(xs, ys, style, label=label, markersize=4)
     ceil = rep["ceiling"]["hit_rate"]
     if ceil is not None:
         ax.axhline(1 - ceil, color="grey", linestyle=":", label="ceiling (infinite cache)")

@@ -5,10 +5,25 @@ from __future__ import annotations
 from typing import Any
 
 from kvtier_rs.planner.model import fmt_bytes
+from kvtier_rs.planner.plan import LATE_FILL_SHARE
 
 
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:6.1%}"
+
+
+def _rate(row: dict[str, Any]) -> str:
+    """A measured hit rate with its fill mark: ^ never filled, * filled late (see the legend)."""
+    mark = "^" if row.get("underfilled") else "*" if row.get("filled_late") else " "
+    return _pct(row["hit_rate"]) + mark
+
+
+def _fill_note(row: dict[str, Any]) -> str:
+    if row["underfilled"]:
+        return " (never filled)"
+    if row["filled_late"]:
+        return f" (filled late: {row['unfilled_share']:.0%} of the measured requests came before it filled)"
+    return ""
 
 
 def render_table(rep: dict[str, Any]) -> str:
@@ -30,17 +45,35 @@ def render_table(rep: dict[str, Any]) -> str:
         )
         lines += [f"          note: {n}" for n in m["notes"]]
     lines.append("")
-    lines.append("Hit rate (token-weighted) by capacity; '-' = the cache never filled before the measured window")
+    lines.append("Hit rate (token-weighted) by capacity")
+    lines.append("   ^ the cache never filled: it holds all it was offered (an infinite cache's rate)")
+    lines.append(
+        f"   * it filled only after {LATE_FILL_SHARE:.0%} of the measured requests: the rate is partly warm-up "
+        "and overstates it (raise --warmup or replay a longer trace)"
+    )
     caps = rep["capacities_blocks"]
     policies = list(dict.fromkeys(r["policy"] for r in rep["results"]))
-    head = f"{'blocks':>10} {'bytes':>10} " + " ".join(f"{p:>7}" for p in policies)
+    if "opt" in policies:
+        lines.append(
+            "   opt = Belady: the most block hits any eviction order gets at that capacity over the whole replay "
+            "(warm-up included); not a bound on these measured token-weighted rates"
+        )
+    head = f"{'blocks':>10} {'bytes':>10} " + " ".join(f"{p:>8}" for p in policies)
     lines.append(head)
     by = {(r["policy"], r["capacity_blocks"]): r for r in rep["results"]}
     for c in caps:
         row = by.get((policies[0], c)) if policies else None
         b = fmt_bytes(row["capacity_bytes"]) if row and row["capacity_bytes"] else "-"
-        lines.append(f"{c:>10} {b:>10} " + " ".join(f"{_pct(by[(p, c)]['hit_rate']):>7}" for p in policies))
+        lines.append(f"{c:>10} {b:>10} " + " ".join(f"{_rate(by[(p, c)]):>8}" for p in policies))
     lines.append(f"{'ceiling':>10} {'inf':>10} {_pct(rep['ceiling']['hit_rate']):>7}")
+    rows = [*rep["results"], rep["ceiling"]]
+    if rep["cost_weighted"] and any(r["gain_tokens"] != r["hit_tokens"] for r in rows):
+        # Only when the cost model set some hits aside: the advice goes by these.
+        lines.append("Hits worth loading (a request's load beats recomputing it), share of tokens:")
+        lines.append(head)
+        for c in caps:
+            lines.append(f"{c:>10} {'':>10} " + " ".join(f"{_pct(by[(p, c)]['gain_rate']):>7} " for p in policies))
+        lines.append(f"{'ceiling':>10} {'inf':>10} {_pct(rep['ceiling']['gain_rate']):>7}")
     q = rep["questions"]
     lines.append("")
     lines.append("1. Which prefixes are shared?")
@@ -92,7 +125,7 @@ def render_table(rep: dict[str, Any]) -> str:
     for e in ad["threshold_effect"]:
         lines.append(
             f"   {e['policy']} @ {e['capacity_blocks']} blocks, admit {e['admission']}: hit rate "
-            f"{_pct(e['hit_rate'])} "
+            f"{_rate(e).rstrip()} "
             f"(always: {_pct(e['hit_rate_always'])}), writes {e['insertions']} (always: "
             f"{e['insertions_always']})"
         )
@@ -103,11 +136,14 @@ def render_table(rep: dict[str, Any]) -> str:
         total = mt["total_tokens"] or 1
         for x in mt["tiers"]:
             what = "GPU hits" if x["name"] == "gpu" else f"{x['name'].upper()} promotions"
+            worth = ""
+            if x["saved_tokens"] != x["served_tokens"]:
+                worth = f" ({x['saved_tokens'] / total:.1%} worth loading)"
             lines.append(
                 f"   {x['name']:>4} {x['capacity_blocks']:>10} blocks {x['policy']:>7} admit "
                 f"{x['admission']:<8} "
                 f"{what}: {x['served_tokens'] / total:6.1%} of "
-                f"tokens{' (underfilled)' if x['underfilled'] else ''}"
+                f"tokens{worth}{_fill_note(x)}"
             )
         lines.append(f"   misses: {mt['miss_tokens'] / total:6.1%} of tokens")
     if rep["cost"]:
@@ -117,6 +153,11 @@ def render_table(rep: dict[str, Any]) -> str:
             f"({c['prefill_compute_saved_share']:.1%} of tokens) "
             f"at {c['prefill_tokens_per_s']:.0f} tokens/s"
         )
+        if c["not_worth_loading_tokens"]:
+            lines.append(
+                f"   promotions not worth loading (recomputed, as the orchestrator would): "
+                f"{c['not_worth_loading_tokens'] / (c['total_tokens'] or 1):.1%} of tokens"
+            )
         if "mean_ttft_change_s" in c:
             lines.append(
                 f"   mean TTFT estimate: {c['mean_ttft_gpu_only_s'] * 1e3:.0f} ms GPU-only -> "

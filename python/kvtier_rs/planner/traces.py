@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import io
 import json
 import math
 import stat
 import zlib
 from array import array
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -113,6 +114,17 @@ def _number(rec: dict, name: str) -> float:
     return float(v)
 
 
+def _in_order(ts: float, prev: tuple[float, str] | None, name: str) -> None:
+    """Requests are replayed in file order and reuse times are differences of timestamps, so a
+    record earlier than the last one kept is bad. `prev`: that record's time and where it is."""
+    if prev is not None and ts < prev[0]:
+        raise _Bad(name, f"{_show_time(ts)} is earlier than {_show_time(prev[0])} {prev[1]}")
+
+
+def _show_time(t: float) -> str:
+    return str(int(t)) if t.is_integer() and abs(t) < 1e15 else repr(t)
+
+
 def _ids(rec: dict, name: str) -> list[int]:
     if name not in rec:
         raise _Bad(name, "missing")
@@ -132,45 +144,67 @@ def _check_blocks(n_blocks: int, tokens: int, bs: int, tokens_field: str) -> Non
         raise _Bad(tokens_field, f"{tokens} tokens cannot fill {n_blocks} blocks of {bs} tokens")
 
 
+def _record_format(rec: Any) -> str | None:
+    """The JSONL format a parsed line is a record of (a kv-cache-tester line is a whole
+    conversation), or None when the line tells none. A Mooncake record needs a timestamp or an
+    input length besides its hash ids: a kv-cache-tester request ("t", "in", "hash_ids") on a
+    line of its own is not one."""
+    if not isinstance(rec, dict):
+        return None
+    if "requests" in rec:
+        return "kvcache-tester"
+    if "token_ids" in rec:
+        return "tokens"
+    if "chat_id" in rec or "parent_chat_id" in rec:
+        return "bailian"
+    if "hash_ids" in rec and ("timestamp" in rec or "input_length" in rec):
+        return "mooncake"
+    return None
+
+
 def detect_format(path: Path) -> str:
-    """Guess the format from the first record (its whole line, up to `DETECT_BYTES`)."""
-    lineno, first_line = 0, ""
+    """Guess the format from the first record (its whole line, up to `DETECT_BYTES`). When the
+    first line tells nothing (a bad record: not UTF-8, not JSON, fields missing), the first line
+    further on that is a record of a JSONL format decides, and the reader then reports or, with
+    --skip-bad, skips the bad lines before it. With no such line, a first line that is not JSON
+    on its own opens a multi-line JSON document (kv-cache-tester)."""
+    lineno, first_line = 0, b""
     with _open_binary(path) as f:
         while not first_line.strip():
-            line = f.readline(DETECT_BYTES)
-            if not line:
+            first_line = f.readline(DETECT_BYTES)
+            if not first_line:
                 raise PlanError(f"{path}: the trace is empty")
             lineno += 1
-            if len(line) >= DETECT_BYTES and not line.endswith(b"\n"):
+            if len(first_line) >= DETECT_BYTES and not first_line.endswith(b"\n"):
+                # Only a whole JSON document written on one line can be that long.
                 return "kvcache-tester"
-            try:
-                first_line = line.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise TraceError(str(path), str(lineno), None, _utf8_problem(line, e)[1]) from None
-    stripped = first_line.lstrip()
-    try:
-        first = json.loads(stripped)
-    except json.JSONDecodeError:
-        first = None
-    if isinstance(first, list) or (first is None and stripped.startswith("[")):
+    first = next(_parse_lines([first_line]))[1]
+    if isinstance(first, list):
         return "kvcache-tester"
-    if first is None:
-        # A pretty-printed JSON document spans lines: only the kv-cache-tester format does that.
-        return "kvcache-tester"
-    if not isinstance(first, dict):
+    fmt = _record_format(first)
+    if fmt is not None:
+        return fmt
+    later = next((f for _, rec in _records(path) if (f := _record_format(rec)) is not None), None)
+    if later is not None:
+        return later
+    if isinstance(first, dict):
+        raise PlanError(
+            f"{path}:{lineno}: cannot tell the trace format from the first record (keys: {sorted(first)[:8]}) "
+            "nor from any later line; pass --trace-format mooncake|bailian|kvcache-tester|tokens"
+        )
+    if not isinstance(first, _Bad):
         raise PlanError(f"{path}:{lineno}: expected a JSON object per line, got {type(first).__name__}")
-    if "requests" in first:
-        return "kvcache-tester"
-    if "token_ids" in first:
-        return "tokens"
-    if "chat_id" in first or "parent_chat_id" in first:
-        return "bailian"
-    if "hash_ids" in first:
-        return "mooncake"
-    raise PlanError(
-        f"{path}:{lineno}: cannot tell the trace format from the first record (keys: {sorted(first)[:8]}); "
-        "pass --trace-format mooncake|bailian|kvcache-tester|tokens"
-    )
+    # Not JSON on its own: a pretty-printed document spans lines, and only the kv-cache-tester
+    # format is one (its reader names the line where a broken document breaks).
+    return "kvcache-tester"
+
+
+def check_reader_options(fmt: str, block_size: int | None) -> None:
+    """The reader's own options (`--trace-format`, `--block-size`), refused naming the option."""
+    if fmt not in FORMATS:
+        raise PlanError(f"--trace-format: unknown format {fmt!r}; expected one of {', '.join(FORMATS)}")
+    if block_size is not None and not 0 < block_size <= MAX_BLOCK_SIZE:
+        raise PlanError(f"--block-size: must be between 1 and {MAX_BLOCK_SIZE} tokens, got {block_size}")
 
 
 def read_trace(
@@ -194,10 +228,7 @@ def read_trace(
         raise PlanError(f"{p}: is a directory, not a trace file")
     if not stat.S_ISREG(mode):
         raise PlanError(f"{p}: not a regular file (a FIFO, socket or device); give the trace as a file")
-    if fmt not in FORMATS:
-        raise PlanError(f"--trace-format: unknown format {fmt!r}; expected one of {', '.join(FORMATS)}")
-    if block_size is not None and not 0 < block_size <= MAX_BLOCK_SIZE:
-        raise PlanError(f"--block-size: must be between 1 and {MAX_BLOCK_SIZE} tokens, got {block_size}")
+    check_reader_options(fmt, block_size)
     try:
         if fmt == "auto":
             fmt = detect_format(p)
@@ -209,20 +240,25 @@ def read_trace(
         raise PlanError(f"{p}: {_read_problem(e)}") from None
 
 
+def _parse_lines(lines: Iterable[bytes]) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed JSON or `_Bad`) for each non-blank line."""
+    for lineno, raw in enumerate(lines, 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            yield lineno, _Bad(None, _utf8_problem(raw, e)[1])
+            continue
+        if not line.strip():
+            continue
+        try:
+            yield lineno, json.loads(line)
+        except json.JSONDecodeError as e:
+            yield lineno, _Bad(None, f"not valid JSON ({e.msg} at column {e.colno})")
+
+
 def _records(p: Path) -> Iterator[tuple[int, Any]]:
     with _open_binary(p) as f:
-        for lineno, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                yield lineno, _Bad(None, _utf8_problem(raw, e)[1])
-                continue
-            if not line.strip():
-                continue
-            try:
-                yield lineno, json.loads(line)
-            except json.JSONDecodeError as e:
-                yield lineno, _Bad(None, f"not valid JSON ({e.msg} at column {e.colno})")
+        yield from _parse_lines(f)
 
 
 def _skip_or_raise(data: TraceData, skip_bad: bool, path: Path, where: str, bad: _Bad) -> None:
@@ -238,6 +274,7 @@ def _read_jsonl(p: Path, fmt: str, block_size: int | None, skip_bad: bool, limit
     bs = block_size or DEFAULT_BLOCK_SIZE[fmt]
     data = TraceData(str(p), fmt, bs)
     record_bs: int | None = None
+    prev: tuple[float, str] | None = None  # the last kept record's timestamp, as in the file
     for lineno, rec in _records(p):
         if limit is not None and data.n_requests >= limit:
             break
@@ -246,8 +283,9 @@ def _read_jsonl(p: Path, fmt: str, block_size: int | None, skip_bad: bool, limit
                 raise rec
             if not isinstance(rec, dict):
                 raise _Bad(None, f"expected a JSON object, got {type(rec).__name__}")
+            ts = _number(rec, "timestamp")
+            _in_order(ts, prev, "timestamp")
             if fmt == "tokens":
-                ts = _number(rec, "timestamp")
                 toks = rec.get("token_ids")
                 if not isinstance(toks, list) or not all(
                     isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= U64 for t in toks
@@ -257,8 +295,8 @@ def _read_jsonl(p: Path, fmt: str, block_size: int | None, skip_bad: bool, limit
                     raise _Bad("token_ids", f"{len(toks)} tokens; at most {MAX_TOKENS} per request")
                 keys = chain_hash(toks, bs)
                 data.add(keys, len(toks), _int(rec, "output_length", maximum=MAX_TOKENS, required=False), ts)
+                prev = (ts, f"on line {lineno}")
                 continue
-            ts = _number(rec, "timestamp")
             n_in = _int(rec, "input_length", maximum=MAX_TOKENS)
             n_out = _int(rec, "output_length", maximum=MAX_TOKENS, required=False)
             ids = _ids(rec, "hash_ids")
@@ -275,6 +313,7 @@ def _read_jsonl(p: Path, fmt: str, block_size: int | None, skip_bad: bool, limit
             _check_blocks(len(ids), n_in, bs, "input_length")
             # Mooncake timestamps are milliseconds; Bailian's are seconds.
             data.add(ids, n_in, n_out, ts / 1000.0 if fmt == "mooncake" else ts)
+            prev = (ts, f"on line {lineno}")
         except _Bad as bad:
             _skip_or_raise(data, skip_bad, p, str(lineno), bad)
     if data.n_requests == 0:
@@ -282,57 +321,67 @@ def _read_jsonl(p: Path, fmt: str, block_size: int | None, skip_bad: bool, limit
     return data
 
 
+def _tester_documents(p: Path, raw: bytes, data: TraceData, skip_bad: bool) -> list[tuple[str, Any]]:
+    """The conversations of a kv-cache-tester file with where each one is: one JSON document
+    (a conversation, or a list of them), or JSONL with a conversation per line, whose bad lines
+    --skip-bad skips and counts. A broken document is reported at the line where it breaks:
+    nothing inside one document can be skipped."""
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        lines = list(_parse_lines(io.BytesIO(raw)))
+        if not any(_record_format(rec) == "kvcache-tester" for _, rec in lines):
+            if isinstance(e, UnicodeDecodeError):
+                bad_line, reason = _utf8_problem(raw, e)
+                raise TraceError(str(p), str(bad_line), None, reason) from None
+            raise TraceError(str(p), str(e.lineno), None, f"not valid JSON ({e.msg} at column {e.colno})") from None
+        docs = []
+        for lineno, rec in lines:
+            if isinstance(rec, _Bad):
+                _skip_or_raise(data, skip_bad, p, str(lineno), rec)
+            else:
+                docs.append((str(lineno), rec))
+        return docs
+    if isinstance(doc, list):
+        return [(f"conversation {ci}" if len(doc) > 1 else "", d) for ci, d in enumerate(doc)]
+    return [("", doc)]
+
+
 def _read_tester(p: Path, block_size: int | None, skip_bad: bool, limit: int | None) -> TraceData:
     with _open_binary(p) as f:
         raw = f.read()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        bad_line, reason = _utf8_problem(raw, e)
-        raise TraceError(str(p), str(bad_line), None, reason) from None
-    try:
-        docs: list[Any] = [json.loads(text)]
-    except json.JSONDecodeError:
-        # JSONL of conversations, one per line.
-        docs = []
-        for lineno, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                try:
-                    docs.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise TraceError(str(p), str(lineno), None, f"not valid JSON ({e.msg})") from None
-    if len(docs) == 1 and isinstance(docs[0], list):
-        docs = docs[0]
+    data = TraceData(str(p), "kvcache-tester", 0)  # block size: the conversations'
     convs = []
-    for ci, d in enumerate(docs):
-        where = f"conversation {ci}" if len(docs) > 1 else ""
-        if not isinstance(d, dict) or not isinstance(d.get("requests"), list):
-            raise TraceError(str(p), where, "requests", "expected an object with a list of requests")
+    for where, d in _tester_documents(p, raw, data, skip_bad):
         try:
-            bs = _int(d, "block_size", minimum=1, maximum=MAX_BLOCK_SIZE)
+            if not isinstance(d, dict) or not isinstance(d.get("requests"), list):
+                raise _Bad("requests", "expected an object with a list of requests")
+            convs.append((where, d, _int(d, "block_size", minimum=1, maximum=MAX_BLOCK_SIZE)))
         except _Bad as bad:
-            raise TraceError(str(p), where, bad.field, bad.reason) from None
-        convs.append((where, d, bs))
+            _skip_or_raise(data, skip_bad, p, where, bad)
     if not convs:
+        if data.skipped:
+            raise PlanError(f"{p}: no usable requests (skipped {data.skipped} bad records)")
         raise PlanError(f"{p}: no conversations in the file")
     sizes = {bs for _, _, bs in convs}
     if len(sizes) > 1:
         raise PlanError(f"{p}: conversations use different block sizes {sorted(sizes)}; replay them separately")
-    bs = sizes.pop()
+    bs = data.block_size = sizes.pop()
     if block_size is not None and block_size != bs:
         raise PlanError(f"--block-size {block_size} disagrees with the file's block_size {bs}")
-    data = TraceData(str(p), "kvcache-tester", bs)
     # Local hash ids are only unique inside one conversation: give each conversation its own space.
     local = len(convs) > 1 and any(d.get("hash_id_scope", "local") == "local" for _, d, _ in convs)
     remap: dict[tuple[int, int], int] = {}
     rows = []
     for ci, (where, d, _) in enumerate(convs):
+        prev: tuple[float, str] | None = None  # each conversation keeps its own order
         for ri, rec in enumerate(d["requests"]):
             loc = f"{where + ': ' if where else ''}requests[{ri}]"
             try:
                 if not isinstance(rec, dict):
                     raise _Bad(None, "expected an object")
                 t = _number(rec, "t")
+                _in_order(t, prev, "t")
                 n_in = _int(rec, "in", maximum=MAX_TOKENS)
                 n_out = _int(rec, "out", maximum=MAX_TOKENS, required=False)
                 ids = _ids(rec, "hash_ids")
@@ -340,6 +389,7 @@ def _read_tester(p: Path, block_size: int | None, skip_bad: bool, limit: int | N
                 if local:
                     ids = [remap.setdefault((ci, x), len(remap)) for x in ids]
                 rows.append((t, ci, ri, ids, n_in, n_out))
+                prev = (t, f"in requests[{ri}]")
             except _Bad as bad:
                 _skip_or_raise(data, skip_bad, p, loc, bad)
     if len(convs) > 1:
