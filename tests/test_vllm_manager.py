@@ -149,13 +149,19 @@ def test_failed_store_frees_its_slot():
     assert mg.prepare_store([key(2)], c).keys_to_store == [key(2)]
 
 
-def test_a_failed_index_turns_stores_away_and_answers_misses():
+def test_a_failed_index_stores_nothing_and_answers_misses():
     mg, c = mgr(2), ctx()
     store(mg, [key(1), key(2)])
     mg._cpu._inject_fault("store_panic")
-    # The store that panics (after evicting) and every later one: None, vLLM's "cannot store".
-    assert mg.prepare_store([key(3)], c) is None
-    assert mg.prepare_store([key(4)], c) is None
+    # The store that panics (after evicting) and every later one store nothing, and say so with
+    # an empty PrepareStoreOutput. None would be vLLM's "cannot store now": it counts an
+    # allocation failure, logs a warning and offers the same chunks again on every later step,
+    # for as long as the engine runs (the failure is terminal). Before: None.
+    for k in (key(3), key(4)):
+        out = mg.prepare_store([k], c)
+        assert out is not None, "a failed tier must not answer 'cannot store now'"
+        assert out.keys_to_store == [] and out.evicted_keys == []
+        assert list(out.store_spec.block_ids) == []
     assert all(mg.lookup(key(i), c) is LookupResult.MISS for i in range(1, 5))
     mg._last_report -= 10
     gauges = mg.get_stats().data["data"]

@@ -10,7 +10,8 @@ translates vLLM's contract onto it:
 * ``prepare_load`` pins; ``complete_load`` unpins. Pinned chunks are never evicted.
 * ``prepare_store`` is all-or-nothing: ``None`` when the new chunks cannot all get a slot, and then
   nothing was evicted. It never evicts one of its own input keys (the index never evicts a key of
-  the batch it is placing, nor pinned or writing chunks).
+  the batch it is placing, nor pinned or writing chunks). Once the index has failed it answers
+  "nothing to store" (an empty output), never None, which vLLM would retry on every step.
 * Events for stores and evictions, when the engine has KV events on.
 * ``get_stats`` reports kvtier's per-tier counters through vLLM's offloading metrics.
 """
@@ -208,8 +209,10 @@ class KvtierOffloadingManager(OffloadingManager):
             return None
         except IndexFailedError:
             # The tier disabled itself (an internal error; its `failed` gauge says so): it
-            # stores nothing any more, and its lookups miss.
-            return None
+            # stores nothing any more, and its lookups miss. That is "nothing to store", not
+            # None: vLLM takes None as "cannot store now" and would count an allocation
+            # failure and offer the same chunks again on every step, for good.
+            return PrepareStoreOutput(keys_to_store=[], store_spec=CPULoadStoreSpec([]), evicted_keys=[])
         to_store = out.keys
         evicted = out.evicted
         if evicted:
