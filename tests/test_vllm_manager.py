@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 from vllm_support import engine as E
 
@@ -452,7 +453,7 @@ def test_keys_of_other_vllm_specs_are_refused_naming_the_spec_that_reads_them(ke
         parse_options({"cpu_bytes_to_use": 1 << 20, key_name: 1})
 
 
-def _offloading_config(extra, *, dp_index=0, dp_size=1):
+def _offloading_config(extra, *, dp_index=0, dp_size=1, tp=1, pp=1, pcp=1, dcp=1, replicated=False, canonical=False):
     import uuid
 
     from vllm.v1.kv_offload.config import (
@@ -471,8 +472,10 @@ def _offloading_config(extra, *, dp_index=0, dp_size=1):
         engine_id=uuid.uuid4().hex,
         model=OffloadingModelConfig("tiny/llama", "float32"),
         cache=OffloadingCacheConfig(32, 1),
-        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, dp_index, dp_size, None, False),
+        parallel=OffloadingParallelConfig(0, tp * pp * pcp, tp, pp, pcp, dcp, dp_index, dp_size, None, False),
         kv_cache_layout="LBHNC",
+        replicated_layout=replicated,
+        canonical_layout=canonical,
     )
 
 
@@ -519,6 +522,94 @@ def test_data_parallel_replicas_get_a_disk_directory_each(tmp_path):
     again = KvtierOffloadingSpec(_offloading_config(extra, dp_index=1, dp_size=2)).get_manager()
     again.shutdown()
     assert sorted(p.name for p in tmp_path.iterdir()) == dirs
+
+
+def test_disk_directories_differ_by_parallelism_and_layout():
+    # The bytes of a chunk depend on how the KV cache is split over workers (a TP=2 row holds
+    # each worker's half of the heads in turn, a PP=2 row each worker's layers) and on the host
+    # layout: deployments that differ in these must never share a directory, even when their
+    # rows have the same size. Before: the digest left them out, so all of these were one.
+    from kvtier_rs.integrations.vllm.disk_layer import tier_dir
+
+    configs = {
+        "tp1": _offloading_config({}),
+        "tp2": _offloading_config({}, tp=2),
+        "pp2": _offloading_config({}, pp=2),
+        "tp2pp2": _offloading_config({}, tp=2, pp=2),
+        "pcp2": _offloading_config({}, pcp=2),
+        "dcp2": _offloading_config({}, tp=2, dcp=2),
+        "replicated": _offloading_config({}, tp=2, replicated=True),
+        "canonical": _offloading_config({}, canonical=True),
+    }
+    dirs = {name: tier_dir("/r", cfg, 32768) for name, cfg in configs.items()}
+    assert len(set(dirs.values())) == len(dirs), dirs
+    # Same scheme otherwise: <model>_<12 hex digits>, stable for one deployment.
+    assert re.fullmatch(r"tiny_llama_[0-9a-f]{12}", dirs["tp1"].name)
+    assert tier_dir("/r", _offloading_config({}), 32768) == dirs["tp1"]
+
+
+def _disk_tier_of(root, config, view):
+    """KvtierDiskTier under `root` for an engine of `config`, over `view` as vLLM's primary rows."""
+    import types
+
+    from kvtier_rs.integrations.vllm.secondary import KvtierDiskTier
+
+    spec = types.SimpleNamespace(config=config)
+    return KvtierDiskTier(spec, view, "KvtierDiskTier", None, root_dir=root, capacity_bytes="1MiB")
+
+
+def test_a_disk_directory_of_another_parallel_layout_is_never_read(tmp_path):
+    # KvtierDiskTier runs under vLLM's tiering spec with any TP/PP: a TP=2 deployment reopening
+    # the root a TP=1 one wrote (same model, same row size) must find nothing. Before: it
+    # recovered the TP=1 blocks and served them, bytes laid out for another split (wrong KV).
+    import mmap
+
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    mm = mmap.mmap(-1, 8 * 32768)
+    mm[:32768] = bytes(range(256)) * 128  # row 0: the chunk to write
+    view = memoryview(mm).cast("B", (8, 32768))
+    t = _disk_tier_of(tmp_path, _offloading_config({}), view)
+    t.submit_store(TransferJob(1, [key(1)], np.array([0]), False, ctx()))
+    t.drain_jobs()
+    assert [r.success for r in t.get_finished_jobs()] == [True]
+    assert t.lookup(key(1), ctx()) is LookupResult.HIT
+    t.shutdown()
+    for other in (_offloading_config({}, tp=2), _offloading_config({}, pp=2), _offloading_config({}, canonical=True)):
+        t = _disk_tier_of(tmp_path, other, view)
+        assert t.lookup(key(1), ctx()) is LookupResult.MISS, other.parallel
+        assert t.disk.stats()["recovered_blocks"] == 0
+        t.shutdown()
+    t = _disk_tier_of(tmp_path, _offloading_config({}), view)  # the same deployment again
+    assert t.lookup(key(1), ctx()) is LookupResult.HIT
+    t.shutdown()
+    view.release()
+    mm.close()
+
+
+def test_a_directory_named_by_the_previous_digest_is_not_found(tmp_path):
+    # Directories written before the digest covered TP/PP and the layout may hold blocks of
+    # any of them: a deployment must not adopt one, whatever its own parallel layout. Every
+    # new digest covers fields the old ones lacked, so none equals an old one; the old
+    # directory is simply not found (and left alone).
+    import mmap
+
+    from kvtier_rs import DiskTier, HostPool
+
+    old = tmp_path / "tiny_llama_9c4e1767dc60"  # what the previous digest named this config
+    pool = HostPool(32768, 32768)
+    with DiskTier(str(old), 1 << 20, 32768, admission="always", engine="pool") as d:
+        d.wait(d.submit_write([key(1)], pool, [0]).job_id, 10)
+    mm = mmap.mmap(-1, 8 * 32768)
+    view = memoryview(mm).cast("B", (8, 32768))
+    t = _disk_tier_of(tmp_path, _offloading_config({}), view)
+    assert t.disk.path.parent == old.parent and t.disk.path != old
+    assert t.lookup(key(1), ctx()) is LookupResult.MISS
+    t.shutdown()
+    view.release()
+    mm.close()
+    with DiskTier(str(old), 1 << 20, 32768, admission="always", engine="pool") as d:
+        assert d.contains([key(1)]) == [True]
 
 
 @pytest.mark.parametrize(
