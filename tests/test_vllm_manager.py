@@ -25,9 +25,9 @@ from kvtier_rs.integrations.vllm.manager import KvtierOffloadingManager  # noqa:
 from kvtier_rs.integrations.vllm.options import parse_options  # noqa: E402
 
 
-def key(i: int) -> bytes:
+def key(i: int, group: int = 0) -> bytes:
     """A vLLM-shaped OffloadKey: a 32-byte sha256 block hash plus a 4-byte group index."""
-    return hashlib.sha256(i.to_bytes(8, "little")).digest() + (0).to_bytes(4, "big")
+    return hashlib.sha256(i.to_bytes(8, "little")).digest() + group.to_bytes(4, "big")
 
 
 def mgr(n: int = 4, events: bool = True, policy: str = "lru") -> KvtierOffloadingManager:
@@ -766,6 +766,70 @@ def test_events_of_the_lower_tier_keep_their_place_in_the_stream(tmp_path):
     about_k = [("removed" if e.removed else "stored", e.medium) for e in mg.take_events() if k in e.keys]
     assert about_k == [("stored", Medium.CPU), ("removed", Medium.CPU)]
     assert cpu.state(k) is None
+    mg.shutdown()
+
+
+def test_a_promotion_never_evicts_a_chunk_that_answered_hit_to_the_same_request(tmp_path):
+    # A hybrid model: a full-attention group 0 and a sliding-window group 1 (a window of two
+    # chunks), four chunks each. vLLM looks up group 0's chunks (all HIT), then scans group 1
+    # backward: its last chunk is on disk only, so the lookup starts a promotion (HIT_PENDING)
+    # whose CPU slot comes from an eviction; the chunk before misses, which voids that window;
+    # chunks 1 and 0 hit. vLLM's scan then reports two hit chunks *without* deferring the
+    # request, and loads chunks 0-1 of every group at once. Before: the promotion evicted group
+    # 0's chunk 0 (the least recent chunk), which had answered HIT, and prepare_load raised
+    # NotReadyError in the engine's scheduler.
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
+
+    cpu, disk, layer = disk_layer(tmp_path, cpu_slots=7)
+    mg = KvtierOffloadingManager(cpu, lower=layer)
+    full, window = [key(i, 0) for i in range(4)], [key(i, 1) for i in range(4)]
+    other = key(9)
+    # window[3] goes to disk only; then, least recent first, the chunks in the CPU tier.
+    for k in (window[3], *full, other, window[0], window[1]):
+        store(mg, [k])
+        disk.wait_idle(10)
+        mg.on_schedule_end(None)  # collects the write-through: nothing stays pinned
+    assert cpu.state(window[3]) is None and disk.contains([window[3]]) == [True]
+
+    r = ctx("hybrid")
+    mg.on_new_request(r)
+    assert [mg.lookup(k, r) for k in full] == [LookupResult.HIT] * 4
+    # vLLM's own sliding-window scan (it reads nothing of the scheduler but its manager).
+    scan = OffloadingConnectorScheduler._sliding_window_lookup
+    assert scan(SimpleNamespace(manager=mg), window, 2, r) == 2, "not deferred: vLLM loads now"
+    assert mg.lower.stager.counters.promotions_submitted == 1, "the scan promoted window[3]"
+    loads = [*full[:2], *window[:2]]
+    spec = mg.prepare_load(loads, r)  # raised NotReadyError before
+    assert len(set(spec.block_ids.tolist())) == 4
+    assert cpu.state(other) is None, "the promotion evicted a chunk the request had not hit"
+    mg.complete_load(loads, r)
+    mg.on_request_finished(r)
+    mg.shutdown()
+
+
+def test_a_request_s_hits_are_held_once_however_many_chunks_it_promotes(tmp_path):
+    # A prompt whose head is in the CPU tier and whose tail is on disk: vLLM's scan answers HIT
+    # for the head, then each tail chunk starts a promotion. The head is pinned once, when the
+    # first promotion is to start, and held until the request's lookups end (not pinned and
+    # unpinned around every promotion: a long prompt would cost hits x promotions).
+    cpu, disk, layer = disk_layer(tmp_path, cpu_slots=8)
+    mg = KvtierOffloadingManager(cpu, lower=layer)
+    tail, other, head = [key(i) for i in range(3)], [key(i) for i in range(10, 13)], [key(i) for i in range(20, 25)]
+    for k in (*tail, *other, *head):  # the tail leaves the CPU tier (least recent)
+        store(mg, [k])
+        disk.wait_idle(10)
+        mg.on_schedule_end(None)
+    assert [cpu.state(k) for k in tail] == [None] * 3
+    r = ctx("long")
+    pins = cpu.stats()["pins"]
+    assert [mg.lookup(k, r) for k in head] == [LookupResult.HIT] * 5
+    assert [mg.lookup(k, r) for k in tail] == [LookupResult.HIT_PENDING] * 3
+    assert cpu.stats()["pins"] - pins == len(head)
+    assert [cpu.state(k) for k in other] == [None] * 3, "the promotions evicted the others"
+    mg.on_schedule_end(None)  # the step ends: the request's lookups are over
+    assert all(cpu.state(k)[1] == 0 for k in head), "still held after the lookups ended"
     mg.shutdown()
 
 

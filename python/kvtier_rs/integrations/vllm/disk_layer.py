@@ -11,8 +11,9 @@ adapters); this module only maps it onto vLLM's contract:
   disk read into it; vLLM sees HIT_PENDING and asks again on a later step, when the read has
   been verified (HIT) or has failed (the slot is dropped, the chunk is a MISS and is recomputed).
 * vLLM specifics: the LookupResult answers, per-request reservations of promoted chunks, the
-  cost rule (``cost_model``), OffloadingEvents for the disk (STORAGE) and for promotions into
-  the CPU tier.
+  protection of the chunks a request's lookups already answered HIT from the evictions of its
+  own promotions, the cost rule (``cost_model``), OffloadingEvents for the disk (STORAGE) and
+  for promotions into the CPU tier.
 
 Nothing here blocks: the disk tier's I/O runs on its own threads (io_uring or a thread pool),
 with the GIL released, and completions are collected by ``poll`` once per scheduler step.
@@ -24,6 +25,7 @@ import hashlib
 import json
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -181,12 +183,19 @@ class DiskLayer:
         self.stager.write_through(keys)
         self._take_stream()
 
-    def lookup_and_promote(self, key: bytes, req_context: Any) -> LookupResult:
+    def lookup_and_promote(
+        self, key: bytes, req_context: Any, protect: Callable[[], None] | None = None
+    ) -> LookupResult:
+        """Promote `key` if the disk tier holds it (HIT_PENDING), else MISS. `protect`: called
+        before a promotion takes a CPU slot, to pin what it must not evict (the manager's: the
+        chunks that already answered HIT to this request's lookups)."""
         if self.off_reason is not None or not self._contains([key])[0]:
             return _MISS
         if self.cost is not None and not self.cost.worth_loading("disk", 1):
             self.counters.disk_skipped_by_cost += 1
             return _MISS
+        if protect is not None:
+            protect()
         # None: every CPU slot is pinned or being written, or the CPU tier's admission refused
         # the chunk. Recompute rather than wait.
         job = self.stager.promote([key])

@@ -6,7 +6,9 @@ every policy decision (recency, admission, victim choice, pin and write states);
 translates vLLM's contract onto it:
 
 * ``lookup``: HIT when the chunk is ready in the CPU tier, HIT_PENDING while it is being written
-  (a GPU->CPU store, or a disk->CPU promotion started by a disk hit), MISS otherwise.
+  (a GPU->CPU store, or a disk->CPU promotion started by a disk hit), MISS otherwise. The chunks
+  that answered HIT to a request are pinned from its first promotion until its lookups end, so
+  that no promotion evicts a chunk vLLM is about to load.
 * ``prepare_load`` pins; ``complete_load`` unpins. Pinned chunks are never evicted.
 * ``prepare_store`` is all-or-nothing: ``None`` when the new chunks cannot all get a slot, and then
   nothing was evicted. It never evicts one of its own input keys (the index never evicts a key of
@@ -38,7 +40,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvtier_rs._core import BlockIndex, IndexFailedError, InvalidArgumentError, NoSpaceError
+from kvtier_rs._core import BlockIndex, IndexFailedError, InvalidArgumentError, NoSpaceError, NotReadyError
 from kvtier_rs.integrations.vllm import metrics as m
 
 _HIT = LookupResult.HIT
@@ -66,6 +68,20 @@ class _RequestKeys:
         self.owner = owner
         self.generation = generation
         self.keys: list[OffloadKey] = []
+
+
+def _pin_ready(index: BlockIndex, keys: list[OffloadKey]) -> list[OffloadKey]:
+    """Pin those of `keys` that are ready in `index` (all of them, unless something evicted one
+    since it answered HIT); returns the keys pinned."""
+    try:
+        index.pin_for_load(keys)  # all-or-nothing
+        return keys
+    except NotReadyError:
+        ready = [k for k, ok in zip(keys, index.contains(keys), strict=True) if ok]
+        index.pin_for_load(ready)
+        return ready
+    except IndexFailedError:
+        return []  # nothing is evicted any more
 
 
 class KvtierOffloadingManager(OffloadingManager):
@@ -110,6 +126,11 @@ class KvtierOffloadingManager(OffloadingManager):
         # prepare_load (when the keys have left _from_lower), so the answer is kept until the
         # load completes.
         self._loading_from_lower: set[OffloadKey] = set()
+        # The request whose lookups run now, the keys that answered HIT to them, and those of
+        # them pinned (held) since a promotion was to start: see lookup.
+        self._lookup_req: ReqContext | None = None
+        self._lookup_hits: list[OffloadKey] = []
+        self._held: list[OffloadKey] = []
         self.counters = m.ManagerCounters()
         if lower is not None:
             # The lower tier fills both as its promotions complete.
@@ -151,13 +172,40 @@ class KvtierOffloadingManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        # With a lower tier (without one, __init__ binds the index's lookup_result here).
         # HIT when ready, HIT_PENDING while a GPU->CPU store or a promotion from disk writes it.
         res = self._lookup_result(key)
+        if req_context is not self._lookup_req:
+            self._end_lookups()
+            self._lookup_req = req_context
+        if res is _HIT:
+            self._lookup_hits.append(key)
         # The disk tier is vLLM's STORAGE medium, local to this engine: a request whose
         # kv_load_tiers leave it out (load_tier_filter) is never served from it.
-        if res is _MISS and self._lower is not None and req_context.load_tier_filter.allows(Medium.STORAGE, _LOCAL):
-            return self._lower.lookup_and_promote(key, req_context)
+        elif res is _MISS and self._lower is not None and req_context.load_tier_filter.allows(Medium.STORAGE, _LOCAL):
+            # A promotion takes its CPU slot by eviction, and must not evict this request's
+            # hits: vLLM may load them without looking them up again, even after a lookup that
+            # answered HIT_PENDING (a sliding-window group's scan drops a pending chunk that a
+            # miss cuts off from the window; a pending partial tail falls back to the complete
+            # hits). So they stay pinned until the request's lookups end.
+            return self._lower.lookup_and_promote(key, req_context, self._hold_hits)
         return res
+
+    def _hold_hits(self) -> None:
+        """Pin the current request's hits not held yet (each once, however many promotions)."""
+        if self._lookup_hits:
+            self._held += _pin_ready(self._cpu, self._lookup_hits)
+            self._lookup_hits = []
+
+    def _end_lookups(self) -> None:
+        """The current request's lookups are over (it loads, or the step or the request
+        changed): vLLM looks up one request's keys, then loads them, before the next request's.
+        Its hits need no holding any more (a load pins them; otherwise vLLM looks again)."""
+        self._lookup_req = None
+        self._lookup_hits = []
+        if self._held:
+            held, self._held = self._held, []
+            self._cpu.unpin(held)
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         from_lower = key in self._from_lower or key in self._loading_from_lower
@@ -165,6 +213,7 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         self._dirty = True
+        self._end_lookups()
         keys = list(keys)
         # All-or-nothing; vLLM passes only keys that just answered HIT, so a failure here is a
         # broken contract and is raised (NotReadyError), like the in-tree manager's assert. So
@@ -274,6 +323,7 @@ class KvtierOffloadingManager(OffloadingManager):
             yield from events
 
     def on_schedule_end(self, context: Any) -> None:
+        self._end_lookups()
         if self._lower is not None:
             self._lower.poll()
 
@@ -284,6 +334,7 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def reset_cache(self) -> None:
         self._dirty = True
+        self._end_lookups()
         # vLLM has flushed in-flight GPU jobs and drops their completions, so chunks still
         # pinned or being written will never be completed: release them, then clear all.
         if self._lower is not None:
