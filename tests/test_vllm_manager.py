@@ -257,6 +257,77 @@ def test_reset_cache_can_keep_the_disk_tier(tmp_path):
     mg.shutdown()
 
 
+def test_after_a_reset_no_promotion_lands_in_a_slot_a_flushed_store_still_writes(tmp_path):
+    # vLLM's order around reset_cache (0.32): a store prepared in step N is submitted to the
+    # worker at the start of step N+1. A reset in between frees its CPU slot in the index and
+    # only flushes the store: the worker runs it at the start of the next step it executes,
+    # and vLLM drops its completion. That step's scheduling runs first: a lookup of a chunk
+    # held on disk (kept over the reset) promoted it into a free slot, the freed one. Before:
+    # the verified disk read landed there, the flushed store then overwrote it, and the chunk
+    # was served with the other chunk's bytes. The worker here is kvtier's own, copying real
+    # bytes between an engine-shaped KV cache (4 blocks, a chunk each) and the CPU tier.
+    import torch
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef,
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+        GPULoadStoreSpec,
+    )
+
+    from kvtier_rs.integrations.vllm.worker import KvtierWorker
+
+    cpu, disk, layer = disk_layer(tmp_path, cpu_slots=1, disk_on_reset="keep")
+    mg = KvtierOffloadingManager(cpu, lower=layer)
+    kv = torch.zeros((4, 4096), dtype=torch.int8)
+    caches = CanonicalKVCaches([CanonicalKVCacheTensor(kv, 4096)], [[CanonicalKVCacheRef(0, 4096)]])
+    worker = KvtierWorker(caches, layer.host, 1)
+    jobs = iter(range(1, 100))
+
+    def run(to_host, block, cpu_spec):
+        """One worker job between engine block `block` and the CPU slot of `cpu_spec`, done."""
+        gpu, job = GPULoadStoreSpec([block], group_sizes=[1], block_indices=[0]), next(jobs)
+        if to_host:
+            worker.submit_store(job, gpu, cpu_spec)
+        else:
+            worker.submit_load(job, cpu_spec, gpu)
+        worker.wait({job})
+        assert [r.job_id for r in worker.get_finished() if r.success] == [job]
+
+    def serve(k, block, c):
+        """What vLLM does with a request for chunk `k` (its KV, once computed, in engine block
+        `block`): look it up until the answer settles; load a hit into block 0, or compute the
+        chunk and store it. Returns the KV the request then attends to."""
+        if _served_from_disk(mg, k, c):  # a HIT, from either tier
+            run(False, 0, mg.prepare_load([k], c))
+            mg.complete_load([k], c)
+            return kv[0].clone()
+        out = mg.prepare_store([k], c)
+        run(True, block, out.store_spec)
+        mg.complete_store(out.keys_to_store, c)
+        disk.wait_idle(10)  # its write-through, collected by the next step
+        mg.on_schedule_end(None)
+        return kv[block].clone()
+
+    kept, stale = key(1), key(2)
+    kv[1], kv[2], kv[3] = 1, 2, 3  # the KV of kept, stale and key(3)
+    assert (serve(kept, 1, ctx()) == 1).all()  # computed, stored, written through to disk
+    flushed = mg.prepare_store([stale], ctx()).store_spec  # evicts kept (on disk); not run yet
+    mg.reset_cache()  # e.g. LLM.reset_prefix_cache(reset_connector=True)
+
+    r = ctx("after")
+    mg.lookup(kept, r)  # the next step's scheduling...
+    disk.wait_idle(10)
+    run(True, 2, flushed)  # ...then its execution, which starts with the flushed store
+    mg.on_schedule_end(None)
+    assert (serve(kept, 1, r) == 1).all(), "the chunk was served with another chunk's bytes"
+    # Once the flush is over, promotions go on: kept, pushed out of the CPU tier by key(3),
+    # comes back from disk, with its own bytes.
+    assert (serve(key(3), 3, ctx()) == 3).all() and cpu.state(kept) is None
+    assert (serve(kept, 1, ctx()) == 1).all()
+    assert mg.counters.loads_disk == 1
+    mg.shutdown()
+
+
 def test_a_disk_tier_that_cannot_be_cleared_is_switched_off(tmp_path, caplog):
     from kvtier_rs import KvTierError
 

@@ -131,6 +131,9 @@ class KvtierOffloadingManager(OffloadingManager):
         self._lookup_req: ReqContext | None = None
         self._lookup_hits: list[OffloadKey] = []
         self._held: list[OffloadKey] = []
+        # Set by a cache reset that left GPU jobs in flight: no promotion starts until a job
+        # issued after it completes (see reset_cache).
+        self._flush_pending = False
         self.counters = m.ManagerCounters()
         if lower is not None:
             # The lower tier fills both as its promotions complete.
@@ -183,6 +186,8 @@ class KvtierOffloadingManager(OffloadingManager):
         # The disk tier is vLLM's STORAGE medium, local to this engine: a request whose
         # kv_load_tiers leave it out (load_tier_filter) is never served from it.
         elif res is _MISS and self._lower is not None and req_context.load_tier_filter.allows(Medium.STORAGE, _LOCAL):
+            if self._flush_pending:
+                return _MISS  # recomputed: a promotion could land in a slot a flushed job uses
             # A promotion takes its CPU slot by eviction, and must not evict this request's
             # hits: vLLM may load them without looking them up again, even after a lookup that
             # answered HIT_PENDING (a sliding-window group's scan drops a pending chunk that a
@@ -242,6 +247,8 @@ class KvtierOffloadingManager(OffloadingManager):
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self._dirty = True
         keys = list(keys)
+        if keys:
+            self._flush_pending = False  # a job issued after any reset: see reset_cache
         if self._loading_from_lower:
             self._loading_from_lower.difference_update(keys)
         self._cpu.unpin(keys)
@@ -278,7 +285,9 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         keys = list(keys)
-        self._dirty |= bool(keys)
+        if keys:
+            self._dirty = True
+            self._flush_pending = False  # a job issued after any reset: see reset_cache
         lower = self._lower
         if self._events is None and lower is None:
             self._cpu.complete_store(keys, success)
@@ -340,12 +349,24 @@ class KvtierOffloadingManager(OffloadingManager):
         if self._lower is not None:
             self._lower.reset()
         cpu = self._cpu
+        in_flight = False
         for key, state, pins, _slot in cpu.entries():
+            # The lower tier has drained its I/O: a pin or a write left is a GPU job's (or the
+            # reservation of a promoted chunk, counted too: it cannot be told apart).
+            in_flight |= bool(pins) or state == "writing"
             if pins:
                 cpu.unpin([key] * pins)
             if state == "writing":
                 cpu.complete_store([key], False)
         cpu.clear()
+        # vLLM has the worker finish those jobs (its "flush") at the start of the next step it
+        # executes, after that step's scheduling: until then a flushed store may still write,
+        # and a flushed load read, a slot freed here. Jobs issued from now on are run after the
+        # flush, but a promotion's disk read is not: it could land in such a slot before the
+        # flushed store, pass its checksum, and then be served with the store's bytes. So no
+        # promotion starts until a job issued after this reset completes, which proves the
+        # flush over (vLLM drops the completions of the flushed jobs themselves).
+        self._flush_pending = in_flight
         self._from_lower.clear()
         self._loading_from_lower.clear()
         self._generation += 1
