@@ -109,19 +109,27 @@ def test_negative_control_wrong_kv_changes_tokens(env, prompts, baseline):
 def test_disk_tier_serves_prefix_evicted_from_cpu_tier(env, prompts, baseline):
     llm = kvtier_llm(env, **disk_cfg(env))  # CPU tier: 4 chunks
     try:
-        for name in "ABC":  # 9 chunks through a 4-chunk CPU tier: A is evicted from it
+        # 9 chunks through a 4-chunk CPU tier: A's last two chunks are evicted from it. Its
+        # head stays (a finished request's head is made the most recent) and answers HIT;
+        # the promotions of the other two must not evict it (before, one did, and it was read
+        # back from disk: 3 promotions for 2 chunks missing).
+        for name in "ABC":
             tokens, _ = E.generate(llm, prompts[name])
             assert tokens == baseline[name]
         mgr = state(llm).manager
         assert mgr.cpu_index.stats()["evictions"] >= 3
+        # C's chunks stay pinned while their disk write-throughs run (on a busy machine, maybe
+        # still when A is looked up): wait for them, or A's promotions could find no slot they
+        # may take (A's head is held) and A's other chunks would be recomputed.
+        mgr.lower.drain()
         E.drop_gpu_cache(llm)
         tokens, cached = E.generate(llm, prompts["A"])
         assert cached == SERVED, mgr.snapshot()
         assert tokens == baseline["A"]
         c = counters(llm)
-        assert c["loads_disk"] == 3 and c["loads_cpu"] == 0 and c["promotions"] == 3
+        assert c["loads_disk"] == 2 and c["loads_cpu"] == 1 and c["promotions"] == 2, c
         disk = mgr.lower.stats()
-        assert disk["blocks_written"] == 9 and disk["blocks_read"] == 3
+        assert disk["blocks_written"] == 9 and disk["blocks_read"] == 2
     finally:
         E.shutdown(llm)
 

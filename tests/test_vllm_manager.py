@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 from vllm_support import engine as E
 
@@ -24,9 +25,9 @@ from kvtier_rs.integrations.vllm.manager import KvtierOffloadingManager  # noqa:
 from kvtier_rs.integrations.vllm.options import parse_options  # noqa: E402
 
 
-def key(i: int) -> bytes:
+def key(i: int, group: int = 0) -> bytes:
     """A vLLM-shaped OffloadKey: a 32-byte sha256 block hash plus a 4-byte group index."""
-    return hashlib.sha256(i.to_bytes(8, "little")).digest() + (0).to_bytes(4, "big")
+    return hashlib.sha256(i.to_bytes(8, "little")).digest() + group.to_bytes(4, "big")
 
 
 def mgr(n: int = 4, events: bool = True, policy: str = "lru") -> KvtierOffloadingManager:
@@ -149,13 +150,19 @@ def test_failed_store_frees_its_slot():
     assert mg.prepare_store([key(2)], c).keys_to_store == [key(2)]
 
 
-def test_a_failed_index_turns_stores_away_and_answers_misses():
+def test_a_failed_index_stores_nothing_and_answers_misses():
     mg, c = mgr(2), ctx()
     store(mg, [key(1), key(2)])
     mg._cpu._inject_fault("store_panic")
-    # The store that panics (after evicting) and every later one: None, vLLM's "cannot store".
-    assert mg.prepare_store([key(3)], c) is None
-    assert mg.prepare_store([key(4)], c) is None
+    # The store that panics (after evicting) and every later one store nothing, and say so with
+    # an empty PrepareStoreOutput. None would be vLLM's "cannot store now": it counts an
+    # allocation failure, logs a warning and offers the same chunks again on every later step,
+    # for as long as the engine runs (the failure is terminal). Before: None.
+    for k in (key(3), key(4)):
+        out = mg.prepare_store([k], c)
+        assert out is not None, "a failed tier must not answer 'cannot store now'"
+        assert out.keys_to_store == [] and out.evicted_keys == []
+        assert list(out.store_spec.block_ids) == []
     assert all(mg.lookup(key(i), c) is LookupResult.MISS for i in range(1, 5))
     mg._last_report -= 10
     gauges = mg.get_stats().data["data"]
@@ -247,6 +254,77 @@ def test_reset_cache_can_keep_the_disk_tier(tmp_path):
     mg.reset_cache()
     assert disk.contains([key(1)]) == [True]
     assert _served_from_disk(mg, key(1), ctx())
+    mg.shutdown()
+
+
+def test_after_a_reset_no_promotion_lands_in_a_slot_a_flushed_store_still_writes(tmp_path):
+    # vLLM's order around reset_cache (0.32): a store prepared in step N is submitted to the
+    # worker at the start of step N+1. A reset in between frees its CPU slot in the index and
+    # only flushes the store: the worker runs it at the start of the next step it executes,
+    # and vLLM drops its completion. That step's scheduling runs first: a lookup of a chunk
+    # held on disk (kept over the reset) promoted it into a free slot, the freed one. Before:
+    # the verified disk read landed there, the flushed store then overwrote it, and the chunk
+    # was served with the other chunk's bytes. The worker here is kvtier's own, copying real
+    # bytes between an engine-shaped KV cache (4 blocks, a chunk each) and the CPU tier.
+    import torch
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef,
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+        GPULoadStoreSpec,
+    )
+
+    from kvtier_rs.integrations.vllm.worker import KvtierWorker
+
+    cpu, disk, layer = disk_layer(tmp_path, cpu_slots=1, disk_on_reset="keep")
+    mg = KvtierOffloadingManager(cpu, lower=layer)
+    kv = torch.zeros((4, 4096), dtype=torch.int8)
+    caches = CanonicalKVCaches([CanonicalKVCacheTensor(kv, 4096)], [[CanonicalKVCacheRef(0, 4096)]])
+    worker = KvtierWorker(caches, layer.host, 1)
+    jobs = iter(range(1, 100))
+
+    def run(to_host, block, cpu_spec):
+        """One worker job between engine block `block` and the CPU slot of `cpu_spec`, done."""
+        gpu, job = GPULoadStoreSpec([block], group_sizes=[1], block_indices=[0]), next(jobs)
+        if to_host:
+            worker.submit_store(job, gpu, cpu_spec)
+        else:
+            worker.submit_load(job, cpu_spec, gpu)
+        worker.wait({job})
+        assert [r.job_id for r in worker.get_finished() if r.success] == [job]
+
+    def serve(k, block, c):
+        """What vLLM does with a request for chunk `k` (its KV, once computed, in engine block
+        `block`): look it up until the answer settles; load a hit into block 0, or compute the
+        chunk and store it. Returns the KV the request then attends to."""
+        if _served_from_disk(mg, k, c):  # a HIT, from either tier
+            run(False, 0, mg.prepare_load([k], c))
+            mg.complete_load([k], c)
+            return kv[0].clone()
+        out = mg.prepare_store([k], c)
+        run(True, block, out.store_spec)
+        mg.complete_store(out.keys_to_store, c)
+        disk.wait_idle(10)  # its write-through, collected by the next step
+        mg.on_schedule_end(None)
+        return kv[block].clone()
+
+    kept, stale = key(1), key(2)
+    kv[1], kv[2], kv[3] = 1, 2, 3  # the KV of kept, stale and key(3)
+    assert (serve(kept, 1, ctx()) == 1).all()  # computed, stored, written through to disk
+    flushed = mg.prepare_store([stale], ctx()).store_spec  # evicts kept (on disk); not run yet
+    mg.reset_cache()  # e.g. LLM.reset_prefix_cache(reset_connector=True)
+
+    r = ctx("after")
+    mg.lookup(kept, r)  # the next step's scheduling...
+    disk.wait_idle(10)
+    run(True, 2, flushed)  # ...then its execution, which starts with the flushed store
+    mg.on_schedule_end(None)
+    assert (serve(kept, 1, r) == 1).all(), "the chunk was served with another chunk's bytes"
+    # Once the flush is over, promotions go on: kept, pushed out of the CPU tier by key(3),
+    # comes back from disk, with its own bytes.
+    assert (serve(key(3), 3, ctx()) == 3).all() and cpu.state(kept) is None
+    assert (serve(kept, 1, ctx()) == 1).all()
+    assert mg.counters.loads_disk == 1
     mg.shutdown()
 
 
@@ -446,7 +524,7 @@ def test_keys_of_other_vllm_specs_are_refused_naming_the_spec_that_reads_them(ke
         parse_options({"cpu_bytes_to_use": 1 << 20, key_name: 1})
 
 
-def _offloading_config(extra, *, dp_index=0, dp_size=1):
+def _offloading_config(extra, *, dp_index=0, dp_size=1, tp=1, pp=1, pcp=1, dcp=1, replicated=False, canonical=False):
     import uuid
 
     from vllm.v1.kv_offload.config import (
@@ -465,8 +543,10 @@ def _offloading_config(extra, *, dp_index=0, dp_size=1):
         engine_id=uuid.uuid4().hex,
         model=OffloadingModelConfig("tiny/llama", "float32"),
         cache=OffloadingCacheConfig(32, 1),
-        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, dp_index, dp_size, None, False),
+        parallel=OffloadingParallelConfig(0, tp * pp * pcp, tp, pp, pcp, dcp, dp_index, dp_size, None, False),
         kv_cache_layout="LBHNC",
+        replicated_layout=replicated,
+        canonical_layout=canonical,
     )
 
 
@@ -513,6 +593,94 @@ def test_data_parallel_replicas_get_a_disk_directory_each(tmp_path):
     again = KvtierOffloadingSpec(_offloading_config(extra, dp_index=1, dp_size=2)).get_manager()
     again.shutdown()
     assert sorted(p.name for p in tmp_path.iterdir()) == dirs
+
+
+def test_disk_directories_differ_by_parallelism_and_layout():
+    # The bytes of a chunk depend on how the KV cache is split over workers (a TP=2 row holds
+    # each worker's half of the heads in turn, a PP=2 row each worker's layers) and on the host
+    # layout: deployments that differ in these must never share a directory, even when their
+    # rows have the same size. Before: the digest left them out, so all of these were one.
+    from kvtier_rs.integrations.vllm.disk_layer import tier_dir
+
+    configs = {
+        "tp1": _offloading_config({}),
+        "tp2": _offloading_config({}, tp=2),
+        "pp2": _offloading_config({}, pp=2),
+        "tp2pp2": _offloading_config({}, tp=2, pp=2),
+        "pcp2": _offloading_config({}, pcp=2),
+        "dcp2": _offloading_config({}, tp=2, dcp=2),
+        "replicated": _offloading_config({}, tp=2, replicated=True),
+        "canonical": _offloading_config({}, canonical=True),
+    }
+    dirs = {name: tier_dir("/r", cfg, 32768) for name, cfg in configs.items()}
+    assert len(set(dirs.values())) == len(dirs), dirs
+    # Same scheme otherwise: <model>_<12 hex digits>, stable for one deployment.
+    assert re.fullmatch(r"tiny_llama_[0-9a-f]{12}", dirs["tp1"].name)
+    assert tier_dir("/r", _offloading_config({}), 32768) == dirs["tp1"]
+
+
+def _disk_tier_of(root, config, view):
+    """KvtierDiskTier under `root` for an engine of `config`, over `view` as vLLM's primary rows."""
+    import types
+
+    from kvtier_rs.integrations.vllm.secondary import KvtierDiskTier
+
+    spec = types.SimpleNamespace(config=config)
+    return KvtierDiskTier(spec, view, "KvtierDiskTier", None, root_dir=root, capacity_bytes="1MiB")
+
+
+def test_a_disk_directory_of_another_parallel_layout_is_never_read(tmp_path):
+    # KvtierDiskTier runs under vLLM's tiering spec with any TP/PP: a TP=2 deployment reopening
+    # the root a TP=1 one wrote (same model, same row size) must find nothing. Before: it
+    # recovered the TP=1 blocks and served them, bytes laid out for another split (wrong KV).
+    import mmap
+
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    mm = mmap.mmap(-1, 8 * 32768)
+    mm[:32768] = bytes(range(256)) * 128  # row 0: the chunk to write
+    view = memoryview(mm).cast("B", (8, 32768))
+    t = _disk_tier_of(tmp_path, _offloading_config({}), view)
+    t.submit_store(TransferJob(1, [key(1)], np.array([0]), False, ctx()))
+    t.drain_jobs()
+    assert [r.success for r in t.get_finished_jobs()] == [True]
+    assert t.lookup(key(1), ctx()) is LookupResult.HIT
+    t.shutdown()
+    for other in (_offloading_config({}, tp=2), _offloading_config({}, pp=2), _offloading_config({}, canonical=True)):
+        t = _disk_tier_of(tmp_path, other, view)
+        assert t.lookup(key(1), ctx()) is LookupResult.MISS, other.parallel
+        assert t.disk.stats()["recovered_blocks"] == 0
+        t.shutdown()
+    t = _disk_tier_of(tmp_path, _offloading_config({}), view)  # the same deployment again
+    assert t.lookup(key(1), ctx()) is LookupResult.HIT
+    t.shutdown()
+    view.release()
+    mm.close()
+
+
+def test_a_directory_named_by_the_previous_digest_is_not_found(tmp_path):
+    # Directories written before the digest covered TP/PP and the layout may hold blocks of
+    # any of them: a deployment must not adopt one, whatever its own parallel layout. Every
+    # new digest covers fields the old ones lacked, so none equals an old one; the old
+    # directory is simply not found (and left alone).
+    import mmap
+
+    from kvtier_rs import DiskTier, HostPool
+
+    old = tmp_path / "tiny_llama_9c4e1767dc60"  # what the previous digest named this config
+    pool = HostPool(32768, 32768)
+    with DiskTier(str(old), 1 << 20, 32768, admission="always", engine="pool") as d:
+        d.wait(d.submit_write([key(1)], pool, [0]).job_id, 10)
+    mm = mmap.mmap(-1, 8 * 32768)
+    view = memoryview(mm).cast("B", (8, 32768))
+    t = _disk_tier_of(tmp_path, _offloading_config({}), view)
+    assert t.disk.path.parent == old.parent and t.disk.path != old
+    assert t.lookup(key(1), ctx()) is LookupResult.MISS
+    t.shutdown()
+    view.release()
+    mm.close()
+    with DiskTier(str(old), 1 << 20, 32768, admission="always", engine="pool") as d:
+        assert d.contains([key(1)]) == [True]
 
 
 @pytest.mark.parametrize(
@@ -669,6 +837,70 @@ def test_events_of_the_lower_tier_keep_their_place_in_the_stream(tmp_path):
     about_k = [("removed" if e.removed else "stored", e.medium) for e in mg.take_events() if k in e.keys]
     assert about_k == [("stored", Medium.CPU), ("removed", Medium.CPU)]
     assert cpu.state(k) is None
+    mg.shutdown()
+
+
+def test_a_promotion_never_evicts_a_chunk_that_answered_hit_to_the_same_request(tmp_path):
+    # A hybrid model: a full-attention group 0 and a sliding-window group 1 (a window of two
+    # chunks), four chunks each. vLLM looks up group 0's chunks (all HIT), then scans group 1
+    # backward: its last chunk is on disk only, so the lookup starts a promotion (HIT_PENDING)
+    # whose CPU slot comes from an eviction; the chunk before misses, which voids that window;
+    # chunks 1 and 0 hit. vLLM's scan then reports two hit chunks *without* deferring the
+    # request, and loads chunks 0-1 of every group at once. Before: the promotion evicted group
+    # 0's chunk 0 (the least recent chunk), which had answered HIT, and prepare_load raised
+    # NotReadyError in the engine's scheduler.
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
+
+    cpu, disk, layer = disk_layer(tmp_path, cpu_slots=7)
+    mg = KvtierOffloadingManager(cpu, lower=layer)
+    full, window = [key(i, 0) for i in range(4)], [key(i, 1) for i in range(4)]
+    other = key(9)
+    # window[3] goes to disk only; then, least recent first, the chunks in the CPU tier.
+    for k in (window[3], *full, other, window[0], window[1]):
+        store(mg, [k])
+        disk.wait_idle(10)
+        mg.on_schedule_end(None)  # collects the write-through: nothing stays pinned
+    assert cpu.state(window[3]) is None and disk.contains([window[3]]) == [True]
+
+    r = ctx("hybrid")
+    mg.on_new_request(r)
+    assert [mg.lookup(k, r) for k in full] == [LookupResult.HIT] * 4
+    # vLLM's own sliding-window scan (it reads nothing of the scheduler but its manager).
+    scan = OffloadingConnectorScheduler._sliding_window_lookup
+    assert scan(SimpleNamespace(manager=mg), window, 2, r) == 2, "not deferred: vLLM loads now"
+    assert mg.lower.stager.counters.promotions_submitted == 1, "the scan promoted window[3]"
+    loads = [*full[:2], *window[:2]]
+    spec = mg.prepare_load(loads, r)  # raised NotReadyError before
+    assert len(set(spec.block_ids.tolist())) == 4
+    assert cpu.state(other) is None, "the promotion evicted a chunk the request had not hit"
+    mg.complete_load(loads, r)
+    mg.on_request_finished(r)
+    mg.shutdown()
+
+
+def test_a_request_s_hits_are_held_once_however_many_chunks_it_promotes(tmp_path):
+    # A prompt whose head is in the CPU tier and whose tail is on disk: vLLM's scan answers HIT
+    # for the head, then each tail chunk starts a promotion. The head is pinned once, when the
+    # first promotion is to start, and held until the request's lookups end (not pinned and
+    # unpinned around every promotion: a long prompt would cost hits x promotions).
+    cpu, disk, layer = disk_layer(tmp_path, cpu_slots=8)
+    mg = KvtierOffloadingManager(cpu, lower=layer)
+    tail, other, head = [key(i) for i in range(3)], [key(i) for i in range(10, 13)], [key(i) for i in range(20, 25)]
+    for k in (*tail, *other, *head):  # the tail leaves the CPU tier (least recent)
+        store(mg, [k])
+        disk.wait_idle(10)
+        mg.on_schedule_end(None)
+    assert [cpu.state(k) for k in tail] == [None] * 3
+    r = ctx("long")
+    pins = cpu.stats()["pins"]
+    assert [mg.lookup(k, r) for k in head] == [LookupResult.HIT] * 5
+    assert [mg.lookup(k, r) for k in tail] == [LookupResult.HIT_PENDING] * 3
+    assert cpu.stats()["pins"] - pins == len(head)
+    assert [cpu.state(k) for k in other] == [None] * 3, "the promotions evicted the others"
+    mg.on_schedule_end(None)  # the step ends: the request's lookups are over
+    assert all(cpu.state(k)[1] == 0 for k in head), "still held after the lookups ended"
     mg.shutdown()
 
 

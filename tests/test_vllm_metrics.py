@@ -20,8 +20,9 @@ def env(tmp_path_factory):
     return E.module_env(tmp_path_factory, "vllm-metrics")
 
 
-def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every kvtier sample of the process-wide registry, as vLLM's /metrics would serve it."""
+def scrape(prefix: str = PREFIX) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample named `prefix`... (kvtier's by default) of the process-wide registry, as
+    vLLM's /metrics would serve it."""
     from prometheus_client import REGISTRY, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -29,7 +30,7 @@ def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     out = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            if s.name.startswith(PREFIX):
+            if s.name.startswith(prefix):
                 out[(s.name, tuple(sorted(s.labels.items())))] = s.value
     return out
 
@@ -68,5 +69,33 @@ def test_kvtier_metrics_are_exported_and_move_on_a_hit(env):
         # kvtier served 3 chunks from its CPU tier: the counter moved by exactly that.
         assert value(after, PREFIX + "loads_cpu_total") - loads_before == 3
         assert value(after, PREFIX + "resident_blocks", tier="cpu") == 3
+    finally:
+        E.shutdown(llm)
+
+
+def test_a_failed_cpu_tier_stores_nothing_and_vllm_counts_no_allocation_failure(env):
+    """A CPU index that disabled itself (an internal error) keeps the engine serving: its
+    prepare_store answers "nothing to store", so vLLM neither counts allocation failures nor
+    offers the chunks again on every step (it did, for as long as the engine ran: None is
+    vLLM's "cannot store now")."""
+    from kvtier_rs.integrations.vllm.spec import engine_state
+
+    llm = E.make_llm(env["model"], E.kvtier_config(cpu_bytes_to_use=4 * E.BLOCK_BYTES), disable_log_stats=False)
+    try:
+        mgr = engine_state(E.engine_id(llm)).manager
+        failures = "vllm:kv_offload_allocation_failure_total"
+        before = sum(v for (n, _), v in scrape("vllm:kv_offload_").items() if n == failures)
+        E.generate(llm, E.prompt(8, E.PROMPT_LEN))  # 3 of the tier's 4 chunks
+        # The next store that evicts fails the index midway, for good (its `failed` gauge).
+        mgr.cpu_index._inject_fault("store_panic")
+        ids = E.prompt(9, E.PROMPT_LEN)
+        for _ in range(2):
+            tokens, cached = E.generate(llm, ids)
+            assert len(tokens) == 8 and cached == 0
+            E.drop_gpu_cache(llm)
+        after = scrape("vllm:kv_offload_")
+        assert mgr.cpu_index.failure is not None
+        assert value(after, PREFIX + "failed", tier="cpu") == 1
+        assert sum(v for (n, _), v in after.items() if n == failures) == before
     finally:
         E.shutdown(llm)

@@ -11,8 +11,9 @@ adapters); this module only maps it onto vLLM's contract:
   disk read into it; vLLM sees HIT_PENDING and asks again on a later step, when the read has
   been verified (HIT) or has failed (the slot is dropped, the chunk is a MISS and is recomputed).
 * vLLM specifics: the LookupResult answers, per-request reservations of promoted chunks, the
-  cost rule (``cost_model``), OffloadingEvents for the disk (STORAGE) and for promotions into
-  the CPU tier.
+  protection of the chunks a request's lookups already answered HIT from the evictions of its
+  own promotions, the cost rule (``cost_model``), OffloadingEvents for the disk (STORAGE) and
+  for promotions into the CPU tier.
 
 Nothing here blocks: the disk tier's I/O runs on its own threads (io_uring or a thread pool),
 with the GIL released, and completions are collected by ``poll`` once per scheduler step.
@@ -24,10 +25,12 @@ import hashlib
 import json
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import canonical_format_id
 from vllm.v1.kv_offload.base import LookupResult, Medium, OffloadingEvent
 
 from kvtier_rs._core import BlockIndex, DiskTier, HostPool, IndexFailedError, KvTierError
@@ -61,8 +64,17 @@ class _Reserved:
 
 
 def tier_dir(root: str, config: Any, chunk_bytes: int) -> Path:
-    """A directory per model and KV geometry, stable across restarts: an engine reopening the
-    same root with the same model finds its blocks, and a different model never reads them."""
+    """A directory per model, KV geometry and byte layout, stable across restarts: an engine
+    reopening the same root with the same model and layout finds its blocks, and any other
+    never reads them.
+
+    A chunk's bytes depend on how the KV cache is split over workers (a primary row holds each
+    worker's share in rank order: TP splits heads, PP layers, PCP/DCP tokens) and on the host
+    layout (vLLM's canonical one or each worker's own pages), even where the row size is the
+    same, so all of these are in the digest. Directories named before they were (which may
+    hold blocks of any split) match no digest of this scheme, since every digest covers these
+    fields: such a directory is not found, never read."""
+    par = config.parallel
     ident = {
         "model": config.model.name,
         "dtype": str(config.model.dtype),
@@ -71,13 +83,17 @@ def tier_dir(root: str, config: Any, chunk_bytes: int) -> Path:
         "groups": [[g.tokens_per_block, list(g.layer_names)] for g in config.groups],
         "chunk_bytes": chunk_bytes,
         "layout": config.kv_cache_layout,
+        "parallel": {"tp": par.tp_size, "pp": par.pp_size, "pcp": par.pcp_size, "dcp": par.dcp_size},
+        # One copy per row (replicated MLA) vs one per worker.
+        "replicated_layout": bool(config.replicated_layout),
+        # vLLM's id of its canonical byte format (version and layout family), or None.
+        "canonical_layout": canonical_format_id(config.kv_cache_layout) if config.canonical_layout else None,
     }
     digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:12]
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", str(config.model.name).strip("/"))[-64:]
     # Data-parallel replicas are separate engines, each with its own CPU tier: each gets its
     # own directory (one tier per directory, locked), stable across restarts by replica index.
-    par = getattr(config, "parallel", None)
-    if getattr(par, "data_parallel_size", 1) > 1:
+    if par.data_parallel_size > 1:
         name += f"_dp{par.data_parallel_index}"
     return Path(root) / f"{name}_{digest}"
 
@@ -167,12 +183,19 @@ class DiskLayer:
         self.stager.write_through(keys)
         self._take_stream()
 
-    def lookup_and_promote(self, key: bytes, req_context: Any) -> LookupResult:
+    def lookup_and_promote(
+        self, key: bytes, req_context: Any, protect: Callable[[], None] | None = None
+    ) -> LookupResult:
+        """Promote `key` if the disk tier holds it (HIT_PENDING), else MISS. `protect`: called
+        before a promotion takes a CPU slot, to pin what it must not evict (the manager's: the
+        chunks that already answered HIT to this request's lookups)."""
         if self.off_reason is not None or not self._contains([key])[0]:
             return _MISS
         if self.cost is not None and not self.cost.worth_loading("disk", 1):
             self.counters.disk_skipped_by_cost += 1
             return _MISS
+        if protect is not None:
+            protect()
         # None: every CPU slot is pinned or being written, or the CPU tier's admission refused
         # the chunk. Recompute rather than wait.
         job = self.stager.promote([key])

@@ -6,11 +6,14 @@ every policy decision (recency, admission, victim choice, pin and write states);
 translates vLLM's contract onto it:
 
 * ``lookup``: HIT when the chunk is ready in the CPU tier, HIT_PENDING while it is being written
-  (a GPU->CPU store, or a disk->CPU promotion started by a disk hit), MISS otherwise.
+  (a GPU->CPU store, or a disk->CPU promotion started by a disk hit), MISS otherwise. The chunks
+  that answered HIT to a request are pinned from its first promotion until its lookups end, so
+  that no promotion evicts a chunk vLLM is about to load.
 * ``prepare_load`` pins; ``complete_load`` unpins. Pinned chunks are never evicted.
 * ``prepare_store`` is all-or-nothing: ``None`` when the new chunks cannot all get a slot, and then
   nothing was evicted. It never evicts one of its own input keys (the index never evicts a key of
-  the batch it is placing, nor pinned or writing chunks).
+  the batch it is placing, nor pinned or writing chunks). Once the index has failed it answers
+  "nothing to store" (an empty output), never None, which vLLM would retry on every step.
 * Events for stores and evictions, when the engine has KV events on.
 * ``get_stats`` reports kvtier's per-tier counters through vLLM's offloading metrics.
 """
@@ -37,7 +40,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvtier_rs._core import BlockIndex, IndexFailedError, InvalidArgumentError, NoSpaceError
+from kvtier_rs._core import BlockIndex, IndexFailedError, InvalidArgumentError, NoSpaceError, NotReadyError
 from kvtier_rs.integrations.vllm import metrics as m
 
 _HIT = LookupResult.HIT
@@ -65,6 +68,20 @@ class _RequestKeys:
         self.owner = owner
         self.generation = generation
         self.keys: list[OffloadKey] = []
+
+
+def _pin_ready(index: BlockIndex, keys: list[OffloadKey]) -> list[OffloadKey]:
+    """Pin those of `keys` that are ready in `index` (all of them, unless something evicted one
+    since it answered HIT); returns the keys pinned."""
+    try:
+        index.pin_for_load(keys)  # all-or-nothing
+        return keys
+    except NotReadyError:
+        ready = [k for k, ok in zip(keys, index.contains(keys), strict=True) if ok]
+        index.pin_for_load(ready)
+        return ready
+    except IndexFailedError:
+        return []  # nothing is evicted any more
 
 
 class KvtierOffloadingManager(OffloadingManager):
@@ -109,6 +126,14 @@ class KvtierOffloadingManager(OffloadingManager):
         # prepare_load (when the keys have left _from_lower), so the answer is kept until the
         # load completes.
         self._loading_from_lower: set[OffloadKey] = set()
+        # The request whose lookups run now, the keys that answered HIT to them, and those of
+        # them pinned (held) since a promotion was to start: see lookup.
+        self._lookup_req: ReqContext | None = None
+        self._lookup_hits: list[OffloadKey] = []
+        self._held: list[OffloadKey] = []
+        # Set by a cache reset that left GPU jobs in flight: no promotion starts until a job
+        # issued after it completes (see reset_cache).
+        self._flush_pending = False
         self.counters = m.ManagerCounters()
         if lower is not None:
             # The lower tier fills both as its promotions complete.
@@ -150,13 +175,42 @@ class KvtierOffloadingManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        # With a lower tier (without one, __init__ binds the index's lookup_result here).
         # HIT when ready, HIT_PENDING while a GPU->CPU store or a promotion from disk writes it.
         res = self._lookup_result(key)
+        if req_context is not self._lookup_req:
+            self._end_lookups()
+            self._lookup_req = req_context
+        if res is _HIT:
+            self._lookup_hits.append(key)
         # The disk tier is vLLM's STORAGE medium, local to this engine: a request whose
         # kv_load_tiers leave it out (load_tier_filter) is never served from it.
-        if res is _MISS and self._lower is not None and req_context.load_tier_filter.allows(Medium.STORAGE, _LOCAL):
-            return self._lower.lookup_and_promote(key, req_context)
+        elif res is _MISS and self._lower is not None and req_context.load_tier_filter.allows(Medium.STORAGE, _LOCAL):
+            if self._flush_pending:
+                return _MISS  # recomputed: a promotion could land in a slot a flushed job uses
+            # A promotion takes its CPU slot by eviction, and must not evict this request's
+            # hits: vLLM may load them without looking them up again, even after a lookup that
+            # answered HIT_PENDING (a sliding-window group's scan drops a pending chunk that a
+            # miss cuts off from the window; a pending partial tail falls back to the complete
+            # hits). So they stay pinned until the request's lookups end.
+            return self._lower.lookup_and_promote(key, req_context, self._hold_hits)
         return res
+
+    def _hold_hits(self) -> None:
+        """Pin the current request's hits not held yet (each once, however many promotions)."""
+        if self._lookup_hits:
+            self._held += _pin_ready(self._cpu, self._lookup_hits)
+            self._lookup_hits = []
+
+    def _end_lookups(self) -> None:
+        """The current request's lookups are over (it loads, or the step or the request
+        changed): vLLM looks up one request's keys, then loads them, before the next request's.
+        Its hits need no holding any more (a load pins them; otherwise vLLM looks again)."""
+        self._lookup_req = None
+        self._lookup_hits = []
+        if self._held:
+            held, self._held = self._held, []
+            self._cpu.unpin(held)
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         from_lower = key in self._from_lower or key in self._loading_from_lower
@@ -164,6 +218,7 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         self._dirty = True
+        self._end_lookups()
         keys = list(keys)
         # All-or-nothing; vLLM passes only keys that just answered HIT, so a failure here is a
         # broken contract and is raised (NotReadyError), like the in-tree manager's assert. So
@@ -192,6 +247,8 @@ class KvtierOffloadingManager(OffloadingManager):
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self._dirty = True
         keys = list(keys)
+        if keys:
+            self._flush_pending = False  # a job issued after any reset: see reset_cache
         if self._loading_from_lower:
             self._loading_from_lower.difference_update(keys)
         self._cpu.unpin(keys)
@@ -208,8 +265,10 @@ class KvtierOffloadingManager(OffloadingManager):
             return None
         except IndexFailedError:
             # The tier disabled itself (an internal error; its `failed` gauge says so): it
-            # stores nothing any more, and its lookups miss.
-            return None
+            # stores nothing any more, and its lookups miss. That is "nothing to store", not
+            # None: vLLM takes None as "cannot store now" and would count an allocation
+            # failure and offer the same chunks again on every step, for good.
+            return PrepareStoreOutput(keys_to_store=[], store_spec=CPULoadStoreSpec([]), evicted_keys=[])
         to_store = out.keys
         evicted = out.evicted
         if evicted:
@@ -226,7 +285,9 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         keys = list(keys)
-        self._dirty |= bool(keys)
+        if keys:
+            self._dirty = True
+            self._flush_pending = False  # a job issued after any reset: see reset_cache
         lower = self._lower
         if self._events is None and lower is None:
             self._cpu.complete_store(keys, success)
@@ -271,6 +332,7 @@ class KvtierOffloadingManager(OffloadingManager):
             yield from events
 
     def on_schedule_end(self, context: Any) -> None:
+        self._end_lookups()
         if self._lower is not None:
             self._lower.poll()
 
@@ -281,17 +343,30 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def reset_cache(self) -> None:
         self._dirty = True
+        self._end_lookups()
         # vLLM has flushed in-flight GPU jobs and drops their completions, so chunks still
         # pinned or being written will never be completed: release them, then clear all.
         if self._lower is not None:
             self._lower.reset()
         cpu = self._cpu
+        in_flight = False
         for key, state, pins, _slot in cpu.entries():
+            # The lower tier has drained its I/O: a pin or a write left is a GPU job's (or the
+            # reservation of a promoted chunk, counted too: it cannot be told apart).
+            in_flight |= bool(pins) or state == "writing"
             if pins:
                 cpu.unpin([key] * pins)
             if state == "writing":
                 cpu.complete_store([key], False)
         cpu.clear()
+        # vLLM has the worker finish those jobs (its "flush") at the start of the next step it
+        # executes, after that step's scheduling: until then a flushed store may still write,
+        # and a flushed load read, a slot freed here. Jobs issued from now on are run after the
+        # flush, but a promotion's disk read is not: it could land in such a slot before the
+        # flushed store, pass its checksum, and then be served with the store's bytes. So no
+        # promotion starts until a job issued after this reset completes, which proves the
+        # flush over (vLLM drops the completions of the flushed jobs themselves).
+        self._flush_pending = in_flight
         self._from_lower.clear()
         self._loading_from_lower.clear()
         self._generation += 1
