@@ -352,6 +352,24 @@ def test_a_disk_tier_that_cannot_be_cleared_is_switched_off(tmp_path, caplog):
     mg.on_schedule_end(None)
     disk.wait_idle(10)
     assert disk.stats()["blocks_written"] == written, "nothing is written through any more"
+    # Operators see it: the disk tier's switched_off gauge (the CPU tier's stays 0).
+    values = mg.get_stats().data["data"]
+    assert values[m.PREFIX + "switched_off"] == {("cpu",): 0, ("disk",): 1}
+    mg.shutdown()
+
+
+def test_a_disk_hit_skipped_by_the_cost_rule_counts_once_per_request_and_chunk(tmp_path):
+    """vLLM asks about a waiting request's chunks again on every step it is not scheduled; each
+    skipped chunk counted once a step before."""
+    # Recomputing a 16-token chunk at 10^9 tokens/s beats reading 4 KiB at 1 byte/s.
+    mg, _ = disk_backed(tmp_path, cost_model={"prefill_tokens_per_s": 1e9, "disk_read_bytes_per_s": 1})
+    waiting = ctx("waiting")
+    for _ in range(3):  # three steps
+        assert mg.lookup(key(1), waiting) is LookupResult.MISS
+        mg.on_schedule_end(None)
+    assert mg.lower.counters.disk_skipped_by_cost == 1
+    assert mg.lookup(key(1), ctx("another")) is LookupResult.MISS
+    assert mg.lower.counters.disk_skipped_by_cost == 2
     mg.shutdown()
 
 

@@ -46,6 +46,17 @@ _PENDING = LookupResult.HIT_PENDING
 _MISS = LookupResult.MISS
 
 
+class _SkippedByCost:
+    """The chunks of a request that the cost rule already sent to recomputation: vLLM asks
+    about a waiting request's chunks again on every step it is not scheduled, and each chunk
+    counts once in `disk_skipped_by_cost`, not once a step."""
+
+    __slots__ = ("keys",)
+
+    def __init__(self) -> None:
+        self.keys: set[bytes] = set()
+
+
 class _Reserved:
     """Promoted chunks held (pinned) for the request whose lookup promoted them.
 
@@ -192,7 +203,13 @@ class DiskLayer:
         if self.off_reason is not None or not self._contains([key])[0]:
             return _MISS
         if self.cost is not None and not self.cost.worth_loading("disk", 1):
-            self.counters.disk_skipped_by_cost += 1
+            skipped = req_context.get_state(_SkippedByCost)
+            if skipped is None:
+                skipped = _SkippedByCost()
+                req_context.set_state(skipped)
+            if key not in skipped.keys:
+                skipped.keys.add(key)
+                self.counters.disk_skipped_by_cost += 1
             return _MISS
         if protect is not None:
             protect()
@@ -302,6 +319,7 @@ class DiskLayer:
 
     def emit_stats(self, stats: Any) -> None:
         now = {k: v for k, v in self.disk.stats().items() if isinstance(v, int)}
+        now["switched_off"] = int(self.off_reason is not None)
         m.emit_index_stats(stats, "disk", now, self._last_stats)
         self._last_stats = now
 

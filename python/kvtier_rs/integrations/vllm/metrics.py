@@ -26,6 +26,8 @@ INDEX_GAUGES = {
     "pinned_blocks": "Chunks pinned by in-flight reads.",
     "writing_blocks": "Chunks being written.",
     "failed": "1 once the tier's index disabled itself after an internal error (it then misses and refuses stores).",
+    "switched_off": "1 once the tier is switched off for the rest of this process (the disk tier, when a cache "
+    "reset could not clear it durably); it then serves and stores nothing.",
 }
 # Manager-level counters (no labels).
 MANAGER_COUNTERS = {
@@ -34,7 +36,8 @@ MANAGER_COUNTERS = {
     "promotions": "Disk->CPU promotions started by a disk hit.",
     "promotion_failures": "Promotions that failed (checksum mismatch, short or failed read): "
     "counted as misses and recomputed.",
-    "disk_skipped_by_cost": "Disk hits not loaded because recomputing was estimated cheaper.",
+    "disk_skipped_by_cost": "Disk hits not loaded because recomputing was estimated cheaper (each chunk of a "
+    "request once, however often vLLM asks).",
 }
 ALLOCATION_SIZE = PREFIX + "allocation_size"
 
