@@ -171,6 +171,19 @@ def test_injected_enospc_retries_after_backoff(tmp_path, engine):
         still_serving(tier, host)
 
 
+def test_injected_enospc_marks_the_tier_full_with_the_longest_retry(tmp_path, engine):
+    # full_retry_s accepts up to 2**64 ns (584 years). `now + full_retry` wrapped once the
+    # tier's clock passed 2**64 ns - full_retry (10 ms here), and this (release) build then
+    # never marked the tier full.
+    host = Host(4)
+    with make_tier(tmp_path, engine, full_retry_s=18446744073.7) as tier:
+        time.sleep(0.05)
+        tier._inject_fault("enospc", 1)
+        _, res = write(tier, host, [1])
+        assert res is not None and not res.success
+        assert tier.disk_full
+
+
 @pytest.fixture
 def small_fs(tmp_path):
     """A 2 MiB tmpfs: too small for the tier's preallocation, so writes meet real ENOSPC."""

@@ -808,7 +808,10 @@ impl Shared {
     }
 
     fn mark_full(&self) {
-        let until = self.now_ns() + self.full_retry.as_nanos() as u64;
+        // Saturating: full_retry may be as long as u64::MAX ns ("never retry"), and a wrapped
+        // sum would mark the tier full for no time at all (or overflow a debug build).
+        let retry = u64::try_from(self.full_retry.as_nanos()).unwrap_or(u64::MAX);
+        let until = self.now_ns().saturating_add(retry);
         self.full_until_ns.store(until.max(1), Ordering::Release);
     }
 

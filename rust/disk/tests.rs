@@ -401,3 +401,26 @@ fn clear_without_room_for_new_metadata_still_forgets_for_good() {
     assert_eq!(t.len(), 0, "nothing from before the reset comes back");
     assert!(t.notes().iter().any(|n| n.contains("started afresh")), "{:?}", t.notes());
 }
+
+#[test]
+fn enospc_marks_the_tier_full_even_with_the_longest_retry() {
+    // full_retry_s accepts up to u64::MAX ns (584 years). `now + full_retry` used to wrap: in a
+    // release build the tier was then never marked full; in a debug build the overflow panicked
+    // on the I/O thread and the job never finished.
+    for engine in engines() {
+        for retry in [Duration::from_nanos(u64::MAX), Duration::MAX] {
+            let dir = TempDir::new();
+            let h = host(2);
+            let mut c = config(&dir, 4, engine);
+            c.full_retry = retry;
+            let t = DiskTier::open(c).unwrap();
+            std::thread::sleep(Duration::from_millis(2)); // the tier's clock is past 0
+            t.inject_fault(Some(Fault::WriteErrno(libc::ENOSPC)), 1);
+            fill(&h, 0, 1);
+            let ticket = t.submit_write(&[k(1)], &[0], h.clone(), InsertHint::default()).unwrap();
+            let r = t.wait(ticket.job_id, Some(Duration::from_secs(10))).unwrap();
+            assert!(r.is_some_and(|r| r.failed_keys == vec![k(1)]), "{engine:?} {retry:?}: the job never finished");
+            assert!(t.is_full(), "{engine:?} {retry:?}: ENOSPC did not mark the tier full");
+        }
+    }
+}
