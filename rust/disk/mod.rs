@@ -240,6 +240,7 @@ impl DiskTier {
         }
         slab::prepare_dir(&cfg.dir)?;
         let lock = DirLock::acquire(&cfg.dir)?;
+        slab::remove_stale_temporaries(&cfg.dir);
         let meta = Meta::load(&cfg.dir)?;
         let stride = layout::round_up_page(cfg.block_bytes.max(1)) + HEADER_BYTES;
         let num_files = match (cfg.num_files, &meta) {

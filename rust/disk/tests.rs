@@ -424,3 +424,22 @@ fn enospc_marks_the_tier_full_even_with_the_longest_retry() {
         }
     }
 }
+
+#[test]
+fn a_refused_opener_leaves_the_lock_holders_metadata_temporary_alone() {
+    let dir = TempDir::new();
+    let t = DiskTier::open(config(&dir, 4, EngineChoice::Pool)).unwrap();
+    // The holder is between creating and renaming its metadata temporary (`Meta::store`, as in
+    // `clear`): an opener that is refused must not delete it, or the rename fails and `clear`
+    // falls back to unlinking the metadata (every later block lost at the next restart).
+    let tmp = dir.0.join(".kvtier-disk.meta.tmp.4242");
+    std::fs::write(&tmp, b"being written").unwrap();
+    let err = DiskTier::open(config(&dir, 4, EngineChoice::Pool)).err().unwrap();
+    assert!(matches!(err, KvError::Locked(_)), "{err}");
+    assert!(tmp.exists(), "a refused opener deleted the lock holder's metadata temporary");
+    // The opener that does take the lock removes what a crashed holder left.
+    t.close().unwrap();
+    drop(t);
+    DiskTier::open(config(&dir, 4, EngineChoice::Pool)).unwrap();
+    assert!(!tmp.exists(), "a stale metadata temporary was left after the lock was taken");
+}
