@@ -79,7 +79,9 @@ class DiskStager:
 
     def write_through(self, keys: Sequence[Key], *, priority: int = 35, duration_s: float | None = None) -> int:
         """Offer ready CPU blocks to the disk tier. Returns how many were submitted."""
-        keys = key_list(keys)
+        # Each key once: pin_for_load pins a repeated key once per listing, but the disk writes
+        # it once and poll() unpins it once, which would leave a pin on it for good.
+        keys = list(dict.fromkeys(key_list(keys)))
         if not keys:
             return 0
         if self._write_backlog + len(keys) > self.max_write_backlog:

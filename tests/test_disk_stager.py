@@ -1,0 +1,35 @@
+"""The orchestrator's DiskStager on a real disk tier, called directly: pins it takes on CPU blocks
+are all given back, a disk tier it cannot stage through is refused at construction, and poll()
+handles every result even after the disk tier was closed."""
+
+from __future__ import annotations
+
+import kvtier_rs as kv
+from kvtier_rs._core import DiskTier
+from kvtier_rs.orchestrator.disk_stager import DiskStager
+
+BLOCK = 8192
+
+
+def host_tier(blocks: int, block: int = BLOCK) -> kv.HostTier:
+    return kv.HostTier(kv.TierConfig(capacity_bytes=blocks * block, block_bytes=block))
+
+
+def disk_tier(path, block: int = BLOCK) -> DiskTier:
+    data = -(-block // 4096) * 4096
+    return DiskTier(str(path), 16 * (data + 4096), block, admission="always", engine="pool")
+
+
+def test_write_through_with_a_key_listed_twice_leaves_no_pin_behind(tmp_path):
+    host = host_tier(4)
+    host.store([b"a", b"b"], [bytes([1]) * BLOCK, bytes([2]) * BLOCK])
+    with disk_tier(tmp_path / "d") as disk:
+        stager = DiskStager(host, disk)
+        assert stager.write_through([b"a", b"a", b"b"]) == 2
+        stager.drain(30)
+        assert stager.write_backlog == 0
+        assert disk.contains([b"a", b"b"]) == [True, True]
+        assert host.index.state(b"a") == ("ready", 0, 0), "the repeated key is still pinned"
+        # Every CPU slot can be reused: none is held by a pin that nothing will release.
+        out = host.index.prepare_store([b"f", b"g", b"h", b"i"])
+        assert sorted(out.evicted) == [b"a", b"b"]
