@@ -4,6 +4,8 @@ handles every result even after the disk tier was closed."""
 
 from __future__ import annotations
 
+import pytest
+
 import kvtier_rs as kv
 from kvtier_rs._core import DiskTier
 from kvtier_rs.orchestrator.disk_stager import DiskStager
@@ -33,3 +35,11 @@ def test_write_through_with_a_key_listed_twice_leaves_no_pin_behind(tmp_path):
         # Every CPU slot can be reused: none is held by a pin that nothing will release.
         out = host.index.prepare_store([b"f", b"g", b"h", b"i"])
         assert sorted(out.evicted) == [b"a", b"b"]
+
+
+def test_a_disk_whose_blocks_do_not_fit_the_host_slots_is_refused_at_construction(tmp_path):
+    # 12000-byte disk blocks need 12288-byte host slots (rounded to 4 KiB); these are 8192.
+    host = host_tier(4)
+    with disk_tier(tmp_path / "d", block=12_000) as disk:
+        with pytest.raises(kv.InvalidArgumentError, match=r"disk: .*12288 B.*host pool's slots are 8192 B"):
+            DiskStager(host, disk)

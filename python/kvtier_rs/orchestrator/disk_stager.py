@@ -23,6 +23,8 @@ from kvtier_rs.host_tier import HostTier
 from kvtier_rs.keys import Key, key_list
 from kvtier_rs.orchestrator.latency import LatencyRecorder
 
+_PAGE = 4096  # the disk tier's I/O unit (and the size of a slot's header page)
+
 
 @dataclass
 class PromotionDone:
@@ -59,6 +61,16 @@ class DiskStager:
         if disk.block_bytes < host.block_bytes:
             raise InvalidArgumentError(
                 f"disk: its blocks ({disk.block_bytes} B) are smaller than the host tier's ({host.block_bytes} B)"
+            )
+        # The disk tier moves whole 4 KiB pages between a host slot and the disk: a block takes
+        # its payload rounded up to 4 KiB (its slot stride less the header page) of a host slot.
+        # Checked here, or every write-through would raise from poll(). (Host pools are always
+        # page-aligned with 4 KiB-multiple slots, which the disk tier also needs.)
+        pool, need = host.pool, disk.slot_stride - _PAGE
+        if pool.slot_bytes < need:
+            raise InvalidArgumentError(
+                f"disk: its blocks need host slots of {need} B (block_bytes={disk.block_bytes} rounded up to "
+                f"4 KiB); the host pool's slots are {pool.slot_bytes} B"
             )
         self.host = host
         self.disk = disk
