@@ -8,6 +8,7 @@ import pytest
 
 import kvtier_rs as kv
 from kvtier_rs._core import DiskTier
+from kvtier_rs.events import EventStream
 from kvtier_rs.orchestrator.disk_stager import DiskStager
 
 BLOCK = 8192
@@ -43,3 +44,23 @@ def test_a_disk_whose_blocks_do_not_fit_the_host_slots_is_refused_at_constructio
     with disk_tier(tmp_path / "d", block=12_000) as disk:
         with pytest.raises(kv.InvalidArgumentError, match=r"disk: .*12288 B.*host pool's slots are 8192 B"):
             DiskStager(host, disk)
+
+
+def test_poll_after_the_disk_tier_was_closed_handles_every_result(tmp_path):
+    host = host_tier(4)
+    disk = disk_tier(tmp_path / "d")
+    stager = DiskStager(host, disk, events=EventStream())
+    # Two promotions of blocks the disk does not hold: both reads fail (misses).
+    jobs = [stager.promote([b"missing-1"]), stager.promote([b"missing-2"])]
+    assert None not in jobs
+    assert disk.wait_idle(30)
+    disk.close()
+    done = stager.poll()
+    assert sorted(d.job_id for d in done) == sorted(jobs)
+    assert all(d.ok_prefix == 0 for d in done)
+    assert stager.reads_in_flight == 0
+    # The CPU slots reserved for the reads were given back, not left "writing" for good.
+    assert host.index.state(b"missing-1") is None
+    assert host.index.state(b"missing-2") is None
+    removed = [e for e in stager.events.drain(100) if e.kind == "removed"]
+    assert sorted(k for e in removed for k in e.keys) == [b"missing-1", b"missing-2"]

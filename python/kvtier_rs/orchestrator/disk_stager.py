@@ -207,7 +207,12 @@ class DiskStager:
                         # A read that did not verify (checksum, short read, I/O error) makes the
                         # disk drop the block. Keys are pinned on disk from submission, so one
                         # the disk no longer holds was dropped by this read, not evicted.
-                        held = self.disk.contains(list(r.failed_keys))
+                        try:
+                            held = self.disk.contains(list(r.failed_keys))
+                        except KvTierError:
+                            # Closed (or its index failed): the disk holds nothing any more, and
+                            # raising here would lose the results after this one, already taken.
+                            held = [False] * len(r.failed_keys)
                         gone = [k for k, h in zip(r.failed_keys, held, strict=True) if not h]
                         self.events.publish("removed", "disk", gone, reason="failed_read")
                 done.append(PromotionDone(r.job_id, keys, prefix, r.seconds, r.bytes))
