@@ -17,9 +17,21 @@ import time
 import uuid
 
 import pytest
-from _disk_util import BLOCK, ENGINES, Host, make_tier, payload, read, require_engine, stride, write
+from _disk_util import (
+    BLOCK,
+    ENGINES,
+    Host,
+    assert_back_to,
+    make_tier,
+    payload,
+    read,
+    require_engine,
+    stride,
+    tier_threads_and_fds,
+    write,
+)
 
-from kvtier_rs._core import DiskTier, IndexFailedError
+from kvtier_rs._core import DiskIoError, DiskTier, IndexFailedError, _inject_spawn_failure
 
 
 @pytest.fixture(params=ENGINES)
@@ -469,3 +481,20 @@ def test_a_panic_in_a_write_completion_fails_the_index_and_the_job_still_finishe
         assert tier.lookup_prefix([1, 2, 3]) == 0
         with pytest.raises(IndexFailedError, match="a write's completion panicked"):
             write(tier, host, [4], first_slot=3)
+
+
+@pytest.mark.parametrize("after", [0, 5, 7])
+def test_a_thread_the_os_refuses_fails_the_open_with_an_error_not_a_panic(tmp_path, after):
+    """Under a pids limit the OS refuses threads: DiskTier() raised pyo3's PanicException (not
+    an Exception) and left the threads it had started running. One slot, so the recovery scan
+    starts no thread: the refused one is the engine's."""
+    before = tier_threads_and_fds()
+    _inject_spawn_failure(after)
+    try:
+        with pytest.raises(DiskIoError, match=r"start an I/O thread for .*queue_depth \(8\)"):
+            DiskTier(str(tmp_path / "t"), stride(), BLOCK, num_files=1, engine="pool", queue_depth=8)
+    finally:
+        _inject_spawn_failure(None)
+    assert_back_to(before, f"spawn {after} refused")
+    with make_tier(tmp_path / "t", "pool", blocks=1, num_files=1) as tier:
+        still_serving(tier, Host(2))

@@ -24,6 +24,7 @@ pub mod io;
 pub mod layout;
 pub mod recovery;
 pub mod slab;
+pub mod spawn;
 pub mod status;
 
 #[cfg(test)]
@@ -349,7 +350,7 @@ impl DiskTier {
         counters.recovery_duplicates.store(rec.duplicates, Ordering::Relaxed);
         counters.recovery_us.store(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
 
-        let (engine, uring_refusal) = build_engine(cfg.engine, cfg.queue_depth)?;
+        let (engine, uring_refusal) = build_engine(cfg.engine, cfg.queue_depth, &cfg.dir)?;
         if let Some(why) = uring_refusal {
             notes.push(format!("engine: thread pool (io_uring unavailable: {why})"));
         }

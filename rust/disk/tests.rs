@@ -443,3 +443,38 @@ fn a_refused_opener_leaves_the_lock_holders_metadata_temporary_alone() {
     DiskTier::open(config(&dir, 4, EngineChoice::Pool)).unwrap();
     assert!(!tmp.exists(), "a stale metadata temporary was left after the lock was taken");
 }
+
+#[test]
+fn a_refused_thread_fails_open_with_an_error_or_the_recovery_scan_runs_on_fewer() {
+    let dir = TempDir::new();
+    let h = host(4);
+    let mut c = config(&dir, 16, EngineChoice::Pool);
+    c.num_files = 1;
+    {
+        let t = DiskTier::open(c.clone()).unwrap();
+        assert!(write_all(&t, &h, &[1, 2, 3]).success());
+        t.close().unwrap();
+    }
+    // Opening spawns 4 pool threads and up to 15 recovery threads (16 slots): refuse each one
+    // in turn. An engine thread refused fails the open with an error naming the directory and
+    // queue_depth; a recovery thread refused leaves the scan to the threads it has.
+    let (mut failed, mut opened) = (0, 0);
+    for after in 0..19 {
+        spawn::inject_spawn_failure(Some(after));
+        match DiskTier::open(c.clone()) {
+            Ok(t) => {
+                assert_eq!(t.len(), 3, "spawn {after} refused: blocks lost by the recovery scan");
+                assert!(read_all(&t, &h, &[1, 2, 3]).success());
+                opened += 1;
+            }
+            Err(KvError::Io { op, path, detail }) => {
+                assert!(op.contains("I/O thread") && path == dir.0.display().to_string(), "{op} {path}");
+                assert!(detail.contains("queue_depth (4)"), "{detail}");
+                failed += 1;
+            }
+            Err(e) => panic!("spawn {after} refused: {e}"),
+        }
+    }
+    spawn::inject_spawn_failure(None);
+    assert!(failed > 0 && opened > 0, "{failed} opens failed, {opened} opened");
+}

@@ -459,6 +459,14 @@ impl PyDiskTier {
     }
 }
 
+/// Test hook: let the next `after` threads the disk tier starts from the calling thread (engine
+/// and recovery threads, all started by `DiskTier(...)`) succeed and refuse the one after them
+/// with EAGAIN, as the OS does under a pids limit; None disarms it.
+#[pyfunction]
+pub fn _inject_spawn_failure(after: Option<u32>) {
+    disk::spawn::inject_spawn_failure(after);
+}
+
 /// None when io_uring works in this process, else the reason (seccomp, gVisor, sysctl).
 #[pyfunction]
 pub fn io_uring_probe(py: Python<'_>) -> Option<String> {

@@ -14,6 +14,7 @@ pub mod pool;
 pub mod uring;
 
 use std::os::fd::RawFd;
+use std::path::Path;
 use std::sync::Arc;
 
 use crate::error::{KvError, KvResult};
@@ -132,23 +133,48 @@ impl EngineChoice {
     }
 }
 
+/// Why an engine did not start.
+#[derive(Debug)]
+pub enum StartError {
+    /// io_uring is refused here (kernel, seccomp, sandbox), in words; `auto` falls back to the
+    /// pool on it.
+    Unavailable(String),
+    /// The OS refused a thread (a pids limit, RLIMIT_NPROC, memory). Not a reason to fall back:
+    /// the pool needs more threads than io_uring.
+    Spawn(std::io::Error),
+}
+
 /// Build the engine asked for. `io_uring` fails with the probe's reason when the kernel or
-/// sandbox forbids it; `auto` falls back to the pool and keeps the reason for stats.
-pub fn build_engine(choice: EngineChoice, queue_depth: usize) -> KvResult<(Arc<dyn IoEngine>, Option<String>)> {
+/// sandbox forbids it; `auto` falls back to the pool and keeps the reason for stats. A thread
+/// the OS refuses is an I/O error naming the tier's directory `dir`.
+pub fn build_engine(
+    choice: EngineChoice,
+    queue_depth: usize,
+    dir: &Path,
+) -> KvResult<(Arc<dyn IoEngine>, Option<String>)> {
     if queue_depth == 0 || queue_depth > 4096 {
         return Err(KvError::invalid("queue_depth", format!("must be in 1..=4096, got {queue_depth}")));
     }
-    match choice {
-        EngineChoice::Pool => Ok((Arc::new(pool::PoolEngine::new(queue_depth)), None)),
-        EngineChoice::IoUring => match uring::UringEngine::new(queue_depth) {
-            Ok(e) => Ok((Arc::new(e), None)),
-            Err(why) => Err(KvError::invalid("engine", format!("io_uring is not usable here: {why}"))),
+    // A refused thread names the tier and how many threads its engine needs.
+    let spawn_failed = |e: std::io::Error| KvError::Io {
+        op: "start an I/O thread for",
+        path: dir.display().to_string(),
+        detail: format!("{e}; the pool engine runs one thread per queue_depth ({queue_depth}), io_uring three"),
+    };
+    let pool =
+        || -> KvResult<Arc<dyn IoEngine>> { Ok(Arc::new(pool::PoolEngine::new(queue_depth).map_err(spawn_failed)?)) };
+    let engine: Arc<dyn IoEngine> = match choice {
+        EngineChoice::Pool => pool()?,
+        EngineChoice::IoUring | EngineChoice::Auto => match uring::UringEngine::new(queue_depth) {
+            Ok(e) => Arc::new(e),
+            Err(StartError::Spawn(e)) => return Err(spawn_failed(e)),
+            Err(StartError::Unavailable(why)) if choice == EngineChoice::Auto => return Ok((pool()?, Some(why))),
+            Err(StartError::Unavailable(why)) => {
+                return Err(KvError::invalid("engine", format!("io_uring is not usable here: {why}")))
+            }
         },
-        EngineChoice::Auto => match uring::UringEngine::new(queue_depth) {
-            Ok(e) => Ok((Arc::new(e), None)),
-            Err(why) => Ok((Arc::new(pool::PoolEngine::new(queue_depth)), Some(why))),
-        },
-    }
+    };
+    Ok((engine, None))
 }
 
 /// Run one op with positioned vector I/O, retrying partial transfers; used by the pool engine

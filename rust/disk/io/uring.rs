@@ -19,7 +19,8 @@ use std::thread::JoinHandle;
 use io_uring::{cqueue, opcode, squeue, types, IoUring, Probe};
 use parking_lot::{Condvar, Mutex};
 
-use super::{Chain, ChainResult, DoneFn, IoEngine, IoFailure, IoOp, OpKind};
+use super::{Chain, ChainResult, DoneFn, IoEngine, IoFailure, IoOp, OpKind, StartError};
+use crate::disk::spawn;
 
 const WAKE: u64 = u64::MAX;
 const MAX_OPS_PER_CHAIN: usize = 4;
@@ -130,14 +131,15 @@ pub struct UringEngine {
 }
 
 impl UringEngine {
-    pub fn new(depth: usize) -> Result<Self, String> {
-        probe()?;
+    pub fn new(depth: usize) -> Result<Self, StartError> {
+        probe().map_err(StartError::Unavailable)?;
         let entries = ((depth * MAX_OPS_PER_CHAIN + 2).next_power_of_two()).min(32768) as u32;
-        let ring = IoUring::new(entries).map_err(|e| format!("io_uring_setup({entries}) failed: {e}"))?;
+        let ring = IoUring::new(entries)
+            .map_err(|e| StartError::Unavailable(format!("io_uring_setup({entries}) failed: {e}")))?;
         // SAFETY: plain syscall.
         let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
         if efd < 0 {
-            return Err(format!("eventfd failed: {}", std::io::Error::last_os_error()));
+            return Err(StartError::Unavailable(format!("eventfd failed: {}", std::io::Error::last_os_error())));
         }
         let shared = Arc::new(Shared {
             queue: Mutex::new(Queue { chains: VecDeque::new(), stopping: false }),
@@ -146,17 +148,12 @@ impl UringEngine {
             helper_cv: Condvar::new(),
         });
         let s2 = shared.clone();
-        let thread = std::thread::Builder::new()
-            .name("kvtier-uring".into())
-            .spawn(move || RingThread::new(ring, depth).run(&s2))
-            .map_err(|e| format!("spawn ring thread: {e}"))?;
+        let thread = spawn::spawn("kvtier-uring".into(), move || RingThread::new(ring, depth).run(&s2))
+            .map_err(StartError::Spawn)?;
         let helpers = (0..HELPERS)
             .map(|i| {
                 let s3 = shared.clone();
-                std::thread::Builder::new()
-                    .name(format!("kvtier-uring-helper-{i}"))
-                    .spawn(move || helper(&s3))
-                    .map_err(|e| format!("spawn helper thread: {e}"))
+                spawn::spawn(format!("kvtier-uring-helper-{i}"), move || helper(&s3)).map_err(StartError::Spawn)
             })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(UringEngine { shared, thread: Mutex::new(Some(thread)), helpers: Mutex::new(helpers), depth })
