@@ -5,10 +5,39 @@
 //! of their own with a single test (the library's tests run in parallel and open tiers all the
 //! time; running them in child processes instead would fork while those tiers hold flocks).
 
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use kvtier::disk::io::pool::PoolEngine;
-use kvtier::disk::spawn;
+use kvtier::admission::AdmissionRule;
+use kvtier::disk::io::{pool::PoolEngine, uring, EngineChoice, StartError};
+use kvtier::disk::{layout, spawn, DiskConfig, DiskTier};
+use kvtier::KvError;
+
+const BLOCK: usize = 12_000;
+
+/// A fresh directory path under the system temp dir, removed on drop.
+struct TempDir(PathBuf);
+impl TempDir {
+    fn new(name: &str) -> Self {
+        TempDir(std::env::temp_dir().join(format!("kvtier-fds-{}-{name}", std::process::id())))
+    }
+}
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A tier of `slots` slots in one file (with one slot, the recovery scan starts no thread).
+fn config(dir: &TempDir, engine: EngineChoice, slots: u64) -> DiskConfig {
+    let stride = (layout::round_up_page(BLOCK) + layout::HEADER_BYTES) as u64;
+    let mut c = DiskConfig::new(&dir.0, slots * stride, BLOCK);
+    c.num_files = 1;
+    c.engine = engine;
+    c.admission = AdmissionRule::Always;
+    c.queue_depth = 4;
+    c
+}
 
 /// (threads, open fds) of this process.
 fn threads_and_fds() -> (usize, usize) {
@@ -26,9 +55,22 @@ fn assert_back_to(before: (usize, usize), what: &str) {
     assert_eq!(threads_and_fds(), before, "{what}: (threads, fds) leaked");
 }
 
+fn engines() -> Vec<EngineChoice> {
+    match uring::probe() {
+        Ok(()) => vec![EngineChoice::Pool, EngineChoice::IoUring],
+        Err(why) => {
+            eprintln!("SKIPPING the io_uring engine in these checks: io_uring unavailable here: {why}");
+            vec![EngineChoice::Pool]
+        }
+    }
+}
+
 #[test]
 fn no_thread_or_fd_outlives_a_refused_start() {
     pool_start_refused_halfway();
+    if engines().contains(&EngineChoice::IoUring) {
+        io_uring_start_refused_halfway();
+    }
 }
 
 /// A pool engine whose k-th thread the OS refuses stops and joins the threads it started.
@@ -39,5 +81,26 @@ fn pool_start_refused_halfway() {
         let err = PoolEngine::new(8).err().expect("the engine started without its 8th thread");
         assert_eq!(err.raw_os_error(), Some(libc::EAGAIN));
         assert_back_to(before, &format!("pool engine, spawn {after} refused"));
+    }
+}
+
+/// The io_uring engine starts three threads (two helpers, the ring thread) and holds a ring and
+/// an eventfd: a start refused at any of them stops what it started and closes both fds, also
+/// through open(engine=auto), which fails rather than fall back to the pool with them leaked.
+fn io_uring_start_refused_halfway() {
+    for after in 0..3 {
+        let before = threads_and_fds();
+        spawn::inject_spawn_failure(Some(after));
+        match uring::UringEngine::new(4) {
+            Err(StartError::Spawn(e)) => assert_eq!(e.raw_os_error(), Some(libc::EAGAIN)),
+            Err(e) => panic!("spawn {after} refused: {e:?}"),
+            Ok(_) => panic!("spawn {after} refused: the engine started anyway"),
+        }
+        assert_back_to(before, &format!("io_uring engine, spawn {after} refused"));
+        let dir = TempDir::new("auto");
+        spawn::inject_spawn_failure(Some(after));
+        let opened = DiskTier::open(config(&dir, EngineChoice::Auto, 1));
+        assert!(matches!(opened, Err(KvError::Io { .. })), "spawn {after} refused: {:?}", opened.err());
+        assert_back_to(before, &format!("open(engine=auto), spawn {after} refused"));
     }
 }

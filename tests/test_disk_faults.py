@@ -483,18 +483,22 @@ def test_a_panic_in_a_write_completion_fails_the_index_and_the_job_still_finishe
             write(tier, host, [4], first_slot=3)
 
 
-@pytest.mark.parametrize("after", [0, 5, 7])
-def test_a_thread_the_os_refuses_fails_the_open_with_an_error_not_a_panic(tmp_path, after):
+@pytest.mark.parametrize(
+    "engine, after", [("pool", 0), ("pool", 5), ("pool", 7), ("io_uring", 0), ("io_uring", 1), ("io_uring", 2)]
+)
+def test_a_thread_the_os_refuses_fails_the_open_with_an_error_not_a_panic(tmp_path, engine, after):
     """Under a pids limit the OS refuses threads: DiskTier() raised pyo3's PanicException (not
-    an Exception) and left the threads it had started running. One slot, so the recovery scan
-    starts no thread: the refused one is the engine's."""
+    an Exception) and left the threads it had started running (a half-started io_uring engine
+    also its ring and eventfd). One slot, so the recovery scan starts no thread: the refused
+    one is the engine's (pool: 8 threads; io_uring: 3)."""
+    require_engine(engine)
     before = tier_threads_and_fds()
     _inject_spawn_failure(after)
     try:
         with pytest.raises(DiskIoError, match=r"start an I/O thread for .*queue_depth \(8\)"):
-            DiskTier(str(tmp_path / "t"), stride(), BLOCK, num_files=1, engine="pool", queue_depth=8)
+            DiskTier(str(tmp_path / "t"), stride(), BLOCK, num_files=1, engine=engine, queue_depth=8)
     finally:
         _inject_spawn_failure(None)
-    assert_back_to(before, f"spawn {after} refused")
-    with make_tier(tmp_path / "t", "pool", blocks=1, num_files=1) as tier:
+    assert_back_to(before, f"{engine}: spawn {after} refused")
+    with make_tier(tmp_path / "t", engine, blocks=1, num_files=1) as tier:
         still_serving(tier, Host(2))

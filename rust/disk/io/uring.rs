@@ -141,22 +141,31 @@ impl UringEngine {
         if efd < 0 {
             return Err(StartError::Unavailable(format!("eventfd failed: {}", std::io::Error::last_os_error())));
         }
-        let shared = Arc::new(Shared {
-            queue: Mutex::new(Queue { chains: VecDeque::new(), stopping: false }),
-            efd,
-            helpers: Mutex::new(Helpers { tasks: VecDeque::new(), preps_outstanding: 0, stopping: false }),
-            helper_cv: Condvar::new(),
-        });
-        let s2 = shared.clone();
-        let thread = spawn::spawn("kvtier-uring".into(), move || RingThread::new(ring, depth).run(&s2))
+        let engine = UringEngine {
+            shared: Arc::new(Shared {
+                queue: Mutex::new(Queue { chains: VecDeque::new(), stopping: false }),
+                efd,
+                helpers: Mutex::new(Helpers { tasks: VecDeque::new(), preps_outstanding: 0, stopping: false }),
+                helper_cv: Condvar::new(),
+            }),
+            thread: Mutex::new(None),
+            helpers: Mutex::new(Vec::with_capacity(HELPERS)),
+            depth,
+        };
+        // From here on a refused thread returns early and drops `engine`, whose Drop stops and
+        // joins the threads started so far and closes the eventfd. The ring thread comes last:
+        // it owns the ring, which a refused spawn closes with the closure that held it.
+        for i in 0..HELPERS {
+            let shared = engine.shared.clone();
+            let thread =
+                spawn::spawn(format!("kvtier-uring-helper-{i}"), move || helper(&shared)).map_err(StartError::Spawn)?;
+            engine.helpers.lock().push(thread);
+        }
+        let shared = engine.shared.clone();
+        let thread = spawn::spawn("kvtier-uring".into(), move || RingThread::new(ring, depth).run(&shared))
             .map_err(StartError::Spawn)?;
-        let helpers = (0..HELPERS)
-            .map(|i| {
-                let s3 = shared.clone();
-                spawn::spawn(format!("kvtier-uring-helper-{i}"), move || helper(&s3)).map_err(StartError::Spawn)
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(UringEngine { shared, thread: Mutex::new(Some(thread)), helpers: Mutex::new(helpers), depth })
+        *engine.thread.lock() = Some(thread);
+        Ok(engine)
     }
 }
 
