@@ -170,6 +170,9 @@ def test_write_amplification_is_counted(tmp_path):
         ({"block_bytes": -1}, "block_bytes"),
         ({"engine": "spdk"}, "engine"),
         ({"queue_depth": 0}, "queue_depth"),
+        ({"queue_depth": 5000}, "queue_depth"),  # refused by the core, not the binding
+        ({"num_files": 1000}, "num_files"),
+        ({"block_bytes": 2**30 + 1}, "block_bytes"),
         ({"direct": "maybe"}, "direct"),
         ({"policy": "mru"}, "policy"),
         ({"admission": "uses:0"}, "admission"),
@@ -185,6 +188,8 @@ def test_bad_arguments_are_named(tmp_path, kwargs, arg):
     cap, blk = args.pop("capacity_bytes"), args.pop("block_bytes")
     with pytest.raises(InvalidArgumentError, match=f"`{arg}`"):
         DiskTier(str(tmp_path / "t"), cap, blk, **args)
+    # Refused before the directory (and its preallocated slabs) was created.
+    assert not (tmp_path / "t").exists()
 
 
 def test_bad_call_arguments_are_named(tmp_path):

@@ -239,6 +239,13 @@ impl DiskTier {
         if cfg.dir.as_os_str().is_empty() {
             return Err(KvError::invalid("path", "must not be empty"));
         }
+        // Whatever can be refused without the directory is, before it is touched: a mistyped
+        // argument must not leave a directory, metadata and preallocated slabs behind. The
+        // geometry is checked as if for one file (the real number may come from the metadata;
+        // it only refuses more), and the engine is started (it checks queue_depth and probes
+        // io_uring; dropped again if the open fails later).
+        Geometry::new(cfg.capacity_bytes, cfg.block_bytes, cfg.num_files.max(1))?;
+        let (engine, uring_refusal) = build_engine(cfg.engine, cfg.queue_depth, &cfg.dir)?;
         slab::prepare_dir(&cfg.dir)?;
         let lock = DirLock::acquire(&cfg.dir)?;
         slab::remove_stale_temporaries(&cfg.dir);
@@ -350,7 +357,6 @@ impl DiskTier {
         counters.recovery_duplicates.store(rec.duplicates, Ordering::Relaxed);
         counters.recovery_us.store(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
 
-        let (engine, uring_refusal) = build_engine(cfg.engine, cfg.queue_depth, &cfg.dir)?;
         if let Some(why) = uring_refusal {
             notes.push(format!("engine: thread pool (io_uring unavailable: {why})"));
         }

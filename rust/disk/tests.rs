@@ -478,3 +478,29 @@ fn a_refused_thread_fails_open_with_an_error_or_the_recovery_scan_runs_on_fewer(
     spawn::inject_spawn_failure(None);
     assert!(failed > 0 && opened > 0, "{failed} opens failed, {opened} opened");
 }
+
+#[test]
+fn a_refused_open_leaves_no_directory_behind() {
+    // Arguments that can never work, and an engine that cannot start, are refused before the
+    // directory, its metadata and its preallocated slabs (terabytes, for a large tier) exist.
+    type Change = fn(&mut DiskConfig);
+    let cases: [(&str, Change); 6] = [
+        ("queue_depth", |c| c.queue_depth = 5000),
+        ("queue_depth", |c| c.queue_depth = 0),
+        ("block_bytes", |c| c.block_bytes = 0),
+        ("capacity_bytes", |c| c.capacity_bytes = HEADER_BYTES as u64),
+        ("num_files", |c| c.num_files = 1000),
+        ("start an I/O thread", |_| spawn::inject_spawn_failure(Some(0))),
+    ];
+    for engine in engines() {
+        for (arg, change) in cases {
+            let dir = TempDir::new();
+            let mut c = config(&dir, 4, engine);
+            change(&mut c);
+            let err = DiskTier::open(c).err().unwrap_or_else(|| panic!("{engine:?} {arg}: opened"));
+            spawn::inject_spawn_failure(None);
+            assert!(err.to_string().contains(arg), "{engine:?}: {err}");
+            assert!(!dir.0.exists(), "{engine:?} {arg}: a refused open created {}", dir.0.display());
+        }
+    }
+}
