@@ -1,17 +1,20 @@
 //! The disk tier's threads and file descriptors: none outlive an engine start the OS refused
-//! halfway.
+//! halfway, nor a tier's close().
 //!
 //! These checks count the whole process's threads and fds, so they run here, in a test binary
 //! of their own with a single test (the library's tests run in parallel and open tiers all the
 //! time; running them in child processes instead would fork while those tiers hold flocks).
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvtier::admission::AdmissionRule;
 use kvtier::disk::io::{pool::PoolEngine, uring, EngineChoice, StartError};
 use kvtier::disk::{layout, spawn, DiskConfig, DiskTier};
-use kvtier::KvError;
+use kvtier::host_pool::HostRegion;
+use kvtier::policy::InsertHint;
+use kvtier::{BlockKey, KvError};
 
 const BLOCK: usize = 12_000;
 
@@ -66,10 +69,13 @@ fn engines() -> Vec<EngineChoice> {
 }
 
 #[test]
-fn no_thread_or_fd_outlives_a_refused_start() {
+fn no_thread_or_fd_outlives_a_refused_start_or_a_close() {
     pool_start_refused_halfway();
     if engines().contains(&EngineChoice::IoUring) {
         io_uring_start_refused_halfway();
+    }
+    for engine in engines() {
+        close_releases_everything(engine);
     }
 }
 
@@ -103,4 +109,18 @@ fn io_uring_start_refused_halfway() {
         assert!(matches!(opened, Err(KvError::Io { .. })), "spawn {after} refused: {:?}", opened.err());
         assert_back_to(before, &format!("open(engine=auto), spawn {after} refused"));
     }
+}
+
+/// close() closes the slabs, the lock, the engine's eventfd and ring, and stops its threads,
+/// while the tier object lives on (in Python, until it is garbage-collected).
+fn close_releases_everything(engine: EngineChoice) {
+    let dir = TempDir::new("close");
+    let host = Arc::new(HostRegion::new(2 * layout::round_up_page(BLOCK), BLOCK).unwrap());
+    let before = threads_and_fds();
+    let t = DiskTier::open(config(&dir, engine, 4)).unwrap();
+    let ticket = t.submit_write(&[BlockKey::from_int(1)], &[0], host.clone(), InsertHint::default()).unwrap();
+    assert!(t.wait(ticket.job_id, None).unwrap().unwrap().success());
+    t.close().unwrap();
+    assert_back_to(before, &format!("{engine:?}: a closed tier, still alive"));
+    drop(t);
 }

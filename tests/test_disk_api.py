@@ -15,7 +15,19 @@ import textwrap
 import time
 
 import pytest
-from _disk_util import BLOCK, ENGINES, Host, make_tier, payload, read, require_engine, stride, write
+from _disk_util import (
+    BLOCK,
+    ENGINES,
+    Host,
+    assert_back_to,
+    make_tier,
+    payload,
+    read,
+    require_engine,
+    stride,
+    tier_threads_and_fds,
+    write,
+)
 
 from kvtier_rs._core import (
     ClosedError,
@@ -384,3 +396,18 @@ def test_the_adapters_opener_logs_what_the_tier_noted(tmp_path, caplog):
     messages = [(r.levelname, r.getMessage()) for r in caplog.records]
     assert ("INFO", f"kvtier disk tier {root}: 0 blocks recovered, 1 discarded; {tier.io_mode} I/O on pool") in messages
     assert any(level == "WARNING" and "kvtier-disk.meta was missing" in m for level, m in messages), messages
+
+
+def test_close_releases_fds_and_threads_while_the_object_lives_on(tmp_path, engine):
+    """A closed tier kept its slab fds and (io_uring) its eventfd until garbage-collected."""
+    host = Host(2)
+    before = tier_threads_and_fds()
+    kept = []
+    for i in range(3):
+        tier = make_tier(tmp_path / f"t{i}", engine)
+        _, res = write(tier, host, [i])
+        assert res.success
+        tier.close()
+        kept.append(tier)
+    assert_back_to(before, f"{engine}: closed tiers, still referenced")
+    assert all(t.closed for t in kept)

@@ -199,7 +199,9 @@ struct Shared {
     /// Written into every slot header and checked on every read and at recovery; `clear`
     /// replaces it, which voids every header written before.
     dir_id: AtomicU64,
-    slabs: Vec<RwLock<Arc<SlabFile>>>,
+    /// One per slab file; None once the tier is closed (`close` releases the files then, so a
+    /// closed tier holds no fd even while the object lives on).
+    slabs: Vec<RwLock<Option<Arc<SlabFile>>>>,
     counters: Counters,
     jobs: Mutex<HashMap<u64, JobSlot>>,
     job_done: Condvar,
@@ -364,7 +366,7 @@ impl DiskTier {
             index,
             geo,
             dir_id: AtomicU64::new(dir_id),
-            slabs: slabs.into_iter().map(RwLock::new).collect(),
+            slabs: slabs.into_iter().map(|s| RwLock::new(Some(s))).collect(),
             counters,
             jobs: Mutex::new(HashMap::new()),
             job_done: Condvar::new(),
@@ -732,8 +734,8 @@ impl DiskTier {
         self.shared.jobs.lock().values().filter(|s| matches!(s, JobSlot::Running)).count()
     }
 
-    /// Finish all queued I/O, sync the slabs, release the directory lock. Finished results
-    /// stay collectable. Idempotent.
+    /// Finish all queued I/O, sync and close the slabs, release the directory lock and the
+    /// engine's fds. Finished results stay collectable. Idempotent.
     pub fn close(&self) -> KvResult<()> {
         {
             let mut closed = self.closed.write();
@@ -744,8 +746,9 @@ impl DiskTier {
         }
         self.engine.shutdown();
         let mut first_err = None;
-        for s in &self.shared.slabs {
-            let s = s.read().clone();
+        // The engine has finished every chain, so these are the files' last references: taking
+        // them closes the fds.
+        for s in self.shared.slabs.iter().filter_map(|cell| cell.write().take()) {
             if let Err(e) = s.file.sync_data() {
                 first_err.get_or_insert(KvError::io("sync", &s.path, &e));
             }
@@ -841,7 +844,7 @@ impl Shared {
     }
 
     fn slab(&self, i: usize) -> Arc<SlabFile> {
-        self.slabs[i].read().clone()
+        self.slabs[i].read().clone().expect("slabs are open until close(), and no I/O is submitted after it")
     }
 
     /// Where one block moves between: its slab file, the payload offset of `disk_slot` in it,
@@ -858,7 +861,7 @@ impl Shared {
     /// number is ever reused under the kernel's feet.
     fn check_slabs(&self) {
         for (i, cell) in self.slabs.iter().enumerate() {
-            let cur = cell.read().clone();
+            let Some(cur) = cell.read().clone() else { continue };
             // SAFETY: fstat on an fd kept open by `cur`.
             let mut st: libc::stat = unsafe { std::mem::zeroed() };
             let rc = unsafe { libc::fstat(cur.file.as_raw_fd(), &mut st) };
@@ -866,12 +869,12 @@ impl Shared {
                 continue;
             }
             let mut w = cell.write();
-            if !Arc::ptr_eq(&w, &cur) {
+            if !w.as_ref().is_some_and(|s| Arc::ptr_eq(s, &cur)) {
                 continue; // another thread replaced it already
             }
             let mode = if cur.direct { DirectMode::Auto } else { DirectMode::Off };
             match SlabFile::open(&cur.path, self.geo.file_bytes(), mode) {
-                Ok(o) => *w = Arc::new(o.slab),
+                Ok(o) => *w = Some(Arc::new(o.slab)),
                 Err(_) => continue, // keep serving from the unlinked file; retried next read
             }
             drop(w);

@@ -13,6 +13,7 @@
 
 use std::collections::VecDeque;
 use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
@@ -73,7 +74,8 @@ struct Helpers {
 
 struct Shared {
     queue: Mutex<Queue>,
-    efd: RawFd,
+    /// The eventfd that wakes the ring thread; -1 once `shutdown` closed it.
+    efd: AtomicI32,
     helpers: Mutex<Helpers>,
     helper_cv: Condvar,
 }
@@ -116,10 +118,14 @@ fn helper(shared: &Shared) {
 }
 
 impl Shared {
+    fn efd(&self) -> RawFd {
+        self.efd.load(Ordering::Acquire)
+    }
+
     fn wake(&self) {
         let one: u64 = 1;
         // SAFETY: writing 8 bytes to our own eventfd. EAGAIN (counter saturated) still wakes.
-        unsafe { libc::write(self.efd, (&one as *const u64).cast(), 8) };
+        unsafe { libc::write(self.efd(), (&one as *const u64).cast(), 8) };
     }
 }
 
@@ -144,7 +150,7 @@ impl UringEngine {
         let engine = UringEngine {
             shared: Arc::new(Shared {
                 queue: Mutex::new(Queue { chains: VecDeque::new(), stopping: false }),
-                efd,
+                efd: AtomicI32::new(efd),
                 helpers: Mutex::new(Helpers { tasks: VecDeque::new(), preps_outstanding: 0, stopping: false }),
                 helper_cv: Condvar::new(),
             }),
@@ -275,7 +281,7 @@ impl RingThread {
     fn run(mut self, shared: &Shared) {
         let mut pending: VecDeque<Prepared> = VecDeque::new();
         let mut stopping = false;
-        self.arm_wake(shared.efd);
+        self.arm_wake(shared.efd());
         loop {
             {
                 let mut q = shared.queue.lock();
@@ -307,8 +313,8 @@ impl RingThread {
                 // Drain the counter so the next write wakes us again.
                 let mut sink = 0u64;
                 // SAFETY: non-blocking read of our own eventfd.
-                unsafe { libc::read(shared.efd, (&mut sink as *mut u64).cast(), 8) };
-                self.arm_wake(shared.efd);
+                unsafe { libc::read(shared.efd(), (&mut sink as *mut u64).cast(), 8) };
+                self.arm_wake(shared.efd());
             }
         }
     }
@@ -350,13 +356,18 @@ impl IoEngine for UringEngine {
         for t in self.helpers.lock().drain(..) {
             let _ = t.join();
         }
+        // Every thread that used the eventfd has exited: close it now, not when the engine is
+        // dropped (a closed tier may live on). The swap makes a second shutdown a no-op.
+        let efd = self.shared.efd.swap(-1, Ordering::AcqRel);
+        if efd >= 0 {
+            // SAFETY: our own eventfd, closed once.
+            unsafe { libc::close(efd) };
+        }
     }
 }
 
 impl Drop for UringEngine {
     fn drop(&mut self) {
         self.shutdown();
-        // SAFETY: the ring thread has exited; nobody uses the eventfd any more.
-        unsafe { libc::close(self.shared.efd) };
     }
 }
