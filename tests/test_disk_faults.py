@@ -7,6 +7,7 @@ every block reported ok with its expected payload), and the tier keeps serving a
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -31,7 +32,7 @@ from _disk_util import (
     write,
 )
 
-from kvtier_rs._core import DiskIoError, DiskTier, IndexFailedError, _inject_spawn_failure
+from kvtier_rs._core import DiskIoError, DiskTier, IndexFailedError, InvalidArgumentError, _inject_spawn_failure
 
 
 @pytest.fixture(params=ENGINES)
@@ -502,3 +503,42 @@ def test_a_thread_the_os_refuses_fails_the_open_with_an_error_not_a_panic(tmp_pa
     assert_back_to(before, f"{engine}: spawn {after} refused")
     with make_tier(tmp_path / "t", engine, blocks=1, num_files=1) as tier:
         still_serving(tier, Host(2))
+
+
+def test_a_transient_io_uring_enter_error_is_retried(tmp_path):
+    """EAGAIN from io_uring_enter (the kernel could not allocate requests, e.g. under memory
+    pressure) panicked the ring thread, and every job after it hung."""
+    require_engine("io_uring")
+    host = Host(4)
+    with make_tier(tmp_path, "io_uring") as tier:
+        write(tier, host, [1])
+        tier._inject_fault("enter_eagain", 3)
+        _, res = write(tier, host, [2], first_slot=1)
+        assert res is not None and res.success
+        assert read(tier, host, [1, 2]) == {1: payload(1), 2: payload(2)}
+        assert tier.stats()["engine_errno"] == 0
+
+
+def test_a_failed_io_uring_enter_fails_every_job_and_close_returns(tmp_path):
+    require_engine("io_uring")
+    host = Host(4)
+    with make_tier(tmp_path, "io_uring") as tier:
+        write(tier, host, [1])
+        tier._inject_fault("enter_eio", 1)
+        _, res = write(tier, host, [2], first_slot=1)
+        assert res is not None and res.failed_keys == [2]
+        assert tier.stats()["engine_errno"] == errno.EIO
+        # Later jobs fail at once: a read is a miss (never stale bytes), a write fails.
+        assert read(tier, host, [1]) == {}
+        _, res = write(tier, host, [3], first_slot=2)
+        assert res is not None and res.failed_keys == [3]
+        assert tier.wait_idle(10) and tier.running_jobs == 0
+    # Closed without hanging; what was written before the failure is intact.
+    with make_tier(tmp_path, "pool") as tier:
+        assert read(tier, host, [1]) == {1: payload(1)}
+
+
+def test_an_io_uring_enter_fault_needs_the_io_uring_engine(tmp_path):
+    with make_tier(tmp_path, "pool") as tier:
+        with pytest.raises(InvalidArgumentError, match="`fault`"):
+            tier._inject_fault("enter_eio", 1)

@@ -191,6 +191,9 @@ pub enum Fault {
     /// The next `count` block writes land, then their completion panics inside its index
     /// update (a bug there): the index must fail closed and the job still finish.
     CompletionPanic,
+    /// The io_uring engine's next `count` `io_uring_enter` calls fail with this errno: the
+    /// transient ones are retried, any other stops the engine (see `io::uring`).
+    EnterErrno(i32),
 }
 
 struct Shared {
@@ -530,9 +533,17 @@ impl DiskTier {
     }
 
     /// Test hook: make the next `count` block writes or reads fail with an errno, at the I/O
-    /// layer (after the index reserved the slot, before any byte moves).
-    pub fn inject_fault(&self, fault: Option<Fault>, count: u32) {
+    /// layer (after the index reserved the slot, before any byte moves), or the engine's next
+    /// `count` submissions to the kernel (`EnterErrno`, io_uring only).
+    pub fn inject_fault(&self, fault: Option<Fault>, count: u32) -> KvResult<()> {
+        if let Some(Fault::EnterErrno(errno)) = fault {
+            if !self.engine.inject_enter_failure(errno, count) {
+                return Err(KvError::invalid("fault", "an io_uring_enter failure needs engine=io_uring"));
+            }
+            return Ok(());
+        }
         *self.shared.fault.lock() = fault.map(|f| (f, count));
+        Ok(())
     }
 
     fn check_host(&self, host: &dyn HostMemory, slots: &[u32], keys: usize) -> KvResult<()> {
@@ -775,6 +786,8 @@ impl DiskTier {
             ("enospc", l(&c.enospc)),
             ("refused_disk_full", l(&c.refused_full)),
             ("disk_full", u64::from(self.shared.is_full())),
+            // The errno that stopped the I/O engine for good (every I/O then fails), else 0.
+            ("engine_errno", self.engine.failure().map_or(0, |e| e as u64)),
             ("slabs_lost", l(&c.slabs_lost)),
             ("blocks_lost", l(&c.blocks_lost)),
             ("recovered_blocks", l(&c.recovered_blocks)),

@@ -173,7 +173,7 @@ fn injected_enospc_stops_admission_but_reads_continue() {
         c.full_retry = Duration::from_secs(3600);
         let t = DiskTier::open(c).unwrap();
         assert!(write_all(&t, &h, &[1]).success());
-        t.inject_fault(Some(Fault::WriteErrno(libc::ENOSPC)), 1);
+        t.inject_fault(Some(Fault::WriteErrno(libc::ENOSPC)), 1).unwrap();
         let w = write_all(&t, &h, &[2]);
         assert_eq!(w.failed_keys, vec![k(2)]);
         assert!(t.is_full());
@@ -415,7 +415,7 @@ fn enospc_marks_the_tier_full_even_with_the_longest_retry() {
             c.full_retry = retry;
             let t = DiskTier::open(c).unwrap();
             std::thread::sleep(Duration::from_millis(2)); // the tier's clock is past 0
-            t.inject_fault(Some(Fault::WriteErrno(libc::ENOSPC)), 1);
+            t.inject_fault(Some(Fault::WriteErrno(libc::ENOSPC)), 1).unwrap();
             fill(&h, 0, 1);
             let ticket = t.submit_write(&[k(1)], &[0], h.clone(), InsertHint::default()).unwrap();
             let r = t.wait(ticket.job_id, Some(Duration::from_secs(10))).unwrap();
@@ -503,4 +503,101 @@ fn a_refused_open_leaves_no_directory_behind() {
             assert!(!dir.0.exists(), "{engine:?} {arg}: a refused open created {}", dir.0.display());
         }
     }
+}
+
+/// True where io_uring works; says loudly that the test is skipped otherwise.
+fn io_uring_here() -> bool {
+    match uring::probe() {
+        Ok(()) => true,
+        Err(why) => {
+            eprintln!("SKIPPING this io_uring test: io_uring unavailable here: {why}");
+            false
+        }
+    }
+}
+
+#[test]
+fn a_transient_io_uring_enter_error_is_retried() {
+    if !io_uring_here() {
+        return;
+    }
+    // EAGAIN/ENOMEM: the kernel could not allocate requests (memory-cgroup pressure); EBUSY: its
+    // completion backlog is full; EINTR: a signal. The ring thread panicked on the first three.
+    for errno in [libc::EAGAIN, libc::ENOMEM, libc::EBUSY, libc::EINTR] {
+        let dir = TempDir::new();
+        let h = host(4);
+        let t = DiskTier::open(config(&dir, 8, EngineChoice::IoUring)).unwrap();
+        assert!(write_all(&t, &h, &[1]).success());
+        t.inject_fault(Some(Fault::EnterErrno(errno)), 3).unwrap();
+        fill(&h, 1, 2);
+        let ticket = t.submit_write(&[k(2)], &[1], h.clone(), InsertHint::default()).unwrap();
+        let w = t.wait(ticket.job_id, Some(Duration::from_secs(10))).unwrap();
+        assert!(w.is_some_and(|w| w.success()), "errno {errno}: the write did not finish, or failed");
+        let r = read_all(&t, &h, &[1, 2]);
+        assert!(r.success(), "errno {errno}");
+        assert_eq!((slot_bytes(&h, 0), slot_bytes(&h, 1)), (expected(1), expected(2)));
+        assert_eq!(stat(&t, "engine_errno"), 0);
+    }
+}
+
+#[test]
+fn a_failed_io_uring_enter_fails_every_job_instead_of_hanging_them() {
+    if !io_uring_here() {
+        return;
+    }
+    let dir = TempDir::new();
+    let h = host(4);
+    let mut c = config(&dir, 8, EngineChoice::IoUring);
+    c.num_files = 1;
+    let t = DiskTier::open(c.clone()).unwrap();
+    assert!(write_all(&t, &h, &[1]).success());
+    t.inject_fault(Some(Fault::EnterErrno(libc::EIO)), 1).unwrap();
+    // The write whose submission fails, then a read and a write submitted after it: each
+    // finishes (failed), none hangs.
+    fill(&h, 1, 2);
+    let ticket = t.submit_write(&[k(2)], &[1], h.clone(), InsertHint::default()).unwrap();
+    let w = t.wait(ticket.job_id, Some(Duration::from_secs(10))).unwrap().expect("the write never finished");
+    assert_eq!(w.failed_keys, vec![k(2)]);
+    assert_eq!(stat(&t, "engine_errno"), libc::EIO as u64);
+    fill(&h, 2, 3);
+    let read = t.submit_read(&[k(1)], &[2], h.clone()).unwrap();
+    let r = t.wait(read, Some(Duration::from_secs(10))).unwrap().expect("a later read never finished");
+    assert_eq!(r.failed_keys, vec![k(1)]);
+    assert!(slot_bytes(&h, 2).iter().all(|&b| b == 0), "a failed read left bytes in the host slot");
+    let ticket = t.submit_write(&[k(3)], &[2], h.clone(), InsertHint::default()).unwrap();
+    let w = t.wait(ticket.job_id, Some(Duration::from_secs(10))).unwrap().expect("a later write never finished");
+    assert_eq!(w.failed_keys, vec![k(3)]);
+    assert!(t.wait_idle(Some(Duration::from_secs(10))));
+    t.close().unwrap();
+    drop(t);
+    // What was written before the failure is still on disk, intact.
+    c.engine = EngineChoice::Pool;
+    let t = DiskTier::open(c).unwrap();
+    assert!(read_all(&t, &h, &[1]).success());
+    assert_eq!(slot_bytes(&h, 0), expected(1));
+}
+
+#[test]
+fn an_enter_failure_needs_the_io_uring_engine() {
+    let dir = TempDir::new();
+    let t = DiskTier::open(config(&dir, 4, EngineChoice::Pool)).unwrap();
+    let err = t.inject_fault(Some(Fault::EnterErrno(libc::EIO)), 1).unwrap_err();
+    assert!(matches!(&err, KvError::InvalidArgument { arg: "fault", .. }), "{err}");
+}
+
+#[test]
+fn a_transient_io_uring_enter_error_that_never_ends_fails_the_jobs_after_a_while() {
+    if !io_uring_here() {
+        return;
+    }
+    // EAGAIN for good (as a seccomp filter answers): retried for 5 s, then the engine stops.
+    let dir = TempDir::new();
+    let h = host(2);
+    let t = DiskTier::open(config(&dir, 4, EngineChoice::IoUring)).unwrap();
+    t.inject_fault(Some(Fault::EnterErrno(libc::EAGAIN)), u32::MAX).unwrap();
+    fill(&h, 0, 1);
+    let ticket = t.submit_write(&[k(1)], &[0], h.clone(), InsertHint::default()).unwrap();
+    let w = t.wait(ticket.job_id, Some(Duration::from_secs(60))).unwrap().expect("the write never finished");
+    assert_eq!(w.failed_keys, vec![k(1)]);
+    assert_eq!(stat(&t, "engine_errno"), libc::EAGAIN as u64);
 }

@@ -13,6 +13,9 @@
 pub mod pool;
 pub mod uring;
 
+#[cfg(test)]
+mod tests;
+
 use std::os::fd::RawFd;
 use std::path::Path;
 use std::sync::Arc;
@@ -110,6 +113,16 @@ pub trait IoEngine: Send + Sync {
     fn submit(&self, chains: Vec<Chain>);
     /// Finish everything queued, then stop the engine's threads. Idempotent.
     fn shutdown(&self);
+    /// The errno that stopped the engine for good (an `io_uring_enter` failure); None while it
+    /// works.
+    fn failure(&self) -> Option<i32> {
+        None
+    }
+    /// Test hook: the engine's next `count` submissions to the kernel (`io_uring_enter`) fail
+    /// with `errno`. False for an engine without that step (the pool).
+    fn inject_enter_failure(&self, _errno: i32, _count: u32) -> bool {
+        false
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

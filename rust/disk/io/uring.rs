@@ -10,14 +10,22 @@
 //!
 //! At most `queue_depth` chains are in the ring at once. No fixed buffers: registering the host
 //! pool would count against RLIMIT_MEMLOCK and tie the ring to one pool.
+//!
+//! `io_uring_enter` errors never panic the ring thread (every chain would then hang): the
+//! transient ones (EAGAIN, ENOMEM: the kernel is short of memory for requests; EBUSY: its
+//! completion backlog is full; EINTR) are retried after a short pause; any other, or transient
+//! ones that go on for 5 s, stop the engine for good. Then every chain fails with that errno
+//! (misses, failed writes), except that ops the kernel already took keep their buffers until
+//! their completions arrive, and chains submitted later fail at once.
 
 use std::collections::VecDeque;
 use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
-use io_uring::{cqueue, opcode, squeue, types, IoUring, Probe};
+use io_uring::{opcode, squeue, types, IoUring, Probe};
 use parking_lot::{Condvar, Mutex};
 
 use super::{Chain, ChainResult, DoneFn, IoEngine, IoFailure, IoOp, OpKind, StartError};
@@ -58,6 +66,8 @@ struct Prepared {
 struct Queue {
     chains: VecDeque<Prepared>,
     stopping: bool,
+    /// The errno of the `io_uring_enter` failure that stopped the ring for good.
+    failed: Option<i32>,
 }
 
 enum Task {
@@ -78,9 +88,18 @@ struct Shared {
     efd: AtomicI32,
     helpers: Mutex<Helpers>,
     helper_cv: Condvar,
+    /// Test hook: the next `count` `io_uring_enter` calls fail with this errno.
+    enter_fault: Mutex<Option<(i32, u32)>>,
+    /// Chain ops the kernel has taken from the submission queue (tests wait on it).
+    ops_taken: AtomicU64,
 }
 
 const HELPERS: usize = 2;
+/// How long the ring thread pauses before it retries a transiently failed `io_uring_enter`.
+const RETRY_PAUSE: Duration = Duration::from_millis(1);
+/// How long transient `io_uring_enter` failures may go on before the engine stops for good:
+/// one that never ends (a seccomp filter answering EAGAIN, say) would hang every job.
+const GIVE_UP_AFTER: Duration = Duration::from_secs(5);
 
 fn helper(shared: &Shared) {
     loop {
@@ -100,11 +119,22 @@ fn helper(shared: &Shared) {
             Task::Done(done, res) => done(res),
             Task::Prep(chain) => {
                 if let Some((ops, done)) = chain.run_prep() {
-                    if ops.is_empty() {
-                        done(Ok(()));
-                    } else {
-                        shared.queue.lock().chains.push_back(Prepared { ops, done });
-                        shared.wake();
+                    let mut q = shared.queue.lock();
+                    match q.failed {
+                        _ if ops.is_empty() => {
+                            drop(q);
+                            done(Ok(()));
+                        }
+                        // The ring stopped for good: nothing would ever run this chain.
+                        Some(errno) => {
+                            drop((q, ops));
+                            done(Err(IoFailure::Os(errno)));
+                        }
+                        None => {
+                            q.chains.push_back(Prepared { ops, done });
+                            drop(q);
+                            shared.wake();
+                        }
                     }
                 }
                 let mut h = shared.helpers.lock();
@@ -126,6 +156,20 @@ impl Shared {
         let one: u64 = 1;
         // SAFETY: writing 8 bytes to our own eventfd. EAGAIN (counter saturated) still wakes.
         unsafe { libc::write(self.efd(), (&one as *const u64).cast(), 8) };
+    }
+
+    /// Hand a finished chain's `done` to the helpers.
+    fn finish(&self, done: DoneFn, result: ChainResult) {
+        self.helpers.lock().tasks.push_back(Task::Done(done, result));
+        self.helper_cv.notify_all(); // all: shutdown() waits on the same condvar
+    }
+
+    /// The errno of an injected `io_uring_enter` failure, using up one count of it.
+    fn take_enter_fault(&self) -> Option<i32> {
+        let mut f = self.enter_fault.lock();
+        let (errno, count) = (*f)?;
+        *f = (count > 1).then_some((errno, count - 1));
+        Some(errno)
     }
 }
 
@@ -149,10 +193,12 @@ impl UringEngine {
         }
         let engine = UringEngine {
             shared: Arc::new(Shared {
-                queue: Mutex::new(Queue { chains: VecDeque::new(), stopping: false }),
+                queue: Mutex::new(Queue { chains: VecDeque::new(), stopping: false, failed: None }),
                 efd: AtomicI32::new(efd),
                 helpers: Mutex::new(Helpers { tasks: VecDeque::new(), preps_outstanding: 0, stopping: false }),
                 helper_cv: Condvar::new(),
+                enter_fault: Mutex::new(None),
+                ops_taken: AtomicU64::new(0),
             }),
             thread: Mutex::new(None),
             helpers: Mutex::new(Vec::with_capacity(HELPERS)),
@@ -172,6 +218,18 @@ impl UringEngine {
             .map_err(StartError::Spawn)?;
         *engine.thread.lock() = Some(thread);
         Ok(engine)
+    }
+
+    /// Chain ops the kernel has taken so far, as of the ring thread's last return from
+    /// `io_uring_enter`.
+    pub fn ops_taken(&self) -> u64 {
+        self.shared.ops_taken.load(Ordering::Acquire)
+    }
+
+    /// Make the ring thread return from `io_uring_enter` (and update `ops_taken`).
+    #[cfg(test)]
+    pub(crate) fn wake_ring_thread(&self) {
+        self.shared.wake();
     }
 }
 
@@ -193,6 +251,9 @@ struct RingThread {
     in_flight: usize,
     wake_buf: Box<u64>,
     wake_armed: bool,
+    /// user_data of the SQEs queued that the kernel has not taken yet, oldest first: after a
+    /// failed `io_uring_enter` these are the ops that will never complete.
+    queued: VecDeque<u64>,
 }
 
 impl RingThread {
@@ -205,14 +266,44 @@ impl RingThread {
             in_flight: 0,
             wake_buf: Box::new(0),
             wake_armed: false,
+            queued: VecDeque::new(),
         }
+    }
+
+    /// Queue one SQE (and remember it until the kernel takes it).
+    ///
+    /// # Safety
+    /// What the entry points to must stay alive until its completion arrives.
+    unsafe fn push(&mut self, entry: &squeue::Entry) {
+        // SAFETY: passed on to the caller.
+        unsafe { self.ring.submission().push(entry) }.expect("ring sized for queue_depth chains and the wake read");
+        self.queued.push_back(entry.get_user_data());
+    }
+
+    /// `io_uring_enter`: submit what is queued and wait for a completion; the errno on failure.
+    /// Afterwards `queued` lists only the SQEs the kernel has not taken.
+    fn enter(&mut self, shared: &Shared) -> Result<(), i32> {
+        let res = match shared.take_enter_fault() {
+            Some(errno) => Err(errno),
+            None => self.ring.submit_and_wait(1).map(drop).map_err(|e| e.raw_os_error().unwrap_or(libc::EIO)),
+        };
+        let taken = self.queued.len().saturating_sub(self.ring.submission().len());
+        let ops = self.queued.drain(..taken).filter(|&ud| ud != WAKE).count();
+        shared.ops_taken.fetch_add(ops as u64, Ordering::Release);
+        res
+    }
+
+    /// Handle the completions the kernel has posted; true if the wake read was one of them.
+    fn reap(&mut self, shared: &Shared) -> bool {
+        let cqes: Vec<(u64, i32)> = self.ring.completion().map(|c| (c.user_data(), c.result())).collect();
+        cqes.into_iter().fold(false, |woke, (ud, res)| self.complete(ud, res, shared) | woke)
     }
 
     fn arm_wake(&mut self, efd: RawFd) {
         let e = opcode::Read::new(types::Fd(efd), (&mut *self.wake_buf as *mut u64).cast(), 8).build().user_data(WAKE);
         // SAFETY: wake_buf lives as long as the ring thread, which waits for this read to
         // complete before it returns.
-        unsafe { self.ring.submission().push(&e) }.expect("ring sized for the wake read");
+        unsafe { self.push(&e) };
         self.wake_armed = true;
     }
 
@@ -240,7 +331,7 @@ impl RingThread {
             }
             // SAFETY: iovecs and buffers are kept alive in `slots[id]` until every op of the
             // chain has completed.
-            unsafe { self.ring.submission().push(&entry) }.expect("ring sized for queue_depth chains");
+            unsafe { self.push(&entry) };
         }
         let wanted = ops.iter().map(IoOp::len).collect();
         self.slots[id] =
@@ -248,15 +339,15 @@ impl RingThread {
         self.in_flight += 1;
     }
 
-    fn complete(&mut self, cqe: &cqueue::Entry, shared: &Shared) -> bool {
-        let ud = cqe.user_data();
+    /// Op `ud` finished with `res` (bytes moved, or -errno); its chain finishes once all its ops
+    /// did. True for the wake read.
+    fn complete(&mut self, ud: u64, res: i32, shared: &Shared) -> bool {
         if ud == WAKE {
             self.wake_armed = false;
             return true;
         }
         let (id, op) = ((ud >> 8) as usize, (ud & 0xff) as usize);
         let slot = self.slots[id].as_mut().expect("completion for a live chain");
-        let res = cqe.result();
         if slot.failure.is_none() {
             if res < 0 {
                 slot.failure = Some(IoFailure::Os(-res));
@@ -272,8 +363,7 @@ impl RingThread {
             let result = fin.failure.map_or(Ok(()), Err);
             let done = fin.done.take().expect("done once");
             drop(fin);
-            shared.helpers.lock().tasks.push_back(Task::Done(done, result));
-            shared.helper_cv.notify_all(); // all: shutdown() waits on the same condvar
+            shared.finish(done, result);
         }
         false
     }
@@ -281,6 +371,8 @@ impl RingThread {
     fn run(mut self, shared: &Shared) {
         let mut pending: VecDeque<Prepared> = VecDeque::new();
         let mut stopping = false;
+        // Since when io_uring_enter has failed transiently without a success in between.
+        let mut failing_since: Option<Instant> = None;
         self.arm_wake(shared.efd());
         loop {
             {
@@ -299,16 +391,19 @@ impl RingThread {
                 // Complete our own wake read so its buffer is no longer in the kernel's hands.
                 shared.wake();
             }
-            match self.ring.submit_and_wait(1) {
-                Ok(_) => {}
-                Err(e) if e.raw_os_error() == Some(libc::EINTR) || e.raw_os_error() == Some(libc::EBUSY) => {}
-                Err(e) => panic!("io_uring_enter failed after a successful probe: {e}"),
+            match self.enter(shared) {
+                Ok(()) => failing_since = None,
+                Err(libc::EINTR) => {}
+                // Short of memory for requests, or the completion backlog is full: the SQEs
+                // stay queued for the next call; completions are still reaped meanwhile.
+                Err(libc::EAGAIN | libc::ENOMEM | libc::EBUSY)
+                    if failing_since.get_or_insert_with(Instant::now).elapsed() < GIVE_UP_AFTER =>
+                {
+                    std::thread::sleep(RETRY_PAUSE)
+                }
+                Err(errno) => return self.fail_all(errno, pending, shared),
             }
-            let cqes: Vec<cqueue::Entry> = self.ring.completion().collect();
-            let mut rearm = false;
-            for cqe in &cqes {
-                rearm |= self.complete(cqe, shared);
-            }
+            let rearm = self.reap(shared);
             if rearm && !(stopping && self.in_flight == 0 && pending.is_empty()) {
                 // Drain the counter so the next write wakes us again.
                 let mut sink = 0u64;
@@ -316,6 +411,44 @@ impl RingThread {
                 unsafe { libc::read(shared.efd(), (&mut sink as *mut u64).cast(), 8) };
                 self.arm_wake(shared.efd());
             }
+        }
+    }
+
+    /// `io_uring_enter` failed for good with `errno`: fail every chain with it rather than let
+    /// them hang. Ops the kernel never took fail now; the ones it took stay its own until their
+    /// completions arrive (which needs no `io_uring_enter`: the kernel posts them whenever this
+    /// thread returns from a syscall, its sleeps included), so their buffers stay alive until
+    /// then. Chains queued later fail at once (see `helper`).
+    fn fail_all(mut self, errno: i32, mut pending: VecDeque<Prepared>, shared: &Shared) {
+        {
+            let mut q = shared.queue.lock();
+            q.failed = Some(errno);
+            pending.extend(q.chains.drain(..));
+        }
+        for Prepared { ops, done } in pending {
+            drop(ops);
+            shared.finish(done, Err(IoFailure::Os(errno)));
+        }
+        for ud in std::mem::take(&mut self.queued) {
+            self.complete(ud, -errno, shared);
+        }
+        if self.wake_armed {
+            shared.wake(); // completes the wake read the kernel holds
+        }
+        while self.in_flight > 0 || self.wake_armed {
+            std::thread::sleep(RETRY_PAUSE);
+            self.reap(shared);
+        }
+    }
+}
+
+impl Drop for RingThread {
+    fn drop(&mut self) {
+        // Only a panic can leave ops with the kernel here (`run` waits for them otherwise):
+        // leak their buffers rather than free memory the kernel may still read or write.
+        if self.in_flight > 0 || self.wake_armed {
+            std::mem::forget(std::mem::take(&mut self.slots));
+            std::mem::forget(std::mem::replace(&mut self.wake_buf, Box::new(0)));
         }
     }
 }
@@ -336,6 +469,13 @@ impl IoEngine for UringEngine {
         h.tasks.extend(chains.into_iter().map(Task::Prep));
         drop(h);
         self.shared.helper_cv.notify_all();
+    }
+    fn failure(&self) -> Option<i32> {
+        self.shared.queue.lock().failed
+    }
+    fn inject_enter_failure(&self, errno: i32, count: u32) -> bool {
+        *self.shared.enter_fault.lock() = (count > 0).then_some((errno, count));
+        true
     }
     fn shutdown(&self) {
         // Order matters: every prep must reach the ring before the ring is told to stop, and
