@@ -190,25 +190,45 @@ pub fn build_engine(
     Ok((engine, None))
 }
 
-/// Run one op with positioned vector I/O, retrying partial transfers; used by the pool engine
-/// and by recovery. Returns the failure, or Ok when every byte moved.
+/// The iovecs of `bufs` less their first `skip` bytes: what is left of an op after a partial
+/// transfer.
+pub(crate) fn iovecs_after(bufs: &[IoBuf], mut skip: usize) -> Vec<libc::iovec> {
+    let mut iov = Vec::with_capacity(bufs.len());
+    for b in bufs {
+        if skip >= b.len {
+            skip -= b.len;
+            continue;
+        }
+        // SAFETY: stays inside the buffer.
+        iov.push(libc::iovec { iov_base: unsafe { b.ptr.add(skip) }.cast(), iov_len: b.len - skip });
+        skip = 0;
+    }
+    iov
+}
+
+/// Where op `index` stands after a transfer of `n` bytes brought it to `done` of `wanted`:
+/// complete (true), to go on from `done` (false), or stopped short. O_DIRECT continues only at
+/// page-aligned offsets; a transfer of nothing, or one that ends elsewhere, means a short file or
+/// a full device, so it is reported rather than retried at an unaligned offset.
+pub(crate) fn after_transfer(index: usize, n: usize, done: usize, wanted: usize) -> Result<bool, IoFailure> {
+    if done >= wanted {
+        return Ok(true);
+    }
+    if n == 0 || done % crate::disk::layout::PAGE != 0 {
+        return Err(IoFailure::Short { op: index, done, wanted });
+    }
+    Ok(false)
+}
+
+/// Run one op with positioned vector I/O, going on after partial transfers (`after_transfer`,
+/// as the io_uring engine does too); used by the pool engine. Returns the failure, or Ok when
+/// every byte moved.
 pub fn run_op_blocking(op: &IoOp, index: usize) -> ChainResult {
     let wanted = op.len();
     let mut done = 0usize;
     let fd = op.file.raw_fd();
     while done < wanted {
-        // Build the iovecs for what is left.
-        let mut skip = done;
-        let mut iov: Vec<libc::iovec> = Vec::with_capacity(op.bufs.len());
-        for b in &op.bufs {
-            if skip >= b.len {
-                skip -= b.len;
-                continue;
-            }
-            // SAFETY: stays inside the buffer.
-            iov.push(libc::iovec { iov_base: unsafe { b.ptr.add(skip) }.cast(), iov_len: b.len - skip });
-            skip = 0;
-        }
+        let iov = iovecs_after(&op.bufs, done);
         let off = (op.offset + done as u64) as libc::off_t;
         // SAFETY: iovecs point at memory the chain owner keeps valid; fd is kept open by op.file.
         let n = unsafe {
@@ -224,14 +244,9 @@ pub fn run_op_blocking(op: &IoOp, index: usize) -> ChainResult {
             }
             return Err(IoFailure::Os(e));
         }
-        if n == 0 {
-            return Err(IoFailure::Short { op: index, done, wanted });
-        }
         done += n as usize;
-        // O_DIRECT continues only at aligned offsets; a partial transfer there means a short
-        // file or a full device, so report it rather than retrying at an unaligned offset.
-        if done < wanted && done % crate::disk::layout::PAGE != 0 {
-            return Err(IoFailure::Short { op: index, done, wanted });
+        if after_transfer(index, n as usize, done, wanted)? {
+            break;
         }
     }
     Ok(())

@@ -8,6 +8,10 @@
 //! read verification) run on two helper threads, so the ring keeps the device busy while a
 //! 2 MiB block is being checksummed.
 //!
+//! An op that moved part of its bytes goes on from there, as in the pool engine
+//! (`after_transfer`): once the completions of the chain's ops are all in, what is left of that
+//! op, and the ops after it (which the kernel cancelled), are submitted again.
+//!
 //! At most `queue_depth` chains are in the ring at once. No fixed buffers: registering the host
 //! pool would count against RLIMIT_MEMLOCK and tie the ring to one pool.
 //!
@@ -28,7 +32,7 @@ use std::time::{Duration, Instant};
 use io_uring::{opcode, squeue, types, IoUring, Probe};
 use parking_lot::{Condvar, Mutex};
 
-use super::{Chain, ChainResult, DoneFn, IoEngine, IoFailure, IoOp, OpKind, StartError};
+use super::{after_transfer, iovecs_after, Chain, ChainResult, DoneFn, IoEngine, IoFailure, IoOp, OpKind, StartError};
 use crate::disk::spawn;
 
 const WAKE: u64 = u64::MAX;
@@ -235,12 +239,48 @@ impl UringEngine {
 
 struct InFlight {
     /// Kept alive until every op's completion arrived: the kernel reads the iovecs and buffers.
-    _ops: Vec<IoOp>,
-    _iovs: Vec<Box<[libc::iovec]>>,
+    ops: Vec<IoOp>,
+    /// What is left of each op submitted last, from `first` on.
+    iovs: Vec<Vec<libc::iovec>>,
+    /// The first op submitted last (the ones before it are complete).
+    first: usize,
+    /// Per op: bytes wanted, bytes moved so far, and its last submission's result (bytes, or
+    /// -errno).
     wanted: Vec<usize>,
+    moved: Vec<usize>,
+    results: Vec<i32>,
+    /// Completions still to come for the last submission.
     remaining: usize,
-    failure: Option<IoFailure>,
     done: Option<DoneFn>,
+}
+
+/// Where a chain stands once the completions of its last submission (its ops from `first` on)
+/// are all in.
+#[derive(Debug, PartialEq)]
+pub(super) enum Settled {
+    /// Finished: every op complete, or the first failure.
+    Done(ChainResult),
+    /// Op `.0` moved part of its bytes and goes on (`after_transfer`); the kernel cancelled
+    /// the ops linked after it, so they are submitted again too.
+    GoOnFrom(usize),
+}
+
+/// Settle a chain: add each op's `results` (bytes, or -errno) to what it `moved`, in op order,
+/// up to the first op that is not complete (later ops were cancelled; their results do not
+/// count).
+pub(super) fn settle(first: usize, results: &[i32], moved: &mut [usize], wanted: &[usize]) -> Settled {
+    for op in first..wanted.len() {
+        let Ok(n) = usize::try_from(results[op]) else {
+            return Settled::Done(Err(IoFailure::Os(-results[op])));
+        };
+        moved[op] += n;
+        match after_transfer(op, n, moved[op], wanted[op]) {
+            Ok(true) => {}
+            Ok(false) => return Settled::GoOnFrom(op),
+            Err(short) => return Settled::Done(Err(short)),
+        }
+    }
+    Settled::Done(Ok(()))
 }
 
 struct RingThread {
@@ -254,6 +294,8 @@ struct RingThread {
     /// user_data of the SQEs queued that the kernel has not taken yet, oldest first: after a
     /// failed `io_uring_enter` these are the ops that will never complete.
     queued: VecDeque<u64>,
+    /// Set by `fail_all`: no op is submitted any more.
+    failed: Option<i32>,
 }
 
 impl RingThread {
@@ -267,6 +309,7 @@ impl RingThread {
             wake_buf: Box::new(0),
             wake_armed: false,
             queued: VecDeque::new(),
+            failed: None,
         }
     }
 
@@ -314,33 +357,55 @@ impl RingThread {
             self.slots.push(None);
             self.slots.len() - 1
         });
-        let iovs: Vec<Box<[libc::iovec]>> = ops
-            .iter()
-            .map(|op| op.bufs.iter().map(|b| libc::iovec { iov_base: b.ptr.cast(), iov_len: b.len }).collect())
-            .collect();
         let n = ops.len();
-        for (i, (op, iov)) in ops.iter().zip(&iovs).enumerate() {
-            let fd = types::Fd(op.file.raw_fd());
-            let entry = match op.kind {
-                OpKind::Read => opcode::Readv::new(fd, iov.as_ptr(), iov.len() as u32).offset(op.offset).build(),
-                OpKind::Write => opcode::Writev::new(fd, iov.as_ptr(), iov.len() as u32).offset(op.offset).build(),
-            };
-            let mut entry = entry.user_data(((id as u64) << 8) | i as u64);
-            if i + 1 < n {
-                entry = entry.flags(squeue::Flags::IO_LINK);
-            }
-            // SAFETY: iovecs and buffers are kept alive in `slots[id]` until every op of the
-            // chain has completed.
-            unsafe { self.push(&entry) };
-        }
-        let wanted = ops.iter().map(IoOp::len).collect();
-        self.slots[id] =
-            Some(InFlight { _ops: ops, _iovs: iovs, wanted, remaining: n, failure: None, done: Some(done) });
+        self.slots[id] = Some(InFlight {
+            wanted: ops.iter().map(IoOp::len).collect(),
+            ops,
+            iovs: Vec::new(),
+            first: 0,
+            moved: vec![0; n],
+            results: vec![0; n],
+            remaining: 0,
+            done: Some(done),
+        });
         self.in_flight += 1;
+        self.submit_ops(id);
     }
 
-    /// Op `ud` finished with `res` (bytes moved, or -errno); its chain finishes once all its ops
-    /// did. True for the wake read.
+    /// Queue chain `id`'s ops from its `first` on, each from where it stands, linked.
+    fn submit_ops(&mut self, id: usize) {
+        let slot = self.slots[id].as_mut().expect("live chain");
+        let first = slot.first;
+        slot.iovs =
+            slot.ops[first..].iter().zip(&slot.moved[first..]).map(|(op, &m)| iovecs_after(&op.bufs, m)).collect();
+        slot.remaining = slot.ops.len() - first;
+        let last = slot.ops.len() - 1;
+        let entries: Vec<squeue::Entry> = (first..=last)
+            .zip(&slot.iovs)
+            .map(|(i, iov)| {
+                let (op, fd) = (&slot.ops[i], types::Fd(slot.ops[i].file.raw_fd()));
+                let offset = op.offset + slot.moved[i] as u64;
+                let entry = match op.kind {
+                    OpKind::Read => opcode::Readv::new(fd, iov.as_ptr(), iov.len() as u32).offset(offset).build(),
+                    OpKind::Write => opcode::Writev::new(fd, iov.as_ptr(), iov.len() as u32).offset(offset).build(),
+                };
+                let entry = entry.user_data(((id as u64) << 8) | i as u64);
+                if i < last {
+                    entry.flags(squeue::Flags::IO_LINK)
+                } else {
+                    entry
+                }
+            })
+            .collect();
+        for entry in &entries {
+            // SAFETY: iovecs and buffers are kept alive in `slots[id]` until every op of the
+            // chain has completed.
+            unsafe { self.push(entry) };
+        }
+    }
+
+    /// Op `ud` finished with `res` (bytes moved, or -errno); once its chain's completions are
+    /// all in, the chain finishes or goes on. True for the wake read.
     fn complete(&mut self, ud: u64, res: i32, shared: &Shared) -> bool {
         if ud == WAKE {
             self.wake_armed = false;
@@ -348,23 +413,26 @@ impl RingThread {
         }
         let (id, op) = ((ud >> 8) as usize, (ud & 0xff) as usize);
         let slot = self.slots[id].as_mut().expect("completion for a live chain");
-        if slot.failure.is_none() {
-            if res < 0 {
-                slot.failure = Some(IoFailure::Os(-res));
-            } else if (res as usize) < slot.wanted[op] {
-                slot.failure = Some(IoFailure::Short { op, done: res as usize, wanted: slot.wanted[op] });
-            }
-        }
+        slot.results[op] = res;
         slot.remaining -= 1;
-        if slot.remaining == 0 {
-            let mut fin = self.slots[id].take().expect("live");
-            self.free.push(id);
-            self.in_flight -= 1;
-            let result = fin.failure.map_or(Ok(()), Err);
-            let done = fin.done.take().expect("done once");
-            drop(fin);
-            shared.finish(done, result);
+        if slot.remaining > 0 {
+            return false;
         }
+        let result = match settle(slot.first, &slot.results, &mut slot.moved, &slot.wanted) {
+            Settled::GoOnFrom(op) if self.failed.is_none() => {
+                slot.first = op;
+                self.submit_ops(id);
+                return false;
+            }
+            Settled::GoOnFrom(_) => Err(IoFailure::Os(self.failed.expect("checked"))),
+            Settled::Done(result) => result,
+        };
+        let mut fin = self.slots[id].take().expect("live");
+        self.free.push(id);
+        self.in_flight -= 1;
+        let done = fin.done.take().expect("done once");
+        drop(fin);
+        shared.finish(done, result);
         false
     }
 
@@ -420,6 +488,7 @@ impl RingThread {
     /// thread returns from a syscall, its sleeps included), so their buffers stay alive until
     /// then. Chains queued later fail at once (see `helper`).
     fn fail_all(mut self, errno: i32, mut pending: VecDeque<Prepared>, shared: &Shared) {
+        self.failed = Some(errno);
         {
             let mut q = shared.queue.lock();
             q.failed = Some(errno);
