@@ -4,6 +4,8 @@ write/read round trips through the asynchronous API."""
 from __future__ import annotations
 
 import hashlib
+import os
+import time
 
 import numpy as np
 import pytest
@@ -96,3 +98,24 @@ def read(tier: DiskTier, host: Host, keys: list, first_slot: int = 0) -> dict:
             # A failed read must not leave the stale or unverified bytes in place.
             assert host.get(s) != payload(k, host.block)
     return got
+
+
+def tier_threads_and_fds() -> tuple[list[str], int]:
+    """The disk tier threads alive in this process (by name) and the number of open fds."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            pass  # exited meanwhile
+    return sorted(n for n in names if n.startswith("kvtier")), len(os.listdir("/proc/self/fd"))
+
+
+def assert_back_to(before: tuple[list[str], int], what: str) -> None:
+    """Wait (at most 5 s) for the tier threads and fd count to be back at `before`: a joined
+    thread may still be listed for a moment."""
+    deadline = time.monotonic() + 5
+    while tier_threads_and_fds() != before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert tier_threads_and_fds() == before, f"{what}: threads or fds leaked"

@@ -15,7 +15,19 @@ import textwrap
 import time
 
 import pytest
-from _disk_util import BLOCK, ENGINES, Host, make_tier, payload, read, require_engine, stride, write
+from _disk_util import (
+    BLOCK,
+    ENGINES,
+    Host,
+    assert_back_to,
+    make_tier,
+    payload,
+    read,
+    require_engine,
+    stride,
+    tier_threads_and_fds,
+    write,
+)
 
 from kvtier_rs._core import (
     ClosedError,
@@ -170,6 +182,9 @@ def test_write_amplification_is_counted(tmp_path):
         ({"block_bytes": -1}, "block_bytes"),
         ({"engine": "spdk"}, "engine"),
         ({"queue_depth": 0}, "queue_depth"),
+        ({"queue_depth": 5000}, "queue_depth"),  # refused by the core, not the binding
+        ({"num_files": 1000}, "num_files"),
+        ({"block_bytes": 2**30 + 1}, "block_bytes"),
         ({"direct": "maybe"}, "direct"),
         ({"policy": "mru"}, "policy"),
         ({"admission": "uses:0"}, "admission"),
@@ -185,6 +200,8 @@ def test_bad_arguments_are_named(tmp_path, kwargs, arg):
     cap, blk = args.pop("capacity_bytes"), args.pop("block_bytes")
     with pytest.raises(InvalidArgumentError, match=f"`{arg}`"):
         DiskTier(str(tmp_path / "t"), cap, blk, **args)
+    # Refused before the directory (and its preallocated slabs) was created.
+    assert not (tmp_path / "t").exists()
 
 
 def test_bad_call_arguments_are_named(tmp_path):
@@ -379,3 +396,18 @@ def test_the_adapters_opener_logs_what_the_tier_noted(tmp_path, caplog):
     messages = [(r.levelname, r.getMessage()) for r in caplog.records]
     assert ("INFO", f"kvtier disk tier {root}: 0 blocks recovered, 1 discarded; {tier.io_mode} I/O on pool") in messages
     assert any(level == "WARNING" and "kvtier-disk.meta was missing" in m for level, m in messages), messages
+
+
+def test_close_releases_fds_and_threads_while_the_object_lives_on(tmp_path, engine):
+    """A closed tier kept its slab fds and (io_uring) its eventfd until garbage-collected."""
+    host = Host(2)
+    before = tier_threads_and_fds()
+    kept = []
+    for i in range(3):
+        tier = make_tier(tmp_path / f"t{i}", engine)
+        _, res = write(tier, host, [i])
+        assert res.success
+        tier.close()
+        kept.append(tier)
+    assert_back_to(before, f"{engine}: closed tiers, still referenced")
+    assert all(t.closed for t in kept)

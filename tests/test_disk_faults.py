@@ -7,6 +7,7 @@ every block reported ok with its expected payload), and the tier keeps serving a
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -17,9 +18,21 @@ import time
 import uuid
 
 import pytest
-from _disk_util import BLOCK, ENGINES, Host, make_tier, payload, read, require_engine, stride, write
+from _disk_util import (
+    BLOCK,
+    ENGINES,
+    Host,
+    assert_back_to,
+    make_tier,
+    payload,
+    read,
+    require_engine,
+    stride,
+    tier_threads_and_fds,
+    write,
+)
 
-from kvtier_rs._core import DiskTier, IndexFailedError
+from kvtier_rs._core import DiskIoError, DiskTier, IndexFailedError, InvalidArgumentError, _inject_spawn_failure
 
 
 @pytest.fixture(params=ENGINES)
@@ -169,6 +182,19 @@ def test_injected_enospc_retries_after_backoff(tmp_path, engine):
         _, res = write(tier, host, [2])
         assert res.success
         still_serving(tier, host)
+
+
+def test_injected_enospc_marks_the_tier_full_with_the_longest_retry(tmp_path, engine):
+    # full_retry_s accepts up to 2**64 ns (584 years). `now + full_retry` wrapped once the
+    # tier's clock passed 2**64 ns - full_retry (10 ms here), and this (release) build then
+    # never marked the tier full.
+    host = Host(4)
+    with make_tier(tmp_path, engine, full_retry_s=18446744073.7) as tier:
+        time.sleep(0.05)
+        tier._inject_fault("enospc", 1)
+        _, res = write(tier, host, [1])
+        assert res is not None and not res.success
+        assert tier.disk_full
 
 
 @pytest.fixture
@@ -456,3 +482,63 @@ def test_a_panic_in_a_write_completion_fails_the_index_and_the_job_still_finishe
         assert tier.lookup_prefix([1, 2, 3]) == 0
         with pytest.raises(IndexFailedError, match="a write's completion panicked"):
             write(tier, host, [4], first_slot=3)
+
+
+@pytest.mark.parametrize(
+    "engine, after", [("pool", 0), ("pool", 5), ("pool", 7), ("io_uring", 0), ("io_uring", 1), ("io_uring", 2)]
+)
+def test_a_thread_the_os_refuses_fails_the_open_with_an_error_not_a_panic(tmp_path, engine, after):
+    """Under a pids limit the OS refuses threads: DiskTier() raised pyo3's PanicException (not
+    an Exception) and left the threads it had started running (a half-started io_uring engine
+    also its ring and eventfd). One slot, so the recovery scan starts no thread: the refused
+    one is the engine's (pool: 8 threads; io_uring: 3)."""
+    require_engine(engine)
+    before = tier_threads_and_fds()
+    _inject_spawn_failure(after)
+    try:
+        with pytest.raises(DiskIoError, match=r"start an I/O thread for .*queue_depth \(8\)"):
+            DiskTier(str(tmp_path / "t"), stride(), BLOCK, num_files=1, engine=engine, queue_depth=8)
+    finally:
+        _inject_spawn_failure(None)
+    assert_back_to(before, f"{engine}: spawn {after} refused")
+    with make_tier(tmp_path / "t", engine, blocks=1, num_files=1) as tier:
+        still_serving(tier, Host(2))
+
+
+def test_a_transient_io_uring_enter_error_is_retried(tmp_path):
+    """EAGAIN from io_uring_enter (the kernel could not allocate requests, e.g. under memory
+    pressure) panicked the ring thread, and every job after it hung."""
+    require_engine("io_uring")
+    host = Host(4)
+    with make_tier(tmp_path, "io_uring") as tier:
+        write(tier, host, [1])
+        tier._inject_fault("enter_eagain", 3)
+        _, res = write(tier, host, [2], first_slot=1)
+        assert res is not None and res.success
+        assert read(tier, host, [1, 2]) == {1: payload(1), 2: payload(2)}
+        assert tier.stats()["engine_errno"] == 0
+
+
+def test_a_failed_io_uring_enter_fails_every_job_and_close_returns(tmp_path):
+    require_engine("io_uring")
+    host = Host(4)
+    with make_tier(tmp_path, "io_uring") as tier:
+        write(tier, host, [1])
+        tier._inject_fault("enter_eio", 1)
+        _, res = write(tier, host, [2], first_slot=1)
+        assert res is not None and res.failed_keys == [2]
+        assert tier.stats()["engine_errno"] == errno.EIO
+        # Later jobs fail at once: a read is a miss (never stale bytes), a write fails.
+        assert read(tier, host, [1]) == {}
+        _, res = write(tier, host, [3], first_slot=2)
+        assert res is not None and res.failed_keys == [3]
+        assert tier.wait_idle(10) and tier.running_jobs == 0
+    # Closed without hanging; what was written before the failure is intact.
+    with make_tier(tmp_path, "pool") as tier:
+        assert read(tier, host, [1]) == {1: payload(1)}
+
+
+def test_an_io_uring_enter_fault_needs_the_io_uring_engine(tmp_path):
+    with make_tier(tmp_path, "pool") as tier:
+        with pytest.raises(InvalidArgumentError, match="`fault`"):
+            tier._inject_fault("enter_eio", 1)

@@ -37,6 +37,7 @@ __all__ = [
     "replay_sweep",
     "replay_tiers",
     "version",
+    "_inject_spawn_failure",
 ]
 
 # Typing aliases only (stubtest's allowlist names them): keys are engine digests or integers.
@@ -163,6 +164,10 @@ def disk_status(path: str | os.PathLike[str], *, verify: bool = False) -> dict[s
 
 def io_uring_probe() -> str | None:
     """None when io_uring works in this process, else the reason."""
+
+def _inject_spawn_failure(after: int | None) -> None:
+    """Test hook: the disk tier threads started from this thread after the next `after` are
+    refused (EAGAIN), as under a pids limit; None disarms it."""
 
 @final
 class DiskJobResult:

@@ -24,6 +24,7 @@ pub mod io;
 pub mod layout;
 pub mod recovery;
 pub mod slab;
+pub mod spawn;
 pub mod status;
 
 #[cfg(test)]
@@ -190,6 +191,9 @@ pub enum Fault {
     /// The next `count` block writes land, then their completion panics inside its index
     /// update (a bug there): the index must fail closed and the job still finish.
     CompletionPanic,
+    /// The io_uring engine's next `count` `io_uring_enter` calls fail with this errno: the
+    /// transient ones are retried, any other stops the engine (see `io::uring`).
+    EnterErrno(i32),
 }
 
 struct Shared {
@@ -198,7 +202,9 @@ struct Shared {
     /// Written into every slot header and checked on every read and at recovery; `clear`
     /// replaces it, which voids every header written before.
     dir_id: AtomicU64,
-    slabs: Vec<RwLock<Arc<SlabFile>>>,
+    /// One per slab file; None once the tier is closed (`close` releases the files then, so a
+    /// closed tier holds no fd even while the object lives on).
+    slabs: Vec<RwLock<Option<Arc<SlabFile>>>>,
     counters: Counters,
     jobs: Mutex<HashMap<u64, JobSlot>>,
     job_done: Condvar,
@@ -238,8 +244,16 @@ impl DiskTier {
         if cfg.dir.as_os_str().is_empty() {
             return Err(KvError::invalid("path", "must not be empty"));
         }
+        // Whatever can be refused without the directory is, before it is touched: a mistyped
+        // argument must not leave a directory, metadata and preallocated slabs behind. The
+        // geometry is checked as if for one file (the real number may come from the metadata;
+        // it only refuses more), and the engine is started (it checks queue_depth and probes
+        // io_uring; dropped again if the open fails later).
+        Geometry::new(cfg.capacity_bytes, cfg.block_bytes, cfg.num_files.max(1))?;
+        let (engine, uring_refusal) = build_engine(cfg.engine, cfg.queue_depth, &cfg.dir)?;
         slab::prepare_dir(&cfg.dir)?;
         let lock = DirLock::acquire(&cfg.dir)?;
+        slab::remove_stale_temporaries(&cfg.dir);
         let meta = Meta::load(&cfg.dir)?;
         let stride = layout::round_up_page(cfg.block_bytes.max(1)) + HEADER_BYTES;
         let num_files = match (cfg.num_files, &meta) {
@@ -348,7 +362,6 @@ impl DiskTier {
         counters.recovery_duplicates.store(rec.duplicates, Ordering::Relaxed);
         counters.recovery_us.store(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
 
-        let (engine, uring_refusal) = build_engine(cfg.engine, cfg.queue_depth)?;
         if let Some(why) = uring_refusal {
             notes.push(format!("engine: thread pool (io_uring unavailable: {why})"));
         }
@@ -356,7 +369,7 @@ impl DiskTier {
             index,
             geo,
             dir_id: AtomicU64::new(dir_id),
-            slabs: slabs.into_iter().map(RwLock::new).collect(),
+            slabs: slabs.into_iter().map(|s| RwLock::new(Some(s))).collect(),
             counters,
             jobs: Mutex::new(HashMap::new()),
             job_done: Condvar::new(),
@@ -520,9 +533,17 @@ impl DiskTier {
     }
 
     /// Test hook: make the next `count` block writes or reads fail with an errno, at the I/O
-    /// layer (after the index reserved the slot, before any byte moves).
-    pub fn inject_fault(&self, fault: Option<Fault>, count: u32) {
+    /// layer (after the index reserved the slot, before any byte moves), or the engine's next
+    /// `count` submissions to the kernel (`EnterErrno`, io_uring only).
+    pub fn inject_fault(&self, fault: Option<Fault>, count: u32) -> KvResult<()> {
+        if let Some(Fault::EnterErrno(errno)) = fault {
+            if !self.engine.inject_enter_failure(errno, count) {
+                return Err(KvError::invalid("fault", "an io_uring_enter failure needs engine=io_uring"));
+            }
+            return Ok(());
+        }
         *self.shared.fault.lock() = fault.map(|f| (f, count));
+        Ok(())
     }
 
     fn check_host(&self, host: &dyn HostMemory, slots: &[u32], keys: usize) -> KvResult<()> {
@@ -724,8 +745,8 @@ impl DiskTier {
         self.shared.jobs.lock().values().filter(|s| matches!(s, JobSlot::Running)).count()
     }
 
-    /// Finish all queued I/O, sync the slabs, release the directory lock. Finished results
-    /// stay collectable. Idempotent.
+    /// Finish all queued I/O, sync and close the slabs, release the directory lock and the
+    /// engine's fds. Finished results stay collectable. Idempotent.
     pub fn close(&self) -> KvResult<()> {
         {
             let mut closed = self.closed.write();
@@ -736,8 +757,9 @@ impl DiskTier {
         }
         self.engine.shutdown();
         let mut first_err = None;
-        for s in &self.shared.slabs {
-            let s = s.read().clone();
+        // The engine has finished every chain, so these are the files' last references: taking
+        // them closes the fds.
+        for s in self.shared.slabs.iter().filter_map(|cell| cell.write().take()) {
             if let Err(e) = s.file.sync_data() {
                 first_err.get_or_insert(KvError::io("sync", &s.path, &e));
             }
@@ -764,6 +786,8 @@ impl DiskTier {
             ("enospc", l(&c.enospc)),
             ("refused_disk_full", l(&c.refused_full)),
             ("disk_full", u64::from(self.shared.is_full())),
+            // The errno that stopped the I/O engine for good (every I/O then fails), else 0.
+            ("engine_errno", self.engine.failure().map_or(0, |e| e as u64)),
             ("slabs_lost", l(&c.slabs_lost)),
             ("blocks_lost", l(&c.blocks_lost)),
             ("recovered_blocks", l(&c.recovered_blocks)),
@@ -808,7 +832,10 @@ impl Shared {
     }
 
     fn mark_full(&self) {
-        let until = self.now_ns() + self.full_retry.as_nanos() as u64;
+        // Saturating: full_retry may be as long as u64::MAX ns ("never retry"), and a wrapped
+        // sum would mark the tier full for no time at all (or overflow a debug build).
+        let retry = u64::try_from(self.full_retry.as_nanos()).unwrap_or(u64::MAX);
+        let until = self.now_ns().saturating_add(retry);
         self.full_until_ns.store(until.max(1), Ordering::Release);
     }
 
@@ -830,7 +857,7 @@ impl Shared {
     }
 
     fn slab(&self, i: usize) -> Arc<SlabFile> {
-        self.slabs[i].read().clone()
+        self.slabs[i].read().clone().expect("slabs are open until close(), and no I/O is submitted after it")
     }
 
     /// Where one block moves between: its slab file, the payload offset of `disk_slot` in it,
@@ -847,7 +874,7 @@ impl Shared {
     /// number is ever reused under the kernel's feet.
     fn check_slabs(&self) {
         for (i, cell) in self.slabs.iter().enumerate() {
-            let cur = cell.read().clone();
+            let Some(cur) = cell.read().clone() else { continue };
             // SAFETY: fstat on an fd kept open by `cur`.
             let mut st: libc::stat = unsafe { std::mem::zeroed() };
             let rc = unsafe { libc::fstat(cur.file.as_raw_fd(), &mut st) };
@@ -855,12 +882,12 @@ impl Shared {
                 continue;
             }
             let mut w = cell.write();
-            if !Arc::ptr_eq(&w, &cur) {
+            if !w.as_ref().is_some_and(|s| Arc::ptr_eq(s, &cur)) {
                 continue; // another thread replaced it already
             }
             let mode = if cur.direct { DirectMode::Auto } else { DirectMode::Off };
             match SlabFile::open(&cur.path, self.geo.file_bytes(), mode) {
-                Ok(o) => *w = Arc::new(o.slab),
+                Ok(o) => *w = Some(Arc::new(o.slab)),
                 Err(_) => continue, // keep serving from the unlinked file; retried next read
             }
             drop(w);

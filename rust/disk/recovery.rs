@@ -1,19 +1,21 @@
 //! Rebuilding the index from slot headers when a directory is reopened.
 //!
-//! Every slot's header page is read (in parallel: the scan is bound by read latency, not CPU)
-//! and checked: magic, version, header checksum, its own slot number, the directory id, and a
-//! decodable key. Blank slots are free; anything else that fails is discarded (counted) and
-//! freed. With `verify_payload` the payload is read and checked too, so torn slots are
-//! dropped at open instead of at their first read; without it, the per-read check still
-//! guarantees a torn slot is never served. When a key appears in more than one slot (an
-//! evicted copy whose slot was not reused yet), the highest generation wins.
+//! Every slot's header page is read (in parallel, on as many threads as the OS grants: the scan
+//! is bound by read latency, not CPU) and checked: magic, version, header checksum, its own slot
+//! number, the directory id, and a decodable key. Blank slots are free; anything else that
+//! fails is discarded (counted) and freed. With `verify_payload` the payload is read and checked
+//! too, so torn slots are dropped at open instead of at their first read; without it, the
+//! per-read check still guarantees a torn slot is never served. When a key appears in more
+//! than one slot (an evicted copy whose slot was not reused yet), the highest generation wins.
 
 use std::collections::HashMap;
 use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use super::layout::{HeaderError, SlotHeader, HEADER_BYTES};
 use super::slab::{AlignedBuf, Geometry, SlabFile};
+use super::spawn;
 use crate::keys::BlockKey;
 
 #[derive(Default, Debug)]
@@ -112,32 +114,46 @@ pub fn scan(geo: &Geometry, slabs: &[Arc<SlabFile>], dir_id: u64, verify_payload
         .collect();
     let present = &present;
     let threads = if verify_payload { 4 } else { 16 }.min(total.max(1));
-    let chunk = total.div_ceil(threads);
-    let parts: Vec<(Vec<SlotHeader>, Vec<u32>, u64)> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..threads)
-            .map(|t| {
-                s.spawn(move || {
-                    let mut buf = AlignedBuf::new(if verify_payload { geo.slot_stride } else { HEADER_BYTES });
-                    let (mut valid, mut free, mut bad) = (Vec::new(), Vec::new(), 0u64);
-                    let end = ((t + 1) * chunk).min(total);
-                    for slot in (t * chunk)..end {
-                        if slot % geo.slots_per_file >= present[slot / geo.slots_per_file] {
-                            continue;
-                        }
-                        match scan_slot(geo, slabs, dir_id, slot as u32, verify_payload, &mut buf) {
-                            SlotScan::Free => free.push(slot as u32),
-                            SlotScan::Discarded => {
-                                bad += 1;
-                                free.push(slot as u32);
-                            }
-                            SlotScan::Valid(h) => valid.push(h),
-                        }
+    // Chunks of slots handed out in turn, so that however many threads the OS grants (down to
+    // none but the calling thread) share the whole scan.
+    let chunk = total.div_ceil(threads * 4).max(1);
+    let next_chunk = AtomicUsize::new(0);
+    let work = || {
+        let mut buf = AlignedBuf::new(if verify_payload { geo.slot_stride } else { HEADER_BYTES });
+        let (mut valid, mut free, mut bad) = (Vec::new(), Vec::new(), 0u64);
+        loop {
+            let start = next_chunk.fetch_add(1, Ordering::Relaxed) * chunk;
+            if start >= total {
+                break;
+            }
+            for slot in start..(start + chunk).min(total) {
+                if slot % geo.slots_per_file >= present[slot / geo.slots_per_file] {
+                    continue;
+                }
+                match scan_slot(geo, slabs, dir_id, slot as u32, verify_payload, &mut buf) {
+                    SlotScan::Free => free.push(slot as u32),
+                    SlotScan::Discarded => {
+                        bad += 1;
+                        free.push(slot as u32);
                     }
-                    (valid, free, bad)
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().expect("scan thread")).collect()
+                    SlotScan::Valid(h) => valid.push(h),
+                }
+            }
+        }
+        (valid, free, bad)
+    };
+    let parts: Vec<(Vec<SlotHeader>, Vec<u32>, u64)> = std::thread::scope(|s| {
+        let mut helpers = Vec::with_capacity(threads - 1);
+        for t in 1..threads {
+            match spawn::spawn_scoped(s, format!("kvtier-scan-{t}"), work) {
+                Ok(h) => helpers.push(h),
+                // The OS refused a thread (a pids limit): scan with the ones it granted.
+                Err(_) => break,
+            }
+        }
+        let mut parts = vec![work()];
+        parts.extend(helpers.into_iter().map(|h| h.join().expect("scan thread")));
+        parts
     });
 
     let mut out = Recovered::default();

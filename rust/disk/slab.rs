@@ -3,7 +3,8 @@
 //! File names are fixed (`kvtier-disk.lock`, `kvtier-disk.meta`, `slab-NNN.kvt`): keys never
 //! become path components. Files are created 0600 and the directory 0700. The metadata file is
 //! plain `name=value` text written to a temporary name, synced and renamed over, so it is either
-//! the old or the new version; stale temporaries from a crash are removed at open.
+//! the old or the new version; stale temporaries from a crash are removed by the next opener once
+//! it holds the directory lock.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Write};
@@ -111,7 +112,13 @@ pub fn prepare_dir(dir: &Path) -> KvResult<()> {
         Err(e) => return Err(KvError::io("open", dir, &e)),
     }
     let _ = fs::set_permissions(dir, fs::Permissions::from_mode(0o700));
-    // Remove temporaries a crash may have left (only our own fixed prefix).
+    Ok(())
+}
+
+/// Remove metadata temporaries a crash may have left (only our own fixed prefix). Only the
+/// holder of the directory lock may call this: any other caller could delete the temporary the
+/// holder is writing right now (`Meta::store`), whose rename would then fail.
+pub fn remove_stale_temporaries(dir: &Path) {
     if let Ok(rd) = fs::read_dir(dir) {
         for e in rd.flatten() {
             if e.file_name().to_string_lossy().starts_with(META_TMP_PREFIX) {
@@ -119,7 +126,6 @@ pub fn prepare_dir(dir: &Path) -> KvResult<()> {
             }
         }
     }
-    Ok(())
 }
 
 fn open_private(path: &Path, create: bool) -> std::io::Result<File> {

@@ -173,7 +173,7 @@ fn injected_enospc_stops_admission_but_reads_continue() {
         c.full_retry = Duration::from_secs(3600);
         let t = DiskTier::open(c).unwrap();
         assert!(write_all(&t, &h, &[1]).success());
-        t.inject_fault(Some(Fault::WriteErrno(libc::ENOSPC)), 1);
+        t.inject_fault(Some(Fault::WriteErrno(libc::ENOSPC)), 1).unwrap();
         let w = write_all(&t, &h, &[2]);
         assert_eq!(w.failed_keys, vec![k(2)]);
         assert!(t.is_full());
@@ -400,4 +400,204 @@ fn clear_without_room_for_new_metadata_still_forgets_for_good() {
     let t = DiskTier::open(config(&dir, 16, EngineChoice::Pool)).unwrap();
     assert_eq!(t.len(), 0, "nothing from before the reset comes back");
     assert!(t.notes().iter().any(|n| n.contains("started afresh")), "{:?}", t.notes());
+}
+
+#[test]
+fn enospc_marks_the_tier_full_even_with_the_longest_retry() {
+    // full_retry_s accepts up to u64::MAX ns (584 years). `now + full_retry` used to wrap: in a
+    // release build the tier was then never marked full; in a debug build the overflow panicked
+    // on the I/O thread and the job never finished.
+    for engine in engines() {
+        for retry in [Duration::from_nanos(u64::MAX), Duration::MAX] {
+            let dir = TempDir::new();
+            let h = host(2);
+            let mut c = config(&dir, 4, engine);
+            c.full_retry = retry;
+            let t = DiskTier::open(c).unwrap();
+            std::thread::sleep(Duration::from_millis(2)); // the tier's clock is past 0
+            t.inject_fault(Some(Fault::WriteErrno(libc::ENOSPC)), 1).unwrap();
+            fill(&h, 0, 1);
+            let ticket = t.submit_write(&[k(1)], &[0], h.clone(), InsertHint::default()).unwrap();
+            let r = t.wait(ticket.job_id, Some(Duration::from_secs(10))).unwrap();
+            assert!(r.is_some_and(|r| r.failed_keys == vec![k(1)]), "{engine:?} {retry:?}: the job never finished");
+            assert!(t.is_full(), "{engine:?} {retry:?}: ENOSPC did not mark the tier full");
+        }
+    }
+}
+
+#[test]
+fn a_refused_opener_leaves_the_lock_holders_metadata_temporary_alone() {
+    let dir = TempDir::new();
+    let t = DiskTier::open(config(&dir, 4, EngineChoice::Pool)).unwrap();
+    // The holder is between creating and renaming its metadata temporary (`Meta::store`, as in
+    // `clear`): an opener that is refused must not delete it, or the rename fails and `clear`
+    // falls back to unlinking the metadata (every later block lost at the next restart).
+    let tmp = dir.0.join(".kvtier-disk.meta.tmp.4242");
+    std::fs::write(&tmp, b"being written").unwrap();
+    let err = DiskTier::open(config(&dir, 4, EngineChoice::Pool)).err().unwrap();
+    assert!(matches!(err, KvError::Locked(_)), "{err}");
+    assert!(tmp.exists(), "a refused opener deleted the lock holder's metadata temporary");
+    // The opener that does take the lock removes what a crashed holder left.
+    t.close().unwrap();
+    drop(t);
+    DiskTier::open(config(&dir, 4, EngineChoice::Pool)).unwrap();
+    assert!(!tmp.exists(), "a stale metadata temporary was left after the lock was taken");
+}
+
+#[test]
+fn a_refused_thread_fails_open_with_an_error_or_the_recovery_scan_runs_on_fewer() {
+    let dir = TempDir::new();
+    let h = host(4);
+    let mut c = config(&dir, 16, EngineChoice::Pool);
+    c.num_files = 1;
+    {
+        let t = DiskTier::open(c.clone()).unwrap();
+        assert!(write_all(&t, &h, &[1, 2, 3]).success());
+        t.close().unwrap();
+    }
+    // Opening spawns 4 pool threads and up to 15 recovery threads (16 slots): refuse each one
+    // in turn. An engine thread refused fails the open with an error naming the directory and
+    // queue_depth; a recovery thread refused leaves the scan to the threads it has.
+    let (mut failed, mut opened) = (0, 0);
+    for after in 0..19 {
+        spawn::inject_spawn_failure(Some(after));
+        match DiskTier::open(c.clone()) {
+            Ok(t) => {
+                assert_eq!(t.len(), 3, "spawn {after} refused: blocks lost by the recovery scan");
+                assert!(read_all(&t, &h, &[1, 2, 3]).success());
+                opened += 1;
+            }
+            Err(KvError::Io { op, path, detail }) => {
+                assert!(op.contains("I/O thread") && path == dir.0.display().to_string(), "{op} {path}");
+                assert!(detail.contains("queue_depth (4)"), "{detail}");
+                failed += 1;
+            }
+            Err(e) => panic!("spawn {after} refused: {e}"),
+        }
+    }
+    spawn::inject_spawn_failure(None);
+    assert!(failed > 0 && opened > 0, "{failed} opens failed, {opened} opened");
+}
+
+#[test]
+fn a_refused_open_leaves_no_directory_behind() {
+    // Arguments that can never work, and an engine that cannot start, are refused before the
+    // directory, its metadata and its preallocated slabs (terabytes, for a large tier) exist.
+    type Change = fn(&mut DiskConfig);
+    let cases: [(&str, Change); 6] = [
+        ("queue_depth", |c| c.queue_depth = 5000),
+        ("queue_depth", |c| c.queue_depth = 0),
+        ("block_bytes", |c| c.block_bytes = 0),
+        ("capacity_bytes", |c| c.capacity_bytes = HEADER_BYTES as u64),
+        ("num_files", |c| c.num_files = 1000),
+        ("start an I/O thread", |_| spawn::inject_spawn_failure(Some(0))),
+    ];
+    for engine in engines() {
+        for (arg, change) in cases {
+            let dir = TempDir::new();
+            let mut c = config(&dir, 4, engine);
+            change(&mut c);
+            let err = DiskTier::open(c).err().unwrap_or_else(|| panic!("{engine:?} {arg}: opened"));
+            spawn::inject_spawn_failure(None);
+            assert!(err.to_string().contains(arg), "{engine:?}: {err}");
+            assert!(!dir.0.exists(), "{engine:?} {arg}: a refused open created {}", dir.0.display());
+        }
+    }
+}
+
+/// True where io_uring works; says loudly that the test is skipped otherwise.
+fn io_uring_here() -> bool {
+    match uring::probe() {
+        Ok(()) => true,
+        Err(why) => {
+            eprintln!("SKIPPING this io_uring test: io_uring unavailable here: {why}");
+            false
+        }
+    }
+}
+
+#[test]
+fn a_transient_io_uring_enter_error_is_retried() {
+    if !io_uring_here() {
+        return;
+    }
+    // EAGAIN/ENOMEM: the kernel could not allocate requests (memory-cgroup pressure); EBUSY: its
+    // completion backlog is full; EINTR: a signal. The ring thread panicked on the first three.
+    for errno in [libc::EAGAIN, libc::ENOMEM, libc::EBUSY, libc::EINTR] {
+        let dir = TempDir::new();
+        let h = host(4);
+        let t = DiskTier::open(config(&dir, 8, EngineChoice::IoUring)).unwrap();
+        assert!(write_all(&t, &h, &[1]).success());
+        t.inject_fault(Some(Fault::EnterErrno(errno)), 3).unwrap();
+        fill(&h, 1, 2);
+        let ticket = t.submit_write(&[k(2)], &[1], h.clone(), InsertHint::default()).unwrap();
+        let w = t.wait(ticket.job_id, Some(Duration::from_secs(10))).unwrap();
+        assert!(w.is_some_and(|w| w.success()), "errno {errno}: the write did not finish, or failed");
+        let r = read_all(&t, &h, &[1, 2]);
+        assert!(r.success(), "errno {errno}");
+        assert_eq!((slot_bytes(&h, 0), slot_bytes(&h, 1)), (expected(1), expected(2)));
+        assert_eq!(stat(&t, "engine_errno"), 0);
+    }
+}
+
+#[test]
+fn a_failed_io_uring_enter_fails_every_job_instead_of_hanging_them() {
+    if !io_uring_here() {
+        return;
+    }
+    let dir = TempDir::new();
+    let h = host(4);
+    let mut c = config(&dir, 8, EngineChoice::IoUring);
+    c.num_files = 1;
+    let t = DiskTier::open(c.clone()).unwrap();
+    assert!(write_all(&t, &h, &[1]).success());
+    t.inject_fault(Some(Fault::EnterErrno(libc::EIO)), 1).unwrap();
+    // The write whose submission fails, then a read and a write submitted after it: each
+    // finishes (failed), none hangs.
+    fill(&h, 1, 2);
+    let ticket = t.submit_write(&[k(2)], &[1], h.clone(), InsertHint::default()).unwrap();
+    let w = t.wait(ticket.job_id, Some(Duration::from_secs(10))).unwrap().expect("the write never finished");
+    assert_eq!(w.failed_keys, vec![k(2)]);
+    assert_eq!(stat(&t, "engine_errno"), libc::EIO as u64);
+    fill(&h, 2, 3);
+    let read = t.submit_read(&[k(1)], &[2], h.clone()).unwrap();
+    let r = t.wait(read, Some(Duration::from_secs(10))).unwrap().expect("a later read never finished");
+    assert_eq!(r.failed_keys, vec![k(1)]);
+    assert!(slot_bytes(&h, 2).iter().all(|&b| b == 0), "a failed read left bytes in the host slot");
+    let ticket = t.submit_write(&[k(3)], &[2], h.clone(), InsertHint::default()).unwrap();
+    let w = t.wait(ticket.job_id, Some(Duration::from_secs(10))).unwrap().expect("a later write never finished");
+    assert_eq!(w.failed_keys, vec![k(3)]);
+    assert!(t.wait_idle(Some(Duration::from_secs(10))));
+    t.close().unwrap();
+    drop(t);
+    // What was written before the failure is still on disk, intact.
+    c.engine = EngineChoice::Pool;
+    let t = DiskTier::open(c).unwrap();
+    assert!(read_all(&t, &h, &[1]).success());
+    assert_eq!(slot_bytes(&h, 0), expected(1));
+}
+
+#[test]
+fn an_enter_failure_needs_the_io_uring_engine() {
+    let dir = TempDir::new();
+    let t = DiskTier::open(config(&dir, 4, EngineChoice::Pool)).unwrap();
+    let err = t.inject_fault(Some(Fault::EnterErrno(libc::EIO)), 1).unwrap_err();
+    assert!(matches!(&err, KvError::InvalidArgument { arg: "fault", .. }), "{err}");
+}
+
+#[test]
+fn a_transient_io_uring_enter_error_that_never_ends_fails_the_jobs_after_a_while() {
+    if !io_uring_here() {
+        return;
+    }
+    // EAGAIN for good (as a seccomp filter answers): retried for 5 s, then the engine stops.
+    let dir = TempDir::new();
+    let h = host(2);
+    let t = DiskTier::open(config(&dir, 4, EngineChoice::IoUring)).unwrap();
+    t.inject_fault(Some(Fault::EnterErrno(libc::EAGAIN)), u32::MAX).unwrap();
+    fill(&h, 0, 1);
+    let ticket = t.submit_write(&[k(1)], &[0], h.clone(), InsertHint::default()).unwrap();
+    let w = t.wait(ticket.job_id, Some(Duration::from_secs(60))).unwrap().expect("the write never finished");
+    assert_eq!(w.failed_keys, vec![k(1)]);
+    assert_eq!(stat(&t, "engine_errno"), libc::EAGAIN as u64);
 }

@@ -435,6 +435,8 @@ impl PyDiskTier {
     /// ("eio_read") fail at the I/O layer; None clears it. "store_panic": the next write that
     /// evicts panics inside the tier's index; "completion_panic": the next `count` writes land
     /// and their completions panic on the I/O thread (either way the index must disable itself).
+    /// "enter_eagain" / "enter_eio": the io_uring engine's next `count` io_uring_enter calls
+    /// fail with EAGAIN (retried) / EIO (the engine stops; every I/O then fails).
     #[pyo3(signature = (kind, count=1))]
     fn _inject_fault(&self, kind: Option<&str>, count: u32) -> PyResult<()> {
         let fault = match kind {
@@ -447,16 +449,28 @@ impl PyDiskTier {
             Some("eio_write") => Some(Fault::WriteErrno(libc::EIO)),
             Some("eio_read") => Some(Fault::ReadErrno(libc::EIO)),
             Some("completion_panic") => Some(Fault::CompletionPanic),
+            Some("enter_eagain") => Some(Fault::EnterErrno(libc::EAGAIN)),
+            Some("enter_eio") => Some(Fault::EnterErrno(libc::EIO)),
             Some(other) => {
                 return Err(invalid(
                     "kind",
-                    format!("{other:?}: expected \"enospc\", \"eio_write\", \"eio_read\", \"store_panic\" or \"completion_panic\""),
+                    format!(
+                        "{other:?}: expected \"enospc\", \"eio_write\", \"eio_read\", \"store_panic\", \
+                         \"completion_panic\", \"enter_eagain\" or \"enter_eio\""
+                    ),
                 ))
             }
         };
-        self.inner.inject_fault(fault, count);
-        Ok(())
+        Ok(self.inner.inject_fault(fault, count)?)
     }
+}
+
+/// Test hook: let the next `after` threads the disk tier starts from the calling thread (engine
+/// and recovery threads, all started by `DiskTier(...)`) succeed and refuse the one after them
+/// with EAGAIN, as the OS does under a pids limit; None disarms it.
+#[pyfunction]
+pub fn _inject_spawn_failure(after: Option<u32>) {
+    disk::spawn::inject_spawn_failure(after);
 }
 
 /// None when io_uring works in this process, else the reason (seccomp, gVisor, sysctl).

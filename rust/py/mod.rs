@@ -19,7 +19,7 @@ mod core_module {
     #[pymodule_export]
     use super::disk::disk_status;
     #[pymodule_export]
-    use super::disk::{io_uring_probe, DiskJobResult, DiskWriteTicket, PyDiskTier};
+    use super::disk::{_inject_spawn_failure, io_uring_probe, DiskJobResult, DiskWriteTicket, PyDiskTier};
     #[pymodule_export]
     use super::errors::{ClosedError, DirectoryLockedError, DiskIoError, IndexFailedError};
     #[pymodule_export]

@@ -23,6 +23,8 @@ from kvtier_rs.host_tier import HostTier
 from kvtier_rs.keys import Key, key_list
 from kvtier_rs.orchestrator.latency import LatencyRecorder
 
+_PAGE = 4096  # the disk tier's I/O unit (and the size of a slot's header page)
+
 
 @dataclass
 class PromotionDone:
@@ -60,6 +62,16 @@ class DiskStager:
             raise InvalidArgumentError(
                 f"disk: its blocks ({disk.block_bytes} B) are smaller than the host tier's ({host.block_bytes} B)"
             )
+        # The disk tier moves whole 4 KiB pages between a host slot and the disk: a block takes
+        # its payload rounded up to 4 KiB (its slot stride less the header page) of a host slot.
+        # Checked here, or every write-through would raise from poll(). (Host pools are always
+        # page-aligned with 4 KiB-multiple slots, which the disk tier also needs.)
+        pool, need = host.pool, disk.slot_stride - _PAGE
+        if pool.slot_bytes < need:
+            raise InvalidArgumentError(
+                f"disk: its blocks need host slots of {need} B (block_bytes={disk.block_bytes} rounded up to "
+                f"4 KiB); the host pool's slots are {pool.slot_bytes} B"
+            )
         self.host = host
         self.disk = disk
         self.max_write_backlog = max_write_backlog
@@ -79,7 +91,9 @@ class DiskStager:
 
     def write_through(self, keys: Sequence[Key], *, priority: int = 35, duration_s: float | None = None) -> int:
         """Offer ready CPU blocks to the disk tier. Returns how many were submitted."""
-        keys = key_list(keys)
+        # Each key once: pin_for_load pins a repeated key once per listing, but the disk writes
+        # it once and poll() unpins it once, which would leave a pin on it for good.
+        keys = list(dict.fromkeys(key_list(keys)))
         if not keys:
             return 0
         if self._write_backlog + len(keys) > self.max_write_backlog:
@@ -193,7 +207,12 @@ class DiskStager:
                         # A read that did not verify (checksum, short read, I/O error) makes the
                         # disk drop the block. Keys are pinned on disk from submission, so one
                         # the disk no longer holds was dropped by this read, not evicted.
-                        held = self.disk.contains(list(r.failed_keys))
+                        try:
+                            held = self.disk.contains(list(r.failed_keys))
+                        except KvTierError:
+                            # Closed (or its index failed): the disk holds nothing any more, and
+                            # raising here would lose the results after this one, already taken.
+                            held = [False] * len(r.failed_keys)
                         gone = [k for k, h in zip(r.failed_keys, held, strict=True) if not h]
                         self.events.publish("removed", "disk", gone, reason="failed_read")
                 done.append(PromotionDone(r.job_id, keys, prefix, r.seconds, r.bytes))

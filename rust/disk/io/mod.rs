@@ -13,7 +13,11 @@
 pub mod pool;
 pub mod uring;
 
+#[cfg(test)]
+mod tests;
+
 use std::os::fd::RawFd;
+use std::path::Path;
 use std::sync::Arc;
 
 use crate::error::{KvError, KvResult};
@@ -109,6 +113,16 @@ pub trait IoEngine: Send + Sync {
     fn submit(&self, chains: Vec<Chain>);
     /// Finish everything queued, then stop the engine's threads. Idempotent.
     fn shutdown(&self);
+    /// The errno that stopped the engine for good (an `io_uring_enter` failure); None while it
+    /// works.
+    fn failure(&self) -> Option<i32> {
+        None
+    }
+    /// Test hook: the engine's next `count` submissions to the kernel (`io_uring_enter`) fail
+    /// with `errno`. False for an engine without that step (the pool).
+    fn inject_enter_failure(&self, _errno: i32, _count: u32) -> bool {
+        false
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -132,44 +146,89 @@ impl EngineChoice {
     }
 }
 
+/// Why an engine did not start.
+#[derive(Debug)]
+pub enum StartError {
+    /// io_uring is refused here (kernel, seccomp, sandbox), in words; `auto` falls back to the
+    /// pool on it.
+    Unavailable(String),
+    /// The OS refused a thread (a pids limit, RLIMIT_NPROC, memory). Not a reason to fall back:
+    /// the pool needs more threads than io_uring.
+    Spawn(std::io::Error),
+}
+
 /// Build the engine asked for. `io_uring` fails with the probe's reason when the kernel or
-/// sandbox forbids it; `auto` falls back to the pool and keeps the reason for stats.
-pub fn build_engine(choice: EngineChoice, queue_depth: usize) -> KvResult<(Arc<dyn IoEngine>, Option<String>)> {
+/// sandbox forbids it; `auto` falls back to the pool and keeps the reason for stats. A thread
+/// the OS refuses is an I/O error naming the tier's directory `dir`.
+pub fn build_engine(
+    choice: EngineChoice,
+    queue_depth: usize,
+    dir: &Path,
+) -> KvResult<(Arc<dyn IoEngine>, Option<String>)> {
     if queue_depth == 0 || queue_depth > 4096 {
         return Err(KvError::invalid("queue_depth", format!("must be in 1..=4096, got {queue_depth}")));
     }
-    match choice {
-        EngineChoice::Pool => Ok((Arc::new(pool::PoolEngine::new(queue_depth)), None)),
-        EngineChoice::IoUring => match uring::UringEngine::new(queue_depth) {
-            Ok(e) => Ok((Arc::new(e), None)),
-            Err(why) => Err(KvError::invalid("engine", format!("io_uring is not usable here: {why}"))),
+    // A refused thread names the tier and how many threads its engine needs.
+    let spawn_failed = |e: std::io::Error| KvError::Io {
+        op: "start an I/O thread for",
+        path: dir.display().to_string(),
+        detail: format!("{e}; the pool engine runs one thread per queue_depth ({queue_depth}), io_uring three"),
+    };
+    let pool =
+        || -> KvResult<Arc<dyn IoEngine>> { Ok(Arc::new(pool::PoolEngine::new(queue_depth).map_err(spawn_failed)?)) };
+    let engine: Arc<dyn IoEngine> = match choice {
+        EngineChoice::Pool => pool()?,
+        EngineChoice::IoUring | EngineChoice::Auto => match uring::UringEngine::new(queue_depth) {
+            Ok(e) => Arc::new(e),
+            Err(StartError::Spawn(e)) => return Err(spawn_failed(e)),
+            Err(StartError::Unavailable(why)) if choice == EngineChoice::Auto => return Ok((pool()?, Some(why))),
+            Err(StartError::Unavailable(why)) => {
+                return Err(KvError::invalid("engine", format!("io_uring is not usable here: {why}")))
+            }
         },
-        EngineChoice::Auto => match uring::UringEngine::new(queue_depth) {
-            Ok(e) => Ok((Arc::new(e), None)),
-            Err(why) => Ok((Arc::new(pool::PoolEngine::new(queue_depth)), Some(why))),
-        },
-    }
+    };
+    Ok((engine, None))
 }
 
-/// Run one op with positioned vector I/O, retrying partial transfers; used by the pool engine
-/// and by recovery. Returns the failure, or Ok when every byte moved.
+/// The iovecs of `bufs` less their first `skip` bytes: what is left of an op after a partial
+/// transfer.
+pub(crate) fn iovecs_after(bufs: &[IoBuf], mut skip: usize) -> Vec<libc::iovec> {
+    let mut iov = Vec::with_capacity(bufs.len());
+    for b in bufs {
+        if skip >= b.len {
+            skip -= b.len;
+            continue;
+        }
+        // SAFETY: stays inside the buffer.
+        iov.push(libc::iovec { iov_base: unsafe { b.ptr.add(skip) }.cast(), iov_len: b.len - skip });
+        skip = 0;
+    }
+    iov
+}
+
+/// Where op `index` stands after a transfer of `n` bytes brought it to `done` of `wanted`:
+/// complete (true), to go on from `done` (false), or stopped short. O_DIRECT continues only at
+/// page-aligned offsets; a transfer of nothing, or one that ends elsewhere, means a short file or
+/// a full device, so it is reported rather than retried at an unaligned offset.
+pub(crate) fn after_transfer(index: usize, n: usize, done: usize, wanted: usize) -> Result<bool, IoFailure> {
+    if done >= wanted {
+        return Ok(true);
+    }
+    if n == 0 || done % crate::disk::layout::PAGE != 0 {
+        return Err(IoFailure::Short { op: index, done, wanted });
+    }
+    Ok(false)
+}
+
+/// Run one op with positioned vector I/O, going on after partial transfers (`after_transfer`,
+/// as the io_uring engine does too); used by the pool engine. Returns the failure, or Ok when
+/// every byte moved.
 pub fn run_op_blocking(op: &IoOp, index: usize) -> ChainResult {
     let wanted = op.len();
     let mut done = 0usize;
     let fd = op.file.raw_fd();
     while done < wanted {
-        // Build the iovecs for what is left.
-        let mut skip = done;
-        let mut iov: Vec<libc::iovec> = Vec::with_capacity(op.bufs.len());
-        for b in &op.bufs {
-            if skip >= b.len {
-                skip -= b.len;
-                continue;
-            }
-            // SAFETY: stays inside the buffer.
-            iov.push(libc::iovec { iov_base: unsafe { b.ptr.add(skip) }.cast(), iov_len: b.len - skip });
-            skip = 0;
-        }
+        let iov = iovecs_after(&op.bufs, done);
         let off = (op.offset + done as u64) as libc::off_t;
         // SAFETY: iovecs point at memory the chain owner keeps valid; fd is kept open by op.file.
         let n = unsafe {
@@ -185,14 +244,9 @@ pub fn run_op_blocking(op: &IoOp, index: usize) -> ChainResult {
             }
             return Err(IoFailure::Os(e));
         }
-        if n == 0 {
-            return Err(IoFailure::Short { op: index, done, wanted });
-        }
         done += n as usize;
-        // O_DIRECT continues only at aligned offsets; a partial transfer there means a short
-        // file or a full device, so report it rather than retrying at an unaligned offset.
-        if done < wanted && done % crate::disk::layout::PAGE != 0 {
-            return Err(IoFailure::Short { op: index, done, wanted });
+        if after_transfer(index, n as usize, done, wanted)? {
+            break;
         }
     }
     Ok(())

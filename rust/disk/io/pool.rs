@@ -9,6 +9,7 @@ use std::thread::JoinHandle;
 use parking_lot::{Condvar, Mutex};
 
 use super::{run_op_blocking, Chain, IoEngine};
+use crate::disk::spawn;
 
 struct Queue {
     chains: VecDeque<Chain>,
@@ -27,21 +28,20 @@ pub struct PoolEngine {
 }
 
 impl PoolEngine {
-    pub fn new(depth: usize) -> Self {
+    /// Start `depth` threads. If the OS refuses one, the threads already started are stopped
+    /// and joined (by dropping the half-built engine) and the OS's error is returned.
+    pub fn new(depth: usize) -> std::io::Result<Self> {
         let shared = Arc::new(Shared {
             queue: Mutex::new(Queue { chains: VecDeque::new(), stopping: false }),
             ready: Condvar::new(),
         });
-        let threads = (0..depth)
-            .map(|i| {
-                let shared = shared.clone();
-                std::thread::Builder::new()
-                    .name(format!("kvtier-io-{i}"))
-                    .spawn(move || worker(&shared))
-                    .expect("spawn I/O thread")
-            })
-            .collect();
-        PoolEngine { shared, threads: Mutex::new(threads), depth }
+        let engine = PoolEngine { shared, threads: Mutex::new(Vec::with_capacity(depth)), depth };
+        for i in 0..depth {
+            let shared = engine.shared.clone();
+            let thread = spawn::spawn(format!("kvtier-io-{i}"), move || worker(&shared))?;
+            engine.threads.lock().push(thread);
+        }
+        Ok(engine)
     }
 }
 
