@@ -620,10 +620,9 @@ impl TierIndex {
         let now = self.clock.now_ns();
         let guard = Guard::new();
         let mut out = StoreOutcome::default();
-        // Slots of this batch's resident keys: never evicted to make room for the others
-        // (vLLM's contract, and the only sane one: the caller was just told they are present).
-        let mut protected: Vec<u32> = Vec::with_capacity(keys.len());
-        // Where each present key sits in the batch: (position, slot).
+        // This batch's resident keys, (position, slot): never evicted to make room for the
+        // others (vLLM's contract, and the only sane one: the caller was just told they are
+        // present), and touched if a new key follows them (`apply_chain_tail_first`).
         let mut present: Vec<(usize, u32)> = Vec::with_capacity(keys.len());
         let mut absent = AbsentKeys::for_batch(keys.len());
         out.already_present_pos.reserve(keys.len());
@@ -639,7 +638,6 @@ impl TierIndex {
             prev = found.ok();
             match found {
                 Ok(slot) => {
-                    protected.push(slot);
                     present.push((pos, slot));
                     out.already_present_pos.push(pos);
                 }
@@ -682,8 +680,10 @@ impl TierIndex {
         let free = self.slots.free_count();
         if new_keys.len() > free {
             let need = new_keys.len() - free;
-            protected.sort_unstable();
-            let evictable = |slot: u32| protected.binary_search(&slot).is_err() && self.state(slot).is_evictable();
+            // By slot, for the search (`apply_chain_tail_first` takes them in any order).
+            present.sort_unstable_by_key(|&(_, slot)| slot);
+            let protected = |slot: u32| present.binary_search_by_key(&slot, |&(_, s)| s).is_ok();
+            let evictable = |slot: u32| !protected(slot) && self.state(slot).is_evictable();
             let Some(victims) = inner.policy.select_victims(need, now, &mut |r| evictable(r.slot)) else {
                 self.stats.store_no_space.fetch_add(1, Ordering::Relaxed);
                 let available = (0..self.capacity() as u32).filter(|&s| evictable(s)).count();
@@ -717,7 +717,9 @@ impl TierIndex {
             new_keys.iter().map(|_| self.slots.alloc().expect("capacity was reserved above")).collect();
         slots.sort_unstable();
         let placed: Vec<(BlockKey, u32)> = new_keys.iter().copied().zip(slots).collect();
-        self.apply_chain_tail_first(inner, &placed, &out.to_write_pos, present, hint, now);
+        if !placed.is_empty() {
+            self.apply_chain_tail_first(inner, &placed, &out.to_write_pos, present, hint, now);
+        }
         self.stats.stores_prepared.fetch_add(placed.len() as u64, Ordering::Relaxed);
         out.to_write = placed;
         Ok(out)
@@ -732,6 +734,7 @@ impl TierIndex {
     /// store of a chain that is all present (a repeat), are left as they are: nothing of the
     /// chain's order changes, and a repeated offer is not a use. A block present twice in the
     /// batch is touched once, at its first (head-most) position.
+    #[inline]
     fn apply_chain_tail_first(
         &self,
         inner: &mut Inner,
@@ -744,6 +747,15 @@ impl TierIndex {
         let meta = (hint.priority, self.config.block_bytes, 0);
         let last_new = placed_pos.last().copied().unwrap_or(0);
         present.retain(|&(pos, _)| pos < last_new);
+        if present.is_empty() {
+            // The common case (a chain stored anew, a one-key store): inserts only.
+            for (k, slot) in placed.iter().rev() {
+                let generation = self.occupy(inner, *slot, k, BlockState::Writing, meta);
+                self.publish(inner, *k, *slot, generation, hint, now);
+            }
+            return;
+        }
+        // By position, one entry per block (its first, head-most position).
         if present.len() > 1 {
             present.sort_unstable_by_key(|&(pos, slot)| (slot, pos));
             present.dedup_by_key(|&mut (_, slot)| slot);
