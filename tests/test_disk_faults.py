@@ -542,3 +542,27 @@ def test_an_io_uring_enter_fault_needs_the_io_uring_engine(tmp_path):
     with make_tier(tmp_path, "pool") as tier:
         with pytest.raises(InvalidArgumentError, match="`fault`"):
             tier._inject_fault("enter_eio", 1)
+
+
+@pytest.mark.parametrize("how", ["wait", "wait_idle"])
+def test_ctrl_c_interrupts_a_wait_for_a_job_that_is_not_done(tmp_path, how):
+    """wait() and wait_idle() released the GIL for their whole length: Ctrl-C (SIGINT) could
+    not interrupt them until the job finished. The job here stays in flight for seconds (the
+    ring retries a transient io_uring_enter error for 5 s, then fails it); the interrupt must
+    arrive while it does."""
+    require_engine("io_uring")
+    host = Host(4)
+    with make_tier(tmp_path, "io_uring") as tier:
+        tier._inject_fault("enter_eagain", 1_000_000)
+        host.put(0, payload(1, host.block))
+        job = tier.submit_write([1], host.pool, [0]).job_id
+        timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                tier.wait(job) if how == "wait" else tier.wait_idle()
+            assert tier.running_jobs == 1, "interrupted while the job was still in flight"
+        finally:
+            timer.cancel()
+        result = tier.wait(job, timeout=30)  # the job itself went on, and ends failed
+        assert result is not None and result.failed_keys == [1]

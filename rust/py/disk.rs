@@ -4,7 +4,7 @@
 //! and `close` block on I/O, and only because they are asked to.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
@@ -75,6 +75,35 @@ impl DiskJobResult {
             self.bytes,
             self.seconds
         )
+    }
+}
+
+/// How long a blocking wait runs with the GIL released before it looks for a signal.
+const SIGNAL_CHECK_EVERY: Duration = Duration::from_millis(50);
+
+/// Wait with `step` (which waits at most the slice it is given and answers Some when done) in
+/// slices of SIGNAL_CHECK_EVERY with the GIL released, checking for signals in between: a wait
+/// that held the GIL released for its whole length could not be interrupted by Ctrl-C (Python
+/// runs signal handlers only between bytecodes, on the main thread). None at the deadline.
+fn interruptible_wait<R>(
+    py: Python<'_>,
+    timeout: Option<Duration>,
+    mut step: impl FnMut(Duration) -> PyResult<Option<R>> + Send,
+) -> PyResult<Option<R>>
+where
+    R: Send,
+{
+    let deadline = timeout.map(|t| Instant::now() + t);
+    loop {
+        let slice = deadline
+            .map_or(SIGNAL_CHECK_EVERY, |d| d.saturating_duration_since(Instant::now()).min(SIGNAL_CHECK_EVERY));
+        if let Some(r) = py.detach(|| step(slice))? {
+            return Ok(Some(r));
+        }
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            return Ok(None);
+        }
+        py.check_signals()?;
     }
 }
 
@@ -332,21 +361,26 @@ impl PyDiskTier {
     }
 
     /// Wait for `job_id` (at most `timeout` seconds; None = no limit) and return its result,
-    /// or None on timeout. The GIL is released while waiting.
+    /// or None on timeout. The GIL is released while waiting; a signal (Ctrl-C) interrupts the
+    /// wait, not the job.
     #[pyo3(signature = (job_id, timeout=None))]
     fn wait(&self, py: Python<'_>, job_id: u64, timeout: Option<f64>) -> PyResult<Option<DiskJobResult>> {
         let t = seconds("timeout", timeout)?;
-        match self.contain(|| Ok(py.detach(|| self.inner.wait(job_id, t))?))? {
+        let done = self.contain(|| interruptible_wait(py, t, |slice| Ok(self.inner.wait(job_id, Some(slice))?)))?;
+        match done {
             Some(r) => Ok(Some(result_to_py(py, r)?)),
             None => Ok(None),
         }
     }
 
-    /// Wait until no job is running; False on timeout. Results stay collectable.
+    /// Wait until no job is running; False on timeout. Results stay collectable. Interrupted
+    /// by a signal (Ctrl-C) like `wait`.
     #[pyo3(signature = (timeout=None))]
     fn wait_idle(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
         let t = seconds("timeout", timeout)?;
-        self.contain(|| Ok(py.detach(|| self.inner.wait_idle(t))))
+        let idle =
+            self.contain(|| interruptible_wait(py, t, |slice| Ok(self.inner.wait_idle(Some(slice)).then_some(()))))?;
+        Ok(idle.is_some())
     }
 
     #[getter]
