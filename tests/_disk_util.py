@@ -3,6 +3,7 @@ write/read round trips through the asynchronous API."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import time
@@ -104,11 +105,9 @@ def tier_threads_and_fds() -> tuple[list[str], int]:
     """The disk tier threads alive in this process (by name) and the number of open fds."""
     names = []
     for tid in os.listdir("/proc/self/task"):
-        try:
+        with contextlib.suppress(OSError):  # a thread that exited meanwhile
             with open(f"/proc/self/task/{tid}/comm") as f:
                 names.append(f.read().strip())
-        except OSError:
-            pass  # exited meanwhile
     return sorted(n for n in names if n.startswith("kvtier")), len(os.listdir("/proc/self/fd"))
 
 

@@ -747,15 +747,8 @@ impl TierIndex {
         let meta = (hint.priority, self.config.block_bytes, 0);
         let last_new = placed_pos.last().copied().unwrap_or(0);
         present.retain(|&(pos, _)| pos < last_new);
-        if present.is_empty() {
-            // The common case (a chain stored anew, a one-key store): inserts only.
-            for (k, slot) in placed.iter().rev() {
-                let generation = self.occupy(inner, *slot, k, BlockState::Writing, meta);
-                self.publish(inner, *k, *slot, generation, hint, now);
-            }
-            return;
-        }
-        // By position, one entry per block (its first, head-most position).
+        // By position, one entry per block (its first, head-most position). A chain stored
+        // anew has none, and its loop below is inserts only.
         if present.len() > 1 {
             present.sort_unstable_by_key(|&(pos, slot)| (slot, pos));
             present.dedup_by_key(|&mut (_, slot)| slot);

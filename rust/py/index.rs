@@ -143,10 +143,11 @@ impl BlockIndex {
         match quick {
             Some(out) => Ok((out?, None)),
             None => {
+                // `owned`, if made, was converted from these same items: no Python code ran since.
                 let items: Vec<Bound<'py, PyAny>> = seq.iter().collect();
                 let core_keys = match owned {
-                    Some(keys) if keys.len() == items.len() => keys,
-                    _ => keys_from_py(PyList::new(py, &items)?.as_any())?,
+                    Some(keys) => keys,
+                    None => keys_from_py(PyList::new(py, &items)?.as_any())?,
                 };
                 Ok((py.detach(|| self.inner.prepare_store(&core_keys, hint))?, Some(items)))
             }

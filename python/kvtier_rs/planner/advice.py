@@ -7,13 +7,10 @@ bytes the two are the same."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvtier_rs.planner.checks import ONLINE_POLICIES
 from kvtier_rs.planner.model import MAX_BLOCKS, fmt_bytes
-
-if TYPE_CHECKING:
-    from kvtier_rs.planner.plan import PlanOptions
 
 # The knee: the smallest capacity whose gain is within a tenth of the infinite cache's.
 KNEE_SHARE = 0.9
@@ -92,7 +89,7 @@ def _no_knee(results: list[dict], policy: str, ceiling: dict, weighted: bool) ->
     return summary, reasons
 
 
-def recommend(report: dict, opts: PlanOptions) -> dict[str, Any]:
+def recommend(report: dict) -> dict[str, Any]:
     ceiling = report["ceiling"]
     ceiling_rate = ceiling["hit_rate"] or 0.0
     ceiling_gain = ceiling["gain_rate"] or 0.0

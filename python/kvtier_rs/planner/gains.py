@@ -1,6 +1,6 @@
 """Which replayed hits are gains: a hit saves prefill only when loading its blocks beats
 recomputing them. The rule is the live orchestrator's own `CostModel`
-(kvtier_rs/orchestrator/cost.py), applied as `TierOrchestrator.plan_load` applies it: per request
+(kvtier_rs/orchestrator/cost.py), applied as `TierOrchestrator.plan` applies it: per request
 and tier, `worth_loading(tier, n)` for the n blocks that tier serves the request, and a CPU part
 refused for cost cuts the chain before the disk part. The replays report how many blocks each
 measured request got from each tier (`hit_histogram`, `served_histogram`), so the planner and

@@ -242,7 +242,7 @@ def run_plan(opts: PlanOptions) -> dict[str, Any]:
         "cost_weighted": cost is not None,
         "cost": tier_costs,
     }
-    report["recommendation"] = recommend(report, opts)
+    report["recommendation"] = recommend(report)
     return report
 
 
