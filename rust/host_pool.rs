@@ -14,6 +14,13 @@ use crate::error::{KvError, KvResult};
 
 pub const PAGE: usize = 4096;
 
+/// Bytes a slot of `slot_bytes` takes in a pool: rounded up to whole pages, so that every slot
+/// starts page-aligned (O_DIRECT, and the disk tier moves whole pages). The one place this rule
+/// lives; Python sizes its tiers with it through `HostPool.stride_for`.
+pub fn slot_stride(slot_bytes: usize) -> usize {
+    slot_bytes.div_ceil(PAGE) * PAGE
+}
+
 #[derive(Debug)]
 pub struct HostRegion {
     ptr: NonNull<u8>,
@@ -39,7 +46,7 @@ impl HostRegion {
         if total_bytes == 0 {
             return Err(KvError::invalid("total_bytes", "must be positive"));
         }
-        let stride = slot_bytes.div_ceil(PAGE) * PAGE;
+        let stride = slot_stride(slot_bytes);
         let num_slots = total_bytes / stride;
         if num_slots == 0 {
             return Err(KvError::invalid(

@@ -41,6 +41,21 @@ def test_pool_rejects_bad_sizes(total, slot, arg):
         kv.HostPool(total, slot)
 
 
+@pytest.mark.parametrize(("slot", "stride"), [(1, 4096), (4096, 4096), (4097, 8192), (5000, 8192), (1 << 40, 1 << 40)])
+def test_pool_stride_is_the_pools_own_rounding(slot, stride):
+    # One rule sizes pools and the Python side's capacity checks (TierConfig, the vLLM spec).
+    assert kv.HostPool.stride_for(slot) == stride
+    if stride <= 1 << 16:
+        assert kv.HostPool(3 * stride + 100, slot).num_slots == 3
+        assert kv.TierConfig(capacity_bytes=3 * stride + 100, block_bytes=slot).num_blocks == 3
+
+
+@pytest.mark.parametrize("bad", [0, -4096])
+def test_pool_stride_refuses_bad_sizes(bad):
+    with pytest.raises(kv.InvalidArgumentError, match="`slot_bytes`"):
+        kv.HostPool.stride_for(bad)
+
+
 def test_config_validates_before_allocating():
     with pytest.raises(kv.InvalidArgumentError, match="capacity_bytes"):
         kv.TierConfig(capacity_bytes="1KiB", block_bytes="1MiB")

@@ -447,7 +447,7 @@ def test_the_verdict_judges_the_tiers_asked_for_cpu_and_disk(tmp_path, capsys):
     assert rec["verdict"] == "tier" and saved == {"cpu": 0.0, "disk": pytest.approx(2 / 3)}
     assert rec["summary"].startswith(f"Tier it as asked: the tiers save {saved['disk']:.1%} of prefill tokens")
     assert f"the DISK tier of 2000 blocks saves {saved['disk']:.1%} of tokens" in rec["summary"]
-    assert "the CPU tier of 1 blocks saves 0.0% of tokens" in rec["summary"]
+    assert "the CPU tier of 1 block saves 0.0% of tokens" in rec["summary"]
     # Only a GPU cache given: no lower tier to judge, so not "they add 0%" but the knee over it.
     rec = plan_json(capsys, *common, "--gpu", "1blocks")["recommendation"]
     assert rec["verdict"] == "tier", rec["summary"]
@@ -465,3 +465,13 @@ def test_a_policy_gets_the_same_numbers_from_the_sweep_and_the_tier_replay(tmp_p
     (cpu,) = rep["tiers"]["tiers"]
     assert (cpu["served_tokens"], cpu["saved_tokens"]) == (row["hit_tokens"], row["gain_tokens"])
     assert (cpu["underfilled"], cpu["filled_late"]) == (row["underfilled"], row["filled_late"])
+
+
+def test_one_block_is_said_in_the_singular(tmp_path, capsys):
+    """A knee at one block: the report reads "1 block", not "1 blocks"."""
+    p = tmp_path / "one.jsonl"
+    p.write_text("".join(json.dumps({"timestamp": i, "input_length": 600, "hash_ids": [7]}) + "\n" for i in range(50)))
+    assert main(["plan", str(p), "--capacities", "1,2", "--policies", "lru", "--warmup", "0", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "a CPU tier of 1 block with policy lru" in out and "lru @ 1 block, admit" in out
+    assert "1 blocks" not in out

@@ -64,6 +64,9 @@ class HostPool:
 
     def __new__(cls, total_bytes: int, slot_bytes: int) -> HostPool: ...
     @staticmethod
+    def stride_for(slot_bytes: int) -> int:
+        """Bytes one slot of `slot_bytes` takes in a pool (rounded up to whole 4 KiB pages)."""
+    @staticmethod
     def wrap(buffer: Buffer, slot_bytes: int) -> HostPool:
         """A pool over `buffer`'s memory (writable, C-contiguous, page-aligned), in place."""
     @property

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 
-from kvtier_rs._core import InvalidArgumentError, parse_admission, policy_names
+from kvtier_rs._core import HostPool, InvalidArgumentError, parse_admission, policy_names
 from kvtier_rs.checks import show
 
 _UNITS = {
@@ -85,7 +85,7 @@ class TierConfig:
         blk = parse_bytes(self.block_bytes, name="block_bytes")
         object.__setattr__(self, "capacity_bytes", cap)
         object.__setattr__(self, "block_bytes", blk)
-        stride = -(-blk // 4096) * 4096
+        stride = HostPool.stride_for(blk)
         if cap < stride:
             raise InvalidArgumentError(
                 f"invalid argument `capacity_bytes`: {cap} bytes cannot hold one block of {blk} bytes"
@@ -101,5 +101,4 @@ class TierConfig:
 
     @property
     def num_blocks(self) -> int:
-        stride = -(-int(self.block_bytes) // 4096) * 4096
-        return int(self.capacity_bytes) // stride
+        return int(self.capacity_bytes) // HostPool.stride_for(int(self.block_bytes))

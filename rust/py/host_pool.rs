@@ -54,6 +54,14 @@ impl HostPool {
         Ok(HostPool { region, slots, claimed: AtomicBool::new(false), borrowed: None })
     }
 
+    /// Bytes one slot of `slot_bytes` takes in a pool (rounded up to whole 4 KiB pages): how many
+    /// blocks a pool of a given size holds is `total_bytes // HostPool.stride_for(block_bytes)`.
+    #[staticmethod]
+    fn stride_for(slot_bytes: i64) -> PyResult<usize> {
+        // At most i64::MAX, so rounding up to a page cannot overflow a 64-bit usize.
+        Ok(crate::host_pool::slot_stride(positive("slot_bytes", slot_bytes)?))
+    }
+
     /// A pool over the memory of `buffer` (any object exporting a writable, C-contiguous buffer:
     /// an `mmap`, a `memoryview`, a numpy array), in slots of `slot_bytes` (a multiple of 4096;
     /// the buffer must start page-aligned, as mmap'ed memory does). Nothing is copied: reads and

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvtier_rs.planner.checks import ONLINE_POLICIES
-from kvtier_rs.planner.model import MAX_BLOCKS, fmt_bytes
+from kvtier_rs.planner.model import MAX_BLOCKS, fmt_blocks, fmt_bytes
 
 # The knee: the smallest capacity whose gain is within a tenth of the infinite cache's.
 KNEE_SHARE = 0.9
@@ -80,10 +80,10 @@ def _no_knee(results: list[dict], policy: str, ceiling: dict, weighted: bool) ->
     larger = [c for c in (2 * hi, 4 * hi, 8 * hi) if c <= MAX_BLOCKS]
     summary = (
         f"Tier it, but size it from a larger sweep: there is no knee within the swept capacities ({lo} to "
-        f"{hi} blocks); {policy} hits {_hits(rows[-1], weighted)} at {hi} blocks against "
+        f"{fmt_blocks(hi)}); {policy} hits {_hits(rows[-1], weighted)} at {fmt_blocks(hi)} against "
         f"{_hits(ceiling, weighted)} for an infinite cache."
     )
-    reasons = [f"the curve is still short of the ceiling at {hi} blocks (the knee is within a tenth of it)"]
+    reasons = [f"the curve is still short of the ceiling at {fmt_blocks(hi)} (the knee is within a tenth of it)"]
     if larger:
         reasons.append(f"sweep larger capacities: rerun with --capacities {','.join(map(str, larger))}")
     return summary, reasons
@@ -155,11 +155,11 @@ def recommend(report: dict) -> dict[str, Any]:
         }
         if knee["underfilled"]:
             reasons.append(
-                f"a cache of {knee['capacity_blocks']} blocks never fills: it holds the whole reusable working set"
+                f"a cache of {fmt_blocks(knee['capacity_blocks'])} never fills: it holds the whole reusable working set"
             )
         else:
             reasons.append(
-                f"{best} at {knee['capacity_blocks']} blocks hits {_hits(knee, weighted)} "
+                f"{best} at {fmt_blocks(knee['capacity_blocks'])} hits {_hits(knee, weighted)} "
                 f"against a ceiling of {_hits(ceiling, weighted)}"
             )
             if knee["filled_late"]:
@@ -169,7 +169,7 @@ def recommend(report: dict) -> dict[str, Any]:
                 )
         if at_smallest:
             reasons.append(
-                f"the knee is at or below {knee['capacity_blocks']} blocks, the smallest swept capacity: "
+                f"the knee is at or below {fmt_blocks(knee['capacity_blocks'])}, the smallest swept capacity: "
                 "sweep smaller capacities to size the tier tighter"
             )
     opt = next(
@@ -208,7 +208,7 @@ def recommend(report: dict) -> dict[str, Any]:
         return rec
     if asked:  # a GPU prefix cache only: a CPU tier pays only for what it adds to it
         return _judge_knee_over_gpu(rec, knee, asked)
-    size = f"{rec['capacity_blocks']} blocks"
+    size = fmt_blocks(rec["capacity_blocks"])
     if rec["capacity_bytes"]:
         size += f" ({fmt_bytes(rec['capacity_bytes'])})"
     rec["summary"] = f"Tier it: a CPU tier of {size} with policy {best} and admission {rec['admission']}."
@@ -232,7 +232,7 @@ def _judge_asked(rec: dict, mt: dict, cost: dict, policy: str) -> dict:
         share = f"{t['saved_tokens'] / total:.1%} of tokens"
         if t["saved_tokens"] != t["served_tokens"]:
             share += f" (of {t['served_tokens'] / total:.1%} promoted; the rest is not worth loading)"
-        parts.append(f"the {_tier_name(t)} of {t['capacity_blocks']} blocks saves {share}")
+        parts.append(f"the {_tier_name(t)} of {fmt_blocks(t['capacity_blocks'])} saves {share}")
     config = "; ".join(parts)
     tier_policy = lower[0]["policy"]
     if tier_policy != policy:
@@ -264,13 +264,13 @@ def _judge_knee_over_gpu(rec: dict, knee: dict, mt: dict) -> dict:
     if added < MIN_GAIN:
         rec["verdict"] = "no_tiering"
         rec["summary"] = (
-            f"Tiering will not pay: the GPU prefix cache alone ({gpu['capacity_blocks']} blocks) hits "
-            f"{gpu_rate:.1%} of tokens, and a CPU tier of {knee['capacity_blocks']} blocks (the knee) would add "
+            f"Tiering will not pay: the GPU prefix cache alone ({fmt_blocks(gpu['capacity_blocks'])}) hits "
+            f"{gpu_rate:.1%} of tokens, and a CPU tier of {fmt_blocks(knee['capacity_blocks'])} (the knee) would add "
             f"about {max(added, 0.0):.1%}."
         )
     else:
         rec["summary"] = (
-            f"Tier it: a CPU tier of {knee['capacity_blocks']} blocks with policy {rec['policy']} and admission "
+            f"Tier it: a CPU tier of {fmt_blocks(knee['capacity_blocks'])} with policy {rec['policy']} and admission "
             f"{rec['admission']} would add about {added:.1%} of tokens to the GPU cache's {gpu_rate:.1%}."
         )
     rec["reasons"].append("give --cpu (and --disk) to replay that configuration exactly")

@@ -211,6 +211,11 @@ def parse_size(text: str, arg: str) -> Size:
     return Size(value, False)  # parse_bytes bounds sizes (config.MAX_BYTES)
 
 
+def fmt_blocks(n: int) -> str:
+    """`n` blocks, in words that read right for one block too."""
+    return f"{n} block" if n == 1 else f"{n} blocks"
+
+
 def fmt_bytes(n: float | None) -> str:
     if n is None:
         return "-"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtier_rs.planner.model import fmt_bytes
+from kvtier_rs.planner.model import fmt_blocks, fmt_bytes
 from kvtier_rs.planner.plan import LATE_FILL_SHARE
 
 
@@ -124,7 +124,7 @@ def render_table(rep: dict[str, Any]) -> str:
     )
     for e in ad["threshold_effect"]:
         lines.append(
-            f"   {e['policy']} @ {e['capacity_blocks']} blocks, admit {e['admission']}: hit rate "
+            f"   {e['policy']} @ {fmt_blocks(e['capacity_blocks'])}, admit {e['admission']}: hit rate "
             f"{_rate(e).rstrip()} "
             f"(always: {_pct(e['hit_rate_always'])}), writes {e['insertions']} (always: "
             f"{e['insertions_always']})"

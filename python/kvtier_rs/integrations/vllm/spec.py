@@ -25,8 +25,6 @@ from kvtier_rs.integrations.vllm.manager import KvtierOffloadingManager
 from kvtier_rs.integrations.vllm.options import READER, KvtierOptions, parse_options
 from kvtier_rs.integrations.vllm.worker import KvtierWorker, chunk_bytes
 
-_PAGE = 4096
-
 
 @dataclass
 class _EngineState:
@@ -86,7 +84,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
         with _lock:
             st = _engines.get(self.engine_id)
             if st is None:
-                stride = -(-chunk_bytes // _PAGE) * _PAGE
+                stride = HostPool.stride_for(chunk_bytes)
                 if self.options.cpu_bytes < stride:
                     raise InvalidArgumentError(
                         f"kv_connector_extra_config['cpu_bytes_to_use']: {self.options.cpu_bytes} bytes "
