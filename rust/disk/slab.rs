@@ -335,35 +335,63 @@ pub struct SlabOpen {
     pub prealloc_refusal: Option<String>,
 }
 
+/// What the filesystem says of a slab's space and does when asked for more: the real calls,
+/// or (in tests) a filesystem that behaves like some FUSE ones, which report no blocks for any
+/// file and refuse fallocate.
+pub(super) struct SpaceOps {
+    /// Bytes of disk blocks the file holds (`st_blocks` * 512).
+    pub allocated: fn(&File) -> std::io::Result<u64>,
+    /// fallocate(0, len).
+    pub allocate: fn(&File, u64) -> std::io::Result<()>,
+    /// Bytes an unprivileged writer may still allocate on the file's filesystem.
+    pub free: fn(&File) -> std::io::Result<u64>,
+}
+
+const REAL_SPACE: SpaceOps = SpaceOps {
+    allocated: |f| f.metadata().map(|m| m.blocks().saturating_mul(512)),
+    allocate: |f, bytes| {
+        // SAFETY: plain syscall on an fd the caller owns.
+        let rc = unsafe { libc::fallocate(f.as_raw_fd(), 0, 0, bytes as libc::off_t) };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(std::io::Error::last_os_error())
+        }
+    },
+    free: free_bytes,
+};
+
 /// Give `file` its full `bytes` of disk blocks (None), or make it that long but sparse and say
 /// why (Some). A full device then shows up as ENOSPC on writes, which the tier degrades on.
 ///
 /// fallocate is only tried when the filesystem has room for the blocks the file still lacks:
 /// on ext4 a fallocate that runs out of space keeps the blocks it allocated before failing, so
 /// a tier larger than the free space took all of it at open and left other programs none. If
-/// it fails anyway (another writer took the room meanwhile), a slab that was empty is cut back
-/// to nothing before it is made sparse, which frees those blocks; a slab with blocks of its own
-/// (an earlier sparse open) keeps them, since they may hold the tier's data.
-fn preallocate(file: &File, path: &Path, bytes: u64) -> KvResult<Option<String>> {
-    let stat = |file: &File| file.metadata().map_err(|e| KvError::io("stat slab", path, &e));
-    let before = stat(file)?;
-    let missing = bytes.saturating_sub(before.blocks().saturating_mul(512));
-    let free = free_bytes(file).map_err(|e| KvError::io("statvfs slab", path, &e))?;
+/// it fails anyway (another writer took the room meanwhile), a slab this open created (empty
+/// by length) is cut back to nothing before it is made sparse, which frees those blocks. A
+/// slab that existed keeps whatever it holds, whatever its block count says: some filesystems
+/// (FUSE ones) report no blocks for any file, and cutting such a slab back lost the whole
+/// tier's data at every reopen.
+pub(super) fn preallocate(fs: &SpaceOps, file: &File, path: &Path, bytes: u64) -> KvResult<Option<String>> {
+    let len = |file: &File| file.metadata().map(|m| m.len()).map_err(|e| KvError::io("stat slab", path, &e));
+    let created = len(file)? == 0;
+    let allocated = (fs.allocated)(file).map_err(|e| KvError::io("stat slab", path, &e))?;
+    let missing = bytes.saturating_sub(allocated);
+    let free = (fs.free)(file).map_err(|e| KvError::io("statvfs slab", path, &e))?;
     let refusal = if missing > free {
         Some(format!("{missing} bytes to allocate, {free} free on its filesystem"))
     } else {
-        // SAFETY: plain syscall on an fd we own.
-        let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, bytes as libc::off_t) };
-        if rc == 0 {
-            return Ok(None);
+        match (fs.allocate)(file, bytes) {
+            Ok(()) => return Ok(None),
+            Err(err) => {
+                if created {
+                    file.set_len(0).map_err(|e| KvError::io("size slab", path, &e))?;
+                }
+                Some(format!("fallocate: {err}"))
+            }
         }
-        let err = std::io::Error::last_os_error();
-        if before.blocks() == 0 {
-            file.set_len(0).map_err(|e| KvError::io("size slab", path, &e))?;
-        }
-        Some(format!("fallocate: {err}"))
     };
-    if stat(file)?.len() < bytes {
+    if len(file)? < bytes {
         file.set_len(bytes).map_err(|e| KvError::io("size slab", path, &e))?;
     }
     Ok(refusal)
@@ -385,7 +413,7 @@ impl SlabFile {
     pub fn open(path: &Path, bytes: u64, mode: DirectMode) -> KvResult<SlabOpen> {
         let file = open_private(path, true).map_err(|e| KvError::io("open slab", path, &e))?;
         let _ = fs::set_permissions(path, fs::Permissions::from_mode(0o600));
-        let prealloc_refusal = preallocate(&file, path, bytes)?;
+        let prealloc_refusal = preallocate(&REAL_SPACE, &file, path, bytes)?;
         let mut direct_refusal = None;
         let mut slab =
             SlabFile { file, path: path.to_path_buf(), direct: false, preallocated: prealloc_refusal.is_none() };

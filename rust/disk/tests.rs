@@ -601,3 +601,35 @@ fn a_transient_io_uring_enter_error_that_never_ends_fails_the_jobs_after_a_while
     assert_eq!(w.failed_keys, vec![k(1)]);
     assert_eq!(stat(&t, "engine_errno"), libc::EAGAIN as u64);
 }
+
+/// A filesystem that reports no blocks for any file and refuses fallocate (as some FUSE ones
+/// do): reopening a slab that holds the tier's data must keep the data (it was cut back to
+/// nothing, so every restart lost the whole tier), while a slab this open creates is still
+/// cut back before it is made sparse.
+#[test]
+fn a_slab_on_a_filesystem_reporting_no_blocks_keeps_its_data_when_fallocate_fails() {
+    let fuse_like = slab::SpaceOps {
+        allocated: |_| Ok(0),
+        allocate: |_, _| Err(std::io::Error::from_raw_os_error(libc::EOPNOTSUPP)),
+        free: |_| Ok(u64::MAX),
+    };
+    let dir = TempDir::new();
+    fs::create_dir_all(&dir.0).unwrap();
+    let open = |p: &std::path::Path| {
+        fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(p).unwrap()
+    };
+
+    let old = dir.0.join("old-slab");
+    fs::write(&old, vec![0xAB; 3 * PAGE]).unwrap();
+    let why = slab::preallocate(&fuse_like, &open(&old), &old, 4 * PAGE as u64).unwrap();
+    assert!(why.is_some_and(|w| w.contains("fallocate")));
+    let data = fs::read(&old).unwrap();
+    assert_eq!(data.len(), 4 * PAGE, "made its full length, sparse");
+    assert!(data[..3 * PAGE].iter().all(|&b| b == 0xAB), "the slab's data was lost");
+    assert!(data[3 * PAGE..].iter().all(|&b| b == 0));
+
+    let new = dir.0.join("new-slab");
+    let why = slab::preallocate(&fuse_like, &open(&new), &new, 4 * PAGE as u64).unwrap();
+    assert!(why.is_some());
+    assert_eq!(fs::read(&new).unwrap(), vec![0; 4 * PAGE]);
+}
