@@ -149,6 +149,7 @@ def test_bare_tiers_and_missing_tiers_still_expose_every_series(tmp_path):
         ({1: "a"}, "not a Prometheus label name"),
         ({"tier": "x"}, "already a label of kvtier series"),
         ({"engine": 0}, "must be a str"),  # would fail every scrape with HTTP 500
+        ({"engine": "dp\ud800"}, "not encodable as UTF-8"),  # so would a lone surrogate
         ([("engine", "dp0")], "expected a dict"),
     ],
 )

@@ -5,6 +5,7 @@ model and SLO guard deciding on synthetic numbers."""
 from __future__ import annotations
 
 import random
+import re
 import time
 
 import numpy as np
@@ -13,6 +14,7 @@ import torch
 
 import kvtier_rs as kv
 from kvtier_rs._core import DiskTier
+from kvtier_rs.events import EventStream
 from kvtier_rs.orchestrator import CostModel, GuardRule, SloGuard, TierOrchestrator
 from kvtier_rs.transfer import BlockLayout, CpuTransferEngine, Region, coalesce_runs
 
@@ -654,3 +656,133 @@ def test_load_copies_wait_for_the_compute_stream_in_both_parts(tmp_path):
     (res,) = orch.drain()
     assert (res.loaded_cpu, res.loaded_disk) == (1, 1)
     assert engine.seen == [compute, compute]
+
+
+def _two_layer_tiers(tmp_path, *, engine_cls=CpuTransferEngine, with_disk=True, **kw):
+    ts = [torch.randn(16, 2, 8, 8) for _ in range(2)]
+    layout = BlockLayout.per_layer(ts)
+    host = kv.HostTier(kv.TierConfig(8 * 4096, layout.bytes_per_block))
+    engine = engine_cls(layout, host.pool, inline=True)
+    disk = None
+    if with_disk:
+        disk = DiskTier(str(tmp_path / "disk"), 64 * 4096 * 2, host.pool.slot_bytes, admission="always", engine="pool")
+    return TierOrchestrator(host, engine, disk=disk, **kw), ts
+
+
+class RefusesSecondGroup(CpuTransferEngine):
+    """Refuses (ClosedError, as when closed meanwhile) the second load job once armed."""
+
+    armed = False
+    loads = 0
+
+    def load(self, *args, **kwargs):
+        if self.armed:
+            self.loads += 1
+            if self.loads == 2:
+                raise kv.ClosedError("closed: transfer engine")
+        return super().load(*args, **kwargs)
+
+
+def test_a_load_refused_after_its_first_region_group_is_failed_not_loaded(tmp_path):
+    """The engine copies layer 0 and refuses layer 1: the load must come back failed (the
+    engine recomputes it), never as loaded with a layer that was never copied."""
+    orch, ts = _two_layer_tiers(tmp_path, engine_cls=RefusesSecondGroup, with_disk=False)
+    orch.offload([b"a"], [0])
+    orch.drain()
+    for t in ts:
+        t[5].zero_()
+    orch.engine.armed = True
+    orch.load([b"a"], [5], request_id="r", region_groups=[[0], [1]])
+    (res,) = orch.drain()
+    assert (res.loaded_cpu, res.failed) == (0, 1)
+    assert not ts[1][5].any(), "layer 1 was indeed never copied"
+    assert orch.stats()["load_failed"] == 1
+    assert all(pins == 0 for _, _, pins, _ in orch.host.index.entries())
+
+
+def test_a_closed_disk_tier_loses_no_completion_and_the_cpu_tier_serves_on(tmp_path):
+    """A store's write-through finds the disk tier closed in the same poll that collects a
+    load: the load is still reported and unpinned, and later offloads and plans go on with
+    the CPU tier alone (the refused write-throughs are counted)."""
+    orch, _ = _two_layer_tiers(tmp_path)
+    orch.offload([b"a"], [0])
+    orch.drain()
+    orch.offload([b"x"], [1])  # an inline engine: both jobs have finished at submission
+    orch.load([b"a"], [5], request_id="A")
+    orch.stager.disk.close()
+    (res,) = orch.poll()
+    assert res.request_id == "A" and res.loaded_cpu == 1
+    assert orch.pending() == 0 and all(pins == 0 for _, _, pins, _ in orch.host.index.entries())
+    assert orch.stats()["tiers"]["disk"]["writes"]["not_started"] == 1
+    assert orch.stats()["tiers"]["disk"]["store_refused"]["unavailable"] == 1
+    orch.offload([b"y"], [2])
+    orch.drain()
+    plan = orch.plan([b"y", b"z"])
+    assert (plan.cpu_hits, plan.disk_hits) == (1, 0)
+
+
+class FailingEvents(EventStream):
+    """An event stream whose publishing of one store raises (an internal error in the middle
+    of handling a batch of completions)."""
+
+    def publish(self, kind, tier, keys, reason=None):
+        if kind == "stored" and list(keys) == [b"x"]:
+            raise RuntimeError("injected bookkeeping error")
+        return super().publish(kind, tier, keys, reason)
+
+
+def test_an_error_handling_one_completion_loses_none_of_the_others(tmp_path):
+    orch, _ = _two_layer_tiers(tmp_path, with_disk=False, events=FailingEvents())
+    orch.offload([b"a"], [0])
+    orch.drain()
+    orch.offload([b"x"], [1])  # handled first in the batch, and raises
+    orch.load([b"a"], [5], request_id="A")
+    with pytest.raises(RuntimeError, match="injected"):
+        orch.poll()
+    (res,) = orch.poll()  # the load that finished in the same batch is not lost
+    assert res.request_id == "A" and res.loaded_cpu == 1
+    assert orch.pending() == 0 and all(pins == 0 for _, _, pins, _ in orch.host.index.entries())
+
+
+def test_a_disk_write_through_refused_entirely_leaves_no_job_behind(tmp_path):
+    """The disk tier refuses every key of a write-through (its admission here): the job it
+    finished at once is taken, not left for a poll that never comes."""
+    orch, _ = _two_layer_tiers(tmp_path)
+    orch.stager.disk.close()
+    orch.stager.disk = DiskTier(
+        str(tmp_path / "disk2"), 64 * 4096 * 2, orch.host.pool.slot_bytes, admission="uses:255", engine="pool"
+    )
+    for i in range(20):
+        orch.offload([f"k{i}".encode()], [i % 16])
+        orch.drain()
+    assert orch.stats()["tiers"]["disk"]["writes"]["refused"] == 20
+    assert orch.stager.disk.poll() == [], "finished write jobs were left uncollected"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"max_promotions_in_flight": {"cpu": "8"}}, "`max_promotions_in_flight['cpu']`: must be a positive int"),
+        ({"max_promotions_in_flight": {"cpu": 0}}, "`max_promotions_in_flight['cpu']`: must be a positive int"),
+        ({"max_promotions_in_flight": {"gpu": 4}}, "`max_promotions_in_flight`: unknown tiers ['gpu']"),
+        ({"max_promotions_in_flight": [("cpu", 4)]}, "`max_promotions_in_flight`: expected a dict"),
+        ({"max_disk_write_backlog": "1024"}, "`max_disk_write_backlog`: must be a positive int"),
+        ({"max_disk_write_backlog": 0}, "`max_disk_write_backlog`: must be a positive int"),
+    ],
+)
+def test_orchestrator_settings_are_checked_at_construction(tmp_path, kwargs, words):
+    orch, _ = _two_layer_tiers(tmp_path, with_disk=False)
+    with pytest.raises(kv.InvalidArgumentError, match=re.escape(words)):
+        TierOrchestrator(orch.host, orch.engine, **kwargs)
+
+
+def test_a_plan_made_for_other_keys_is_refused(tmp_path):
+    orch, ts = _two_layer_tiers(tmp_path, with_disk=False)
+    keys = [b"k0", b"k1", b"k2"]
+    orch.offload(keys, [0, 1, 2])
+    orch.drain()
+    with pytest.raises(kv.InvalidArgumentError, match="`plan`: made for 3 keys with 0 GPU hits"):
+        orch.load(keys, [10, 11], gpu_hit_blocks=1, plan=orch.plan(keys, 0), request_id="r")
+    with pytest.raises(kv.InvalidArgumentError, match="`plan`: made for 1 keys"):
+        orch.reserve(keys, plan=orch.plan(keys[:1]), request_id="r")
+    assert orch.pending() == 0 and all(pins == 0 for _, _, pins, _ in orch.host.index.entries())

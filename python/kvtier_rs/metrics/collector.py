@@ -62,6 +62,14 @@ def _const_labels(labels: object) -> dict[str, str]:
         if not isinstance(value, str):
             # Caught here, not at the first scrape, where the exposition fails on it (HTTP 500).
             raise InvalidArgumentError(f"invalid argument `labels`: the value of {name!r} must be a str, got {value!r}")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            # A lone surrogate (say, from a badly decoded environment variable) would fail every
+            # exposition, which is UTF-8.
+            raise InvalidArgumentError(
+                f"invalid argument `labels`: the value of {name!r} is not encodable as UTF-8 ({e.reason} at {e.start})"
+            ) from None
     return dict(labels)
 
 

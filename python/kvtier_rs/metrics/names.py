@@ -18,7 +18,7 @@ TIERS = ("cpu", "disk")
 LOOKUP_TIERS = ("gpu", "cpu", "disk")
 DIRECTIONS = ("load", "store")
 LOAD_REFUSALS = ("cost", "backpressure", "guard")
-STORE_REFUSALS = {"cpu": ("admission", "no_space"), "disk": ("admission", "no_space", "backpressure")}
+STORE_REFUSALS = {"cpu": ("admission", "no_space"), "disk": ("admission", "no_space", "backpressure", "unavailable")}
 EVENT_KINDS = ("stored", "removed", "promoted")
 IO_ERROR_KINDS = ("read", "short_read", "write")
 
@@ -97,7 +97,8 @@ SERIES: tuple[Series, ...] = (
         "kvtier_refusals",
         "counter",
         "Blocks turned away. Load: hits not loaded (cost model, back-pressure, SLO guard). "
-        "Store: blocks not admitted (admission rule, no space, write back-pressure).",
+        "Store: blocks not admitted (admission rule, no space, write back-pressure, disk tier closed "
+        "or refusing I/O).",
         ("tier", "direction", "reason"),
         _REFUSAL_SETS,
     ),

@@ -17,10 +17,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier_rs._core import IndexFailedError, InvalidArgumentError, KvTierError, NoSpaceError, NotReadyError
+from kvtier_rs._core import (
+    ClosedError,
+    DiskIoError,
+    IndexFailedError,
+    InvalidArgumentError,
+    KvTierError,
+    NoSpaceError,
+    NotReadyError,
+)
 from kvtier_rs.events import EventStream
 from kvtier_rs.host_tier import HostTier
 from kvtier_rs.keys import Key, key_list
+from kvtier_rs.orchestrator.completions import handle_each
 from kvtier_rs.orchestrator.latency import LatencyRecorder
 
 _PAGE = 4096  # the disk tier's I/O unit (and the size of a slot's header page)
@@ -45,6 +54,7 @@ class StagerCounters:
     writes_dropped_backlog: int = 0
     writes_dropped_evicted: int = 0
     writes_dropped_index_failed: int = 0  # the disk tier's index disabled itself (internal error)
+    writes_not_started: int = 0  # the disk tier was closed, or refused the submission (I/O error)
     promotions_submitted: int = 0
     promotion_blocks_ok: int = 0
     promotion_blocks_failed: int = 0  # checksum/key mismatch, short read, I/O error
@@ -79,6 +89,9 @@ class DiskStager:
         self.events = events
         self._writes: dict[int, list[Key]] = {}
         self._reads: dict[int, list[Key]] = {}
+        # Promotions handled by a poll that then raised (an internal error in another job's
+        # handling): returned by the next poll, never lost.
+        self._carried: list[PromotionDone] = []
         self._write_backlog = 0
 
     @property
@@ -121,6 +134,12 @@ class DiskStager:
             self.counters.writes_refused += len(keys)
             self.counters.writes_no_space += len(keys)
             return 0
+        except (ClosedError, DiskIoError):
+            # Closed, or an I/O error submitting: the write-through is best effort, and the
+            # completion path that calls it must go on (other completions wait behind it).
+            self.host.index.unpin(keys)
+            self.counters.writes_not_started += len(keys)
+            return 0
         except Exception:
             self.host.index.unpin(keys)
             raise
@@ -135,6 +154,11 @@ class DiskStager:
             self._writes[ticket.job_id] = written
             self._write_backlog += len(written)
             self.counters.writes_submitted += len(written)
+        else:
+            # Nothing to write (all refused or present): the tier finished the job at once.
+            # Taken here, since no poll would come for it while nothing else is tracked, and
+            # a full disk would pile up one finished job per offload.
+            self.disk.try_take(ticket.job_id)
         return len(written)
 
     def promote(self, keys: Sequence[Key]) -> int | None:
@@ -166,57 +190,74 @@ class DiskStager:
         return job
 
     def poll(self) -> list[PromotionDone]:
-        """Collect finished disk jobs: unpin written blocks, publish or drop promoted ones."""
+        """Collect finished disk jobs: unpin written blocks, publish or drop promoted ones.
+        Every finished job is handled even if one of them raises (an internal error): the
+        error is raised once the batch is done, and its promotions come with the next call."""
+        done, self._carried = self._carried, []
         if not (self._writes or self._reads):
-            return []
-        done = []
-        for r in self.disk.poll():
-            if r.kind == "write":
-                keys = self._writes.pop(r.job_id, None)
-                if keys is None:
-                    continue
-                self._write_backlog -= len(keys)
-                self.host.index.unpin(keys)
-                self.counters.writes_completed += len(r.ok_keys)
-                self.counters.writes_failed += len(r.failed_keys)
-                self.counters.write_latency.observe(r.seconds)
-                if self.events is not None:
-                    self.events.publish("stored", "disk", r.ok_keys)
-            else:
-                keys = self._reads.pop(r.job_id, None)
-                if keys is None:
-                    continue
-                ok = set(r.ok_keys)
-                prefix = 0
-                while prefix < len(keys) and keys[prefix] in ok:
-                    prefix += 1
-                # Only the verified prefix becomes readable; everything after the first bad
-                # block is dropped too (a chain with a hole cannot be used past the hole).
-                if prefix:
-                    self.host.index.complete_store(keys[:prefix], True)
-                    if self.host.index.failure is not None:
-                        prefix = 0  # the CPU index failed meanwhile: nothing became readable
-                if prefix < len(keys):
-                    self.host.index.complete_store(keys[prefix:], False)
-                self.counters.promotion_blocks_ok += prefix
-                self.counters.promotion_blocks_failed += len(r.failed_keys)
-                self.counters.read_latency.observe(r.seconds)
-                if self.events is not None:
-                    self.events.publish("stored", "cpu", keys[:prefix])
-                    if r.failed_keys:
-                        # A read that did not verify (checksum, short read, I/O error) makes the
-                        # disk drop the block. Keys are pinned on disk from submission, so one
-                        # the disk no longer holds was dropped by this read, not evicted.
-                        try:
-                            held = self.disk.contains(list(r.failed_keys))
-                        except KvTierError:
-                            # Closed (or its index failed): the disk holds nothing any more, and
-                            # raising here would lose the results after this one, already taken.
-                            held = [False] * len(r.failed_keys)
-                        gone = [k for k, h in zip(r.failed_keys, held, strict=True) if not h]
-                        self.events.publish("removed", "disk", gone, reason="failed_read")
-                done.append(PromotionDone(r.job_id, keys, prefix, r.seconds, r.bytes))
+            return done
+        error = handle_each(self.disk.poll(), lambda r: self._finish(r, done))
+        if error is not None:
+            self._carried = done
+            raise error
         return done
+
+    def _finish(self, r: Any, done: list[PromotionDone]) -> None:
+        """One finished disk job; a promotion is appended to `done`."""
+        if r.kind == "write":
+            keys = self._writes.pop(r.job_id, None)
+            if keys is None:
+                return
+            self._write_backlog -= len(keys)
+            self.host.index.unpin(keys)
+            self.counters.writes_completed += len(r.ok_keys)
+            self.counters.writes_failed += len(r.failed_keys)
+            self.counters.write_latency.observe(r.seconds)
+            if self.events is not None:
+                self.events.publish("stored", "disk", r.ok_keys)
+            return
+        keys = self._reads.pop(r.job_id, None)
+        if keys is None:
+            return
+        # Whatever happens below, the promotion is reported (a load waits on it); if the CPU
+        # index's bookkeeping raised midway, as one that made nothing readable.
+        usable = 0
+        try:
+            usable = self._publish_read(r, keys)
+        finally:
+            done.append(PromotionDone(r.job_id, keys, usable, r.seconds, r.bytes))
+
+    def _publish_read(self, r: Any, keys: list[Key]) -> int:
+        """Make a promotion's verified prefix readable in the CPU tier and drop the rest; returns
+        the prefix."""
+        ok = set(r.ok_keys)
+        prefix = 0
+        while prefix < len(keys) and keys[prefix] in ok:
+            prefix += 1
+        # Only the verified prefix becomes readable; everything after the first bad block is
+        # dropped too (a chain with a hole cannot be used past the hole).
+        if prefix:
+            self.host.index.complete_store(keys[:prefix], True)
+            if self.host.index.failure is not None:
+                prefix = 0  # the CPU index failed meanwhile: nothing became readable
+        if prefix < len(keys):
+            self.host.index.complete_store(keys[prefix:], False)
+        self.counters.promotion_blocks_ok += prefix
+        self.counters.promotion_blocks_failed += len(r.failed_keys)
+        self.counters.read_latency.observe(r.seconds)
+        if self.events is not None:
+            self.events.publish("stored", "cpu", keys[:prefix])
+            if r.failed_keys:
+                # A read that did not verify (checksum, short read, I/O error) makes the disk
+                # drop the block. Keys are pinned on disk from submission, so one the disk no
+                # longer holds was dropped by this read, not evicted.
+                try:
+                    held = self.disk.contains(list(r.failed_keys))
+                except KvTierError:
+                    held = [False] * len(r.failed_keys)  # closed, or its index failed: holds nothing
+                gone = [k for k, h in zip(r.failed_keys, held, strict=True) if not h]
+                self.events.publish("removed", "disk", gone, reason="failed_read")
+        return prefix
 
     def drain(self, timeout: float | None = None) -> list[PromotionDone]:
         self.disk.wait_idle(timeout)

@@ -23,6 +23,7 @@ a slot that was not verified.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections import Counter
@@ -30,10 +31,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier_rs._core import IndexFailedError, InvalidArgumentError, KvTierError, NoSpaceError, NotReadyError
+from kvtier_rs._core import (
+    ClosedError,
+    IndexFailedError,
+    InvalidArgumentError,
+    KvTierError,
+    NoSpaceError,
+    NotReadyError,
+)
+from kvtier_rs.checks import check_count, show
 from kvtier_rs.events import EventStream
 from kvtier_rs.host_tier import HostTier
 from kvtier_rs.keys import Key, index_list, key_list
+from kvtier_rs.orchestrator.completions import handle_each
 from kvtier_rs.orchestrator.cost import CostModel
 from kvtier_rs.orchestrator.disk_stager import DiskStager
 from kvtier_rs.orchestrator.guard import GuardRule, SloGuard
@@ -199,6 +209,8 @@ class TierOrchestrator:
             raise InvalidArgumentError(
                 f"invalid argument `guards`: unknown tiers {sorted(unknown)}; expected cpu, disk"
             )
+        in_flight = self._in_flight_limits(max_promotions_in_flight)
+        max_disk_write_backlog = check_count("max_disk_write_backlog", max_disk_write_backlog)
         self.host = host
         self.engine = engine
         #: Block stored/removed/promoted events for external indexes; None publishes nothing.
@@ -210,7 +222,7 @@ class TierOrchestrator:
         )
         self.cost = cost
         self.guards = {t: SloGuard(t, r) for t, r in (guards or {}).items()}
-        self.max_in_flight = {"cpu": 64, "disk": 16, **(max_promotions_in_flight or {})}
+        self.max_in_flight = in_flight
         self._ids = itertools.count(1)
         self._stores: dict[int, tuple[list[Key], float, dict[str, Any]]] = {}
         self._loads: dict[Any, _Load] = {}
@@ -225,6 +237,26 @@ class TierOrchestrator:
             "disk_load": LatencyRecorder(),
             "cpu_store": LatencyRecorder(),
         }
+
+    @staticmethod
+    def _in_flight_limits(limits: dict[str, int] | None) -> dict[str, int]:
+        """The back-pressure limits, per tier: the defaults, overridden by `limits` (checked
+        here, not at the first plan that reads them)."""
+        out = {"cpu": 64, "disk": 16}
+        if limits is None:
+            return out
+        if not isinstance(limits, dict):
+            raise InvalidArgumentError(
+                f"invalid argument `max_promotions_in_flight`: expected a dict of tier -> count, got {show(limits)}"
+            )
+        unknown = sorted(map(str, set(limits) - set(TIERS)))
+        if unknown:
+            raise InvalidArgumentError(
+                f"invalid argument `max_promotions_in_flight`: unknown tiers {unknown}; expected cpu, disk"
+            )
+        for tier, n in limits.items():
+            out[tier] = check_count(f"max_promotions_in_flight['{tier}']", n)
+        return out
 
     # ---- offload -------------------------------------------------------------------------
     def offload(
@@ -282,7 +314,8 @@ class TierOrchestrator:
         keys = key_list(keys)
         self.host.index.renew(keys, priority=priority, duration_s=duration_s)
         if self.stager is not None:
-            self.stager.disk.renew(keys, priority=priority, duration_s=duration_s)
+            with contextlib.suppress(ClosedError):  # a closed disk tier holds nothing to renew
+                self.stager.disk.renew(keys, priority=priority, duration_s=duration_s)
 
     # ---- plan ----------------------------------------------------------------------------
     def plan(self, keys: Sequence[Key], gpu_hit_blocks: int = 0, *, count: bool = True) -> LoadPlan:
@@ -299,7 +332,7 @@ class TierOrchestrator:
             raise InvalidArgumentError(f"invalid argument `gpu_hit_blocks`: {gpu_hit_blocks} not in 0..{len(keys)}")
         rest = keys[gpu_hit_blocks:]
         cpu_hits = self.host.index.lookup_prefix(rest)
-        disk_hits = self.stager.disk.lookup_prefix(rest[cpu_hits:]) if self.stager and cpu_hits < len(rest) else 0
+        disk_hits = self._disk_hits(rest[cpu_hits:]) if self.stager and cpu_hits < len(rest) else 0
         refused: dict[str, dict[str, int]] = {}
         load_cpu = self._admit("cpu", cpu_hits, refused)
         if load_cpu == cpu_hits:
@@ -314,6 +347,15 @@ class TierOrchestrator:
         if count:
             self._count_plan(plan)
         return plan
+
+    def _disk_hits(self, keys: list[Key]) -> int:
+        """Leading blocks of `keys` the disk tier holds; none once it is closed (shut down, or
+        closed by another component): the CPU tier serves on and the rest are misses."""
+        assert self.stager is not None
+        try:
+            return self.stager.disk.lookup_prefix(keys)
+        except ClosedError:
+            return 0
 
     def _admit(self, tier: str, n: int, refused: dict[str, dict[str, int]]) -> int:
         if n == 0:
@@ -456,6 +498,14 @@ class TierOrchestrator:
         """The caller's plan (counted when it was made), or a new one (counted once the load
         is registered): (plan, whether to count it)."""
         if plan is not None:
+            # A plan made for other keys would copy other blocks into the destinations.
+            if not isinstance(plan, LoadPlan):
+                raise InvalidArgumentError(f"invalid argument `plan`: expected a LoadPlan, got {show(plan)}")
+            if plan.total != len(keys) or plan.gpu_hits != gpu_hit_blocks:
+                raise InvalidArgumentError(
+                    f"invalid argument `plan`: made for {plan.total} keys with {plan.gpu_hits} GPU hits, "
+                    f"given {len(keys)} keys with gpu_hit_blocks={gpu_hit_blocks}"
+                )
             return plan, False
         return self.plan(keys, gpu_hit_blocks, count=False), True
 
@@ -548,7 +598,11 @@ class TierOrchestrator:
                 job = self.engine.load(slots, gpu_ids, regions=group, after_stream=ld.after_stream)
             except KvTierError:
                 if part.jobs:
-                    raise  # later groups of a part already copying: not a state to guess about
+                    # Earlier groups are copying: the part fails (its blocks are recomputed)
+                    # and is unpinned when they land, like a copy that failed. It must never
+                    # count as loaded: the refused groups' layers were not copied.
+                    part.failed = True
+                    return True
                 self.host.index.unpin(part.keys)
                 return False
             part.jobs[job] = (gi, submitted)
@@ -580,13 +634,21 @@ class TierOrchestrator:
 
     # ---- completion ----------------------------------------------------------------------
     def poll(self) -> list[LoadResult]:
-        """Progress all jobs; return the loads that finished since the last call."""
-        for r in self.engine.poll():
-            self._on_transfer(r)
+        """Progress all jobs; return the loads that finished since the last call.
+
+        Every completion is handled even if one of them raises (an internal error): the error
+        is raised once the batch is done, and the loads that finished meanwhile are returned by
+        the next call."""
+        error = handle_each(self.engine.poll(), self._on_transfer)
         if self.stager is not None:
-            for p in self.stager.poll():
-                self._on_promotion(p)
+            try:
+                promotions = self.stager.poll()
+            except Exception as e:  # the stager handled its whole batch and keeps its results
+                promotions, error = [], error or e
+            error = error or handle_each(promotions, self._on_promotion)
         self._record_stalls()
+        if error is not None:
+            raise error
         out, self._done = self._done, []
         return out
 
@@ -812,6 +874,7 @@ class TierOrchestrator:
                     "dropped_backlog": sc.writes_dropped_backlog,
                     "dropped_evicted": sc.writes_dropped_evicted,
                     "dropped_index_failed": sc.writes_dropped_index_failed,
+                    "not_started": sc.writes_not_started,
                 },
                 "promotion_blocks_failed": sc.promotion_blocks_failed,
                 "index": disk_index,
@@ -823,6 +886,7 @@ class TierOrchestrator:
                     "admission": disk_index["store_refused"],
                     "no_space": disk_index["refused_disk_full"] + sc.writes_no_space,
                     "backpressure": sc.writes_dropped_backlog,
+                    "unavailable": sc.writes_not_started,
                 },
                 "promotions_in_flight": self._promotions_in_flight("disk"),
                 "write_backlog": self.stager.write_backlog,
