@@ -17,6 +17,17 @@ use crate::error::{KvError, KvResult};
 /// be reached and the tier would silently admit nothing.
 pub const MAX_USES: u32 = u8::MAX as u32;
 
+/// Whether a store's new blocks go through the tier's admission rule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Admit {
+    /// Ask the rule: a block offered to this tier (an offload, a write-through).
+    ByRule,
+    /// Store without asking: a block staged up from a lower tier to be served (a disk hit on
+    /// its way to the GPU), which the lower tier's rule admitted already. Refusing it would
+    /// turn the hit into a miss.
+    Already,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AdmissionRule {
     Always,

@@ -786,3 +786,37 @@ def test_a_plan_made_for_other_keys_is_refused(tmp_path):
     with pytest.raises(kv.InvalidArgumentError, match="`plan`: made for 1 keys"):
         orch.reserve(keys, plan=orch.plan(keys[:1]), request_id="r")
     assert orch.pending() == 0 and all(pins == 0 for _, _, pins, _ in orch.host.index.entries())
+
+
+@pytest.mark.parametrize("cpu_admission", ["priority:50", "uses:2"])
+def test_a_disk_hit_is_staged_through_the_cpu_tier_whatever_its_admission_rule(tmp_path, cpu_admission):
+    """Blocks the CPU tier admitted (priority 80, or used twice) are written through to disk;
+    after a restart (a fresh CPU tier over the reopened disk tier) their disk hits are promoted
+    through the CPU tier without asking its rule again: the promotion's default priority, or
+    a use count that restarted, refused them and turned the hits into misses counted as 'no
+    CPU slot'."""
+    ts = [torch.randn(16, 2, 8, 8)]
+    layout = BlockLayout.per_layer(ts)
+
+    def start():
+        host = kv.HostTier(kv.TierConfig(4 * 4096, layout.bytes_per_block, admission=cpu_admission))
+        engine = CpuTransferEngine(layout, host.pool, inline=True)
+        disk = DiskTier(str(tmp_path / "disk"), 64 * 4096 * 2, host.pool.slot_bytes, admission="always", engine="pool")
+        return TierOrchestrator(host, engine, disk=disk)
+
+    keys = [b"a", b"b"]
+    want = [ts[0][i].clone() for i in (0, 1)]
+    orch = start()
+    for _ in range(2 if cpu_admission.startswith("uses") else 1):
+        orch.offload(keys, [0, 1], priority=80)
+        orch.drain()
+    assert orch.stager.disk.lookup_prefix(keys) == 2
+    orch.stager.disk.close()
+
+    orch = start()
+    plan = orch.plan(keys)
+    assert (plan.cpu_hits, plan.disk_hits, plan.load_disk) == (0, 2, 2)
+    orch.load(keys, [8, 9], request_id="r", plan=plan)
+    (res,) = orch.drain()
+    assert (res.loaded_disk, res.unreserved) == (2, 0)
+    assert torch.equal(ts[0][8], want[0]) and torch.equal(ts[0][9], want[1])

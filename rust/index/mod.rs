@@ -50,6 +50,7 @@ pub use entry_state::{BlockState, EntryState};
 pub use slot_key::{occupy_slot, probe_slot, SlotKeys};
 pub use stats::{IndexStats, StatsSnapshot};
 
+pub use crate::admission::Admit;
 use crate::admission::{Admission, AdmissionRule};
 use crate::clock::Clock;
 use crate::error::{KvError, KvResult};
@@ -587,18 +588,35 @@ impl TierIndex {
     /// `NoSpace` nothing was evicted or reserved. Duplicates inside the batch count once, and
     /// no key of the batch is ever evicted to make room for the others.
     pub fn prepare_store<K: ChainKey>(&self, keys: &[K], hint: InsertHint) -> KvResult<StoreOutcome> {
+        self.prepare_store_as(keys, hint, Admit::ByRule)
+    }
+
+    /// `prepare_store`, saying whether the new keys go through the admission rule.
+    pub fn prepare_store_as<K: ChainKey>(&self, keys: &[K], hint: InsertHint, admit: Admit) -> KvResult<StoreOutcome> {
         Self::check_hint(hint)?;
-        self.prepare_store_locked(&mut *self.write()?, keys, hint)
+        self.prepare_store_locked(&mut *self.write()?, keys, hint, admit)
     }
 
     /// `prepare_store` if the index's mutex is free right now, None if another writer holds it
     /// (a caller holding the GIL then releases it before waiting: see the Python binding).
     pub fn try_prepare_store<K: ChainKey>(&self, keys: &[K], hint: InsertHint) -> Option<KvResult<StoreOutcome>> {
+        self.try_prepare_store_as(keys, hint, Admit::ByRule)
+    }
+
+    /// `try_prepare_store`, saying whether the new keys go through the admission rule.
+    pub fn try_prepare_store_as<K: ChainKey>(
+        &self,
+        keys: &[K],
+        hint: InsertHint,
+        admit: Admit,
+    ) -> Option<KvResult<StoreOutcome>> {
         if let Err(e) = Self::check_hint(hint) {
             return Some(Err(e));
         }
         Some(
-            self.failure.try_lock(&self.inner)?.and_then(|mut inner| self.prepare_store_locked(&mut inner, keys, hint)),
+            self.failure
+                .try_lock(&self.inner)?
+                .and_then(|mut inner| self.prepare_store_locked(&mut inner, keys, hint, admit)),
         )
     }
 
@@ -614,6 +632,7 @@ impl TierIndex {
         inner: &mut Inner,
         keys: &[K],
         hint: InsertHint,
+        admit: Admit,
     ) -> KvResult<StoreOutcome> {
         // Read under the lock: a store that waited for it must not start its retention
         // duration (the priority policy's expiry) in the past.
@@ -653,7 +672,7 @@ impl TierIndex {
         let mut new_keys: Vec<BlockKey> = Vec::with_capacity(absent.keys.len());
         out.to_write_pos.reserve(absent.keys.len());
         for (key, pos) in absent.keys {
-            if inner.admission.offer(&key, hint.priority) {
+            if admit == Admit::Already || inner.admission.offer(&key, hint.priority) {
                 new_keys.push(key);
                 out.to_write_pos.push(pos);
             } else {

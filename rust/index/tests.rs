@@ -94,6 +94,19 @@ fn admission_after_uses_refuses_first_offer() {
 }
 
 #[test]
+fn a_promotion_is_not_asked_the_admission_rule_again() {
+    for rule in [AdmissionRule::AfterUses(2), AdmissionRule::MinPriority(50)] {
+        let ix = TierIndex::new(IndexConfig { admission: rule, ..IndexConfig::new(8) }).unwrap();
+        assert_eq!(ix.prepare_store(&keys(0..2), InsertHint::default()).unwrap().refused.len(), 2, "{rule:?}");
+        let out = ix.prepare_store_as(&keys(2..4), InsertHint::default(), Admit::Already).unwrap();
+        assert_eq!((out.to_write.len(), out.refused.len()), (2, 0), "{rule:?}");
+        let out = ix.try_prepare_store_as(&keys(4..5), InsertHint::default(), Admit::Already).unwrap().unwrap();
+        assert_eq!(out.to_write.len(), 1, "{rule:?}");
+        assert_eq!(ix.stats().store_refused, 2, "{rule:?}");
+    }
+}
+
+#[test]
 fn pin_is_all_or_nothing() {
     let ix = index(4, PolicyKind::Lru);
     store(&ix, &keys(0..2));

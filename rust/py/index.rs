@@ -10,7 +10,7 @@ use super::convert::{
 };
 use super::errors::{contain, invalid};
 use super::host_pool::HostPool;
-use crate::admission::AdmissionRule;
+use crate::admission::{AdmissionRule, Admit};
 use crate::index::{check_capacity, BlockState, IndexConfig, TierIndex};
 use crate::keys::{BlockKey, ChainKey};
 use crate::policy::{InsertHint, PolicyKind};
@@ -119,6 +119,7 @@ impl BlockIndex {
         py: Python<'py>,
         seq: &Bound<'py, PyList>,
         hint: InsertHint,
+        admit: Admit,
     ) -> PyResult<(crate::index::StoreOutcome, Option<Vec<Bound<'py, PyAny>>>)> {
         // Like lookups, a short batch keeps the GIL: releasing and re-taking it costs more than
         // placing a request's chain. Its keys are borrowed from the list when they are all
@@ -134,8 +135,8 @@ impl BlockIndex {
         let quick = if seq.len() < LONG_WALK_KEYS {
             // SAFETY: attached; nothing runs Python code while the borrowed keys are used.
             match unsafe { exact_bytes_keys(seq.as_any()) } {
-                Some(borrowed) => self.inner.try_prepare_store(&borrowed, hint),
-                None => self.inner.try_prepare_store(owned.insert(keys_from_py(seq.as_any())?), hint),
+                Some(borrowed) => self.inner.try_prepare_store_as(&borrowed, hint, admit),
+                None => self.inner.try_prepare_store_as(owned.insert(keys_from_py(seq.as_any())?), hint, admit),
             }
         } else {
             None
@@ -149,7 +150,7 @@ impl BlockIndex {
                     Some(keys) => keys,
                     None => keys_from_py(PyList::new(py, &items)?.as_any())?,
                 };
-                Ok((py.detach(|| self.inner.prepare_store(&core_keys, hint))?, Some(items)))
+                Ok((py.detach(|| self.inner.prepare_store_as(&core_keys, hint, admit))?, Some(items)))
             }
         }
     }
@@ -342,18 +343,22 @@ impl BlockIndex {
 
     /// Reserve slots for the new blocks among `keys` (a request's chain, head first), evicting
     /// if needed. All-or-nothing: raises NoSpaceError and changes nothing when it cannot fit.
-    #[pyo3(signature = (keys, *, priority=35, duration_s=None))]
+    /// `admitted`: the blocks are being staged up from a lower tier that admitted them already
+    /// (a promotion), so this tier's admission rule is not asked.
+    #[pyo3(signature = (keys, *, priority=35, duration_s=None, admitted=false))]
     fn prepare_store(
         &self,
         py: Python<'_>,
         keys: &Bound<'_, PyAny>,
         priority: i64,
         duration_s: Option<f64>,
+        admitted: bool,
     ) -> PyResult<StoreOutcome> {
         let hint = insert_hint(priority, duration_s)?;
+        let admit = if admitted { Admit::Already } else { Admit::ByRule };
         // Hand back the caller's own key objects (by position) rather than new ones.
         let seq = as_list(keys)?;
-        let (out, snapshot) = self.contain(|| self.prepare_store_core(py, &seq, hint))?;
+        let (out, snapshot) = self.contain(|| self.prepare_store_core(py, &seq, hint, admit))?;
         let to_write: Vec<BlockKey> = out.to_write.iter().map(|(k, _)| *k).collect();
         let result = self.store_outcome(py, &seq, snapshot, out);
         if result.is_err() {

@@ -166,7 +166,10 @@ class DiskStager:
         read job id, or None when the CPU tier has no room (the caller recomputes)."""
         keys = key_list(keys)
         try:
-            out = self.host.index.prepare_store(keys)
+            # A disk hit on its way to the device: the disk tier's rule admitted it, and the CPU
+            # tier's (a priority threshold, K uses counted since a restart) must not turn the
+            # hit into a miss.
+            out = self.host.index.prepare_store(keys, admitted=True)
         except (NoSpaceError, IndexFailedError):
             self.counters.promotions_no_cpu_space += 1
             return None
