@@ -130,8 +130,10 @@ SERIES: tuple[Series, ...] = (
     Series(
         "kvtier_latency_seconds",
         "histogram",
-        "Seconds per operation. Load: a request's promotion from the tier to the device (disk: "
-        "read, verify and copy). Store: one device->CPU copy or one CPU->disk write job.",
+        "Seconds per operation. Load: what the engine waited for a request's promotion from the tier, "
+        "from when its destinations were given (disk: the part of the read, verify and copy after "
+        "that; a read started at reservation only shortens it). Store: one device->CPU copy or one "
+        "CPU->disk write job.",
         ("tier", "direction"),
         _by(TIERS, DIRECTIONS),
     ),
