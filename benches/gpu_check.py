@@ -156,6 +156,20 @@ def check_ordering() -> dict[str, bool]:
     return {"store_after_compute": stored_ok, "load_before_compute": load_ok}
 
 
+def check_job_timing(blocks: int = 64, row: int = 1 << 20, late_s: float = 0.05) -> dict[str, float]:
+    """A load noticed `late_s` after it was queued must be timed to its copies' completion on
+    the device (a few ms for 64 MiB), not to the poll: the SLO guard and the cost model read it."""
+    t = torch.zeros(blocks, row // 2, dtype=torch.float16, device="cuda")
+    pool = kv.HostPool(blocks * row, row)
+    with CudaTransferEngine(BlockLayout.per_layer([t]), pool) as eng:
+        finished(eng, [eng.load(list(range(blocks)), list(range(blocks)))])  # warm up
+        job = eng.load(list(range(blocks)), list(range(blocks)))
+        torch.cuda.synchronize()
+        time.sleep(late_s)
+        [r] = eng.wait([job])
+    return {"late_poll_s": late_s, "late_polled_load_seconds": r.seconds}
+
+
 def time_cuda(fn, repeats: int = 5) -> float:
     best = float("inf")
     for _ in range(repeats):
@@ -275,6 +289,7 @@ def main() -> None:
     out["round_trip_blocks_checked"] = check_round_trips()
     out["sub_block_region_blocks_checked"] = check_sub_blocks_and_regions()
     out.update(check_ordering())
+    out.update(check_job_timing())
     out.update(bandwidth_large())
     out.update(bandwidth_small())
     out.update(overlap())
@@ -283,6 +298,7 @@ def main() -> None:
         "small_batch_ge_80pct": min(out["small_batch_d2h_vs_torch"], out["small_batch_h2d_vs_torch"]) >= 0.8,
         "overlaps_compute": out["overlap_fraction"] > 0.5,
         "ordering": bool(out["store_after_compute"] and out["load_before_compute"]),
+        "jobs_timed_to_completion": out["late_polled_load_seconds"] < out["late_poll_s"] / 2,
     }
     for k, v in out.items():
         log(f"{k:>32}: {v}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 
 import pytest
 import torch
@@ -35,6 +36,7 @@ class StandInRuntime:
     cudaHostRegisterDefault = rt.cudaHostRegisterDefault
     cudaStreamNonBlocking = rt.cudaStreamNonBlocking
     cudaEventDisableTiming = rt.cudaEventDisableTiming
+    cudaEventDefault = rt.cudaEventDefault
 
     def __init__(self) -> None:
         self._handles = itertools.count(1)
@@ -48,6 +50,12 @@ class StandInRuntime:
         self.on_query = None  # called once, inside the first cudaEventQuery
         self.copies = 0
         self.batch_calls = 0
+        # A device clock: each copy keeps its stream busy for `copy_seconds` (from when it is
+        # queued, or from the end of the stream's previous copy); an event completes, by this
+        # clock, when its stream's queued copies are done (on perf_counter's scale).
+        self.copy_seconds = 0.0
+        self.busy_until: dict[int, float] = {}
+        self.recorded_at: dict[int, float] = {}
         # CUDA's current device is per thread (0 until set); streams and events belong to the
         # device that was current when they were created.
         self.current: dict[int, int] = {}
@@ -112,7 +120,17 @@ class StandInRuntime:
                 f"on a device-{self.device_of[stream]} stream"
             )
             return (rt.cudaError_t.cudaErrorInvalidResourceHandle,)
-        return (self._live("cudaEventRecord", ev),)
+        err = self._live("cudaEventRecord", ev)
+        if err == OK:
+            self.recorded_at[ev] = max(time.perf_counter(), self.busy_until.get(stream, 0.0))
+        return (err,)
+
+    def cudaEventElapsedTime(self, start, end):
+        for ev in (start, end):
+            err = self._live("cudaEventElapsedTime", ev)
+            if err != OK or ev not in self.recorded_at:
+                return rt.cudaError_t.cudaErrorInvalidResourceHandle, 0.0
+        return OK, (self.recorded_at[end] - self.recorded_at[start]) * 1e3
 
     def cudaStreamWaitEvent(self, stream, ev, flags):
         return (self._live("cudaStreamWaitEvent", ev),)
@@ -132,7 +150,9 @@ class StandInRuntime:
 
     def cudaMemcpyAsync(self, *args):
         self.copies += 1
-        self.log.append(("copy", args[-1]))
+        stream = args[-1]
+        self.busy_until[stream] = max(time.perf_counter(), self.busy_until.get(stream, 0.0)) + self.copy_seconds
+        self.log.append(("copy", stream))
         if self.copies == self.fail_copy_number:
             return (rt.cudaError_t.cudaErrorInvalidValue,)
         return (OK,)
@@ -169,6 +189,11 @@ def host_pool() -> kv.HostPool:
     return kv.HostPool(8 * 8192, 8192)
 
 
+def job_events(runtime: StandInRuntime, eng: cuda_engine.CudaTransferEngine) -> set[int]:
+    """Live events other than the engine's clock reference (which lives as long as it)."""
+    return runtime.events - ({eng._clock.event} if eng._clock is not None else set())
+
+
 def test_a_job_failing_midway_is_reported_after_its_issued_copies_finished(runtime):
     pool = host_pool()
     with engine(pool) as eng:
@@ -189,7 +214,7 @@ def test_a_failed_event_record_drains_the_stream_and_leaks_no_event(runtime):
         [result] = eng.wait([eng.load([0], [1])])
         assert not result.success and "cudaEventRecord failed" in result.error
         assert runtime.log[-1] == ("sync", eng._streams["h2d"])
-        assert runtime.events == set(), "an event was left behind"
+        assert job_events(runtime, eng) == set(), "an event was left behind"
 
 
 def test_the_after_stream_event_is_destroyed_when_ordering_fails(runtime):
@@ -198,7 +223,7 @@ def test_the_after_stream_event_is_destroyed_when_ordering_fails(runtime):
         runtime.fail_record_on = 777  # the compute stream the copy should follow
         [result] = eng.wait([eng.store([0], [0], after_stream=777)])
         assert not result.success and "cudaEventRecord failed" in result.error
-        assert runtime.events == set()
+        assert job_events(runtime, eng) == set()
 
 
 def test_a_pool_shared_by_engines_stays_pinned_until_the_last_one_closes(runtime):
@@ -233,7 +258,7 @@ def test_wait_with_a_timeout_polls_instead_of_blocking_in_the_driver(runtime):
         with pytest.raises(TimeoutError, match="still running"):
             eng.wait([job], timeout=0.02)
         # cudaEventSynchronize cannot time out: a hung copy would have hung wait() forever.
-        assert not [c for c in runtime.log if c[0] == "event_sync"]
+        assert not [c for c in runtime.log if c[0] == "event_sync" and c[1] != eng._clock.event]
         runtime.events_done = True
         assert [r.success for r in eng.wait([job])] == [True]
 
@@ -250,7 +275,7 @@ def test_a_job_is_finished_and_its_event_destroyed_once_when_polls_race(runtime)
         other.join()
         assert [r.job_id for r in seen] == [job]
         assert runtime.misuse == []
-        assert runtime.events == set()
+        assert job_events(runtime, eng) == set()
 
 
 def test_an_engine_fed_and_polled_from_another_thread_works_on_its_own_device(runtime):
@@ -274,3 +299,31 @@ def test_a_refused_batch_call_is_not_retried_for_every_job(runtime):
         assert [r.success for r in results] == [True, True, True], "the copies went through one by one"
         assert runtime.batch_calls == 1 and eng.batch_refusals == 1
         assert runtime.copies == 6, "two regions a job, each copied once"
+
+
+def test_a_job_is_timed_to_its_copies_completion_not_to_the_poll_that_notices_it(runtime):
+    """An engine polled once a step must not time its own step: a load whose two copies take
+    10 ms each on the device, noticed 200 ms later, took 20 ms (and a store queued behind it on
+    its own stream is timed on its own)."""
+    pool = host_pool()
+    with engine(pool) as eng:
+        runtime.copy_seconds = 0.01
+        load = eng.load([0], [1])
+        time.sleep(0.2)
+        [r] = eng.poll()
+        assert r.job_id == load and r.success
+        assert 0.02 <= r.seconds < 0.2, r.seconds
+        # Jobs are timed against clock references that outlive them, and nothing is left.
+        assert job_events(runtime, eng) == set() and runtime.misuse == []
+    assert runtime.events == set(), "the clock reference outlived the engine"
+
+
+def test_a_clock_reference_the_runtime_refuses_times_jobs_to_the_poll(runtime, monkeypatch):
+    pool = host_pool()
+    monkeypatch.setattr(runtime, "cudaEventSynchronize", lambda ev: (rt.cudaError_t.cudaErrorUnknown,))
+    with engine(pool) as eng:
+        job = eng.store([0], [0])
+        time.sleep(0.05)
+        [r] = eng.wait([job])
+        assert r.success and r.seconds >= 0.05
+        assert eng._clock is None and runtime.events == set()

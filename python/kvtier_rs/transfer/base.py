@@ -155,14 +155,19 @@ class TransferEngine(ABC):
                 self._progress.notify_all()
         return job.job_id
 
-    def _finish(self, job: _Job, error: str | None = None) -> None:
+    def _finish(self, job: _Job, error: str | None = None, *, finished_at: float | None = None) -> None:
+        """Report a job done. `finished_at` (perf_counter time) is when its copies completed,
+        for an engine that learns of completions later (the CUDA engine, at its next poll):
+        without it the job is timed to now, which would time the caller's polling instead."""
+        now = time.perf_counter()
+        end = now if finished_at is None else min(max(finished_at, job.submitted), now)
         result = TransferResult(
             job_id=job.job_id,
             direction=job.direction,
             success=error is None,
             num_blocks=job.num_blocks,
             bytes=job.num_blocks * self.layout.region_bytes(job.regions) if error is None else 0,
-            seconds=time.perf_counter() - job.submitted,
+            seconds=end - job.submitted,
             error=error,
         )
         with self._lock:

@@ -18,6 +18,10 @@
   fed from another would otherwise create its events on that thread's device, and fail).
 - A runtime that refuses cudaMemcpyBatchAsync once (a driver without it, or pointers it does not
   take) is not asked again: every later job goes straight to cudaMemcpyAsync/2D.
+- A job is timed to when its copies completed on the device, not to the poll that noticed it
+  (an engine polling once a step would otherwise time its own step, and the SLO guard and the
+  cost model would judge the tier by it): its completion event is a timing event, read
+  against a reference event whose host time is known (`_ClockRef`).
 
 This engine needs an NVIDIA GPU; `benches/gpu_check.py` tests and measures it on one.
 """
@@ -79,6 +83,21 @@ Piece = tuple[int, int, int, int, int, int]  # (dst, dst_pitch, src, src_pitch, 
 
 #: How long `wait(timeout=...)` sleeps between polls of a job's event.
 _POLL_S = 0.0002
+
+#: How long one clock reference times jobs before a new one is taken: cudaEventElapsedTime
+#: answers in float32 milliseconds, which keep microseconds over a minute, not over hours.
+_CLOCK_REF_S = 60.0
+
+
+class _ClockRef:
+    """A timing event recorded on an idle stream and synchronized, with the host's
+    perf_counter just after: a later timing event's host time is `host_s` plus the elapsed time
+    between the two (the sync's wake-up makes it later by microseconds, never earlier)."""
+
+    def __init__(self, event: Any, host_s: float) -> None:
+        self.event = event
+        self.host_s = host_s
+        self.jobs = 0  # jobs in flight timed against it: it lives until they are collected
 
 
 class _PinnedRanges:
@@ -180,7 +199,11 @@ class CudaTransferEngine(TransferEngine):
             "d2h": check(rt, "cudaStreamCreateWithFlags", rt.cudaStreamCreateWithFlags(flags)),
             "h2d": check(rt, "cudaStreamCreateWithFlags", rt.cudaStreamCreateWithFlags(flags)),
         }
-        self._events: dict[int, tuple[_Job, Any]] = {}
+        # The clock reference's own stream: nothing else runs there, so its event completes
+        # as soon as it is recorded.
+        self._clock_stream = check(rt, "cudaStreamCreateWithFlags", rt.cudaStreamCreateWithFlags(flags))
+        self._clock: _ClockRef | None = None
+        self._events: dict[int, tuple[_Job, Any, _ClockRef | None]] = {}
         self._use_batch = use_batch and hasattr(rt, "cudaMemcpyBatchAsync")
         self.batch_calls = 0
         self.batch_refusals = 0
@@ -230,8 +253,21 @@ class CudaTransferEngine(TransferEngine):
             rt.cudaEventDestroy(ev)
 
     def _submit(self, job: _Job, block_ids: list[int], slots: list[int], after_stream: object) -> None:
-        rt = self._rt
         self._on_device()
+        # Taken before any copy is queued, so that it precedes the job's completion event.
+        ref = self._take_clock_ref()
+        try:
+            self._queue(job, block_ids, slots, after_stream, ref)
+        except BaseException:
+            with self._lock:
+                self._release_ref(ref)
+            raise
+
+    def _queue(
+        self, job: _Job, block_ids: list[int], slots: list[int], after_stream: object, ref: _ClockRef | None
+    ) -> None:
+        """Queue a job's copies and its completion event on its direction's stream."""
+        rt = self._rt
         stream = self._streams[job.direction]
         if after_stream is not None:
             self._order_after(stream, after_stream)
@@ -253,7 +289,7 @@ class CudaTransferEngine(TransferEngine):
         try:
             if not (self._use_batch and self._issue_batch(pieces, stream)):
                 self._issue_2d(pieces, kind, stream)
-            done = check(rt, "cudaEventCreateWithFlags", rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming))
+            done = check(rt, "cudaEventCreateWithFlags", rt.cudaEventCreateWithFlags(rt.cudaEventDefault))
         except KvTierError:
             # Copies issued before the failure still run and would write slots or blocks the
             # caller reuses once told the job failed: let them finish first.
@@ -266,7 +302,42 @@ class CudaTransferEngine(TransferEngine):
             check(rt, "cudaStreamSynchronize", rt.cudaStreamSynchronize(stream))
             raise
         with self._lock:
-            self._events[job.job_id] = (job, done)
+            self._events[job.job_id] = (job, done, ref)
+
+    def _take_clock_ref(self) -> _ClockRef | None:
+        """The clock reference a new job is timed against, held until the job is collected
+        (`_release_ref`). Taken anew when there is none or the current one is older than
+        _CLOCK_REF_S; one that jobs still use lives until they are collected. None when CUDA
+        refuses the reference's calls: the job is then timed to the poll that collects it."""
+        rt = self._rt
+        with self._lock:
+            if self._clock is None or time.perf_counter() - self._clock.host_s >= _CLOCK_REF_S:
+                err, ev = rt.cudaEventCreateWithFlags(rt.cudaEventDefault)
+                if int(err) != 0:
+                    return None
+                if int(rt.cudaEventRecord(ev, self._clock_stream)[0]) != 0 or int(rt.cudaEventSynchronize(ev)[0]) != 0:
+                    rt.cudaEventDestroy(ev)
+                    return None
+                old, self._clock = self._clock, _ClockRef(ev, time.perf_counter())
+                if old is not None and old.jobs == 0:
+                    rt.cudaEventDestroy(old.event)
+            self._clock.jobs += 1
+            return self._clock
+
+    def _release_ref(self, ref: _ClockRef | None) -> None:
+        """A job timed against `ref` was collected, or never submitted (under the lock)."""
+        if ref is None:
+            return
+        ref.jobs -= 1
+        if ref.jobs == 0 and ref is not self._clock:
+            self._rt.cudaEventDestroy(ref.event)
+
+    def _completed_at(self, ref: _ClockRef | None, ev: Any) -> float | None:
+        """Host time at which a completed job's event completed; None if CUDA cannot say."""
+        if ref is None:
+            return None
+        err, ms = self._rt.cudaEventElapsedTime(ref.event, ev)
+        return ref.host_s + ms / 1e3 if int(err) == 0 else None
 
     def _collect(self) -> None:
         rt = self._rt
@@ -275,16 +346,18 @@ class CudaTransferEngine(TransferEngine):
         with self._lock:
             # Events are queried and destroyed only here, under the lock (cudaEventQuery does
             # not block), so a concurrent poll never uses one after it was destroyed.
-            for job_id, (job, ev) in list(self._events.items()):
+            for job_id, (job, ev, ref) in list(self._events.items()):
                 err = rt.cudaEventQuery(ev)[0]
                 if int(err) == int(rt.cudaError_t.cudaErrorNotReady):
                     continue
                 del self._events[job_id]
+                at = self._completed_at(ref, ev) if int(err) == 0 else None
                 rt.cudaEventDestroy(ev)
-                done.append((job, err))
-        for job, err in done:
+                self._release_ref(ref)
+                done.append((job, err, at))
+        for job, err, at in done:
             if int(err) == 0:
-                self._finish(job)
+                self._finish(job, finished_at=at)
             else:
                 self._finish(job, f"cudaEventQuery: {getattr(err, 'name', err)}")
 
@@ -324,6 +397,11 @@ class CudaTransferEngine(TransferEngine):
         for s in self._streams.values():
             rt.cudaStreamDestroy(s)
         self._streams = {}
+        with self._lock:
+            if self._clock is not None:  # every job was collected above: no reference is in use
+                rt.cudaEventDestroy(self._clock.event)
+                self._clock = None
+        rt.cudaStreamDestroy(self._clock_stream)
         if self._pinned:
             self._pinned = False
             _PINS.release(rt, self.pool.ptr, self.pool.nbytes)
