@@ -558,3 +558,42 @@ def test_while_bypassed_the_guard_reports_the_p99_that_tripped_it_and_trips_carr
     assert st["recent_trips"][-1]["at_unix"] == 1.8e9 and st["recent_trips"][-1]["at"] == clock.t
     clock.t += 5  # probation: the window's own p99 again (empty)
     assert g.state()["state"] == "active" and g.state()["p99_ms"] == 0.0
+
+
+# ---- the cost model recovers after a slow spell --------------------------------------------------
+def test_a_fast_copy_raises_an_estimate_below_its_raw_throughput():
+    """Copies within twice the fixed latency carry a lower bound (bytes / seconds): an estimate
+    lowered by a slow spell must rise again from them, or it could only ever fall."""
+    c = cost(prefill_tokens_per_s=1_000_000)
+    for _ in range(40):
+        c.observe("cpu", 1 << 20, 0.2)  # 1 MiB in 200 ms: ~5 MB/s
+    low = c.bandwidth["cpu"]
+    assert low < 10e6
+    c.observe("cpu", 64 << 10, 40e-6)  # 64 KiB in 40 us: at least 1.6 GB/s
+    assert c.bandwidth["cpu"] == pytest.approx(0.8 * low + 0.2 * (64 << 10) / 40e-6)
+    assert c.observations_skipped == 0
+
+
+def test_a_tier_refused_for_cost_is_probed_and_comes_back():
+    """After a slow spell the model refuses the CPU tier; once every probe_every_s one load goes
+    ahead anyway, its (fast) transfers are measured, and the tier is loaded from again."""
+    clock = FakeClock()
+    model = cost(prefill_tokens_per_s=1e6, block_bytes=8192, probe_every_s=5.0, clock=clock)
+    orch = orchestrator(cost=model)
+    keys = [f"k{i}".encode() for i in range(8)]
+    orch.offload(keys, list(range(8)))
+    orch.drain()
+    model.bandwidth["cpu"] = 1e3  # what a slow spell left behind: loading looks hopeless
+    assert orch.plan(keys).load_cpu == 0
+    clock.t += 4.9
+    assert orch.plan(keys).refused == {"cpu": {"cost": 8}}
+    clock.t += 0.2
+    probe = orch.plan(keys)
+    assert probe.load_cpu == 8 and model.probes == 1
+    orch.load(keys, list(range(16, 24)), request_id="probe", plan=probe)
+    orch.drain()
+    for _ in range(30):  # fast copies (like the probe's) pull the estimate back up
+        model.observe("cpu", 1 << 20, 1e-3)
+    assert orch.plan(keys).load_cpu == 8
+    assert orch.plan(keys).load_cpu == 8 and model.probes == 1, "no probe is needed while loads pay"
+    assert orch.stats()["cost_model"]["probes"] == 1

@@ -11,17 +11,27 @@ What a measurement may move (`observe`):
 - a transfer whose seconds or bytes are NaN, inf or negative is dropped and counted
   (`observations_dropped`): a NaN folded into the average would stay there for good and
   every later plan would refuse;
-- a transfer that moved nothing, or took less than twice the hop's fixed `latency_s`, is
-  skipped and counted (`observations_skipped`): its time is mostly the fixed cost, so the
-  time left for the bytes (seconds - latency_s) is timer noise, and dividing by it gives any
-  bandwidth at all (a 64 KiB copy in 20 us with 50 us of fixed latency read as 1.3e13 B/s).
-  From twice the latency on, the estimate is at most twice the transfer's raw throughput.
+- a transfer that took less than twice the hop's fixed `latency_s` is not a measurement: its
+  time is mostly the fixed cost, so the time left for the bytes (seconds - latency_s) is timer
+  noise, and dividing by it gives any bandwidth at all (a 64 KiB copy in 20 us with 50 us of
+  fixed latency read as 1.3e13 B/s). From twice the latency on, the estimate is at most twice
+  the transfer's raw throughput. But its raw throughput (bytes / seconds, the latency
+  included) is a lower bound on the hop's bandwidth: an estimate below it is raised toward it,
+  as by a measurement. Otherwise (or when nothing moved) it is skipped and counted
+  (`observations_skipped`). Without this, fast transfers were all skipped and slow ones all
+  counted, so the estimate could only fall.
+
+A tier the model refuses is not loaded from, so nothing would ever measure it again: one slow
+spell would switch it off for good. So a refused tier is probed: at most one load every
+`probe_every_s` seconds goes ahead anyway (`take_probe`, counted in `probes`), and its transfer
+is measured like any other.
 """
 
 from __future__ import annotations
 
 import numbers
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from kvtier_rs._core import InvalidArgumentError
@@ -50,10 +60,18 @@ class CostModel:
     #: fixed seconds per promotion job (submission, completion polling) per hop.
     latency_s: dict[str, float] = field(default_factory=lambda: {"cpu": 50e-6, "disk": 200e-6})
     alpha: float = 0.2
+    #: a tier refused for cost gets one load through (a probe) at most this often, in seconds.
+    probe_every_s: float = 5.0
+    #: the probes' clock (a test's fake, or time.monotonic).
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False)
     #: measurements refused as NaN, inf or negative (see the module docstring).
     observations_dropped: int = field(default=0, init=False)
-    #: measurements that carried no bandwidth information (nothing moved, or within 2x latency_s).
+    #: measurements that carried no bandwidth information (nothing moved, or within 2x latency_s
+    #: and no faster than the estimate).
     observations_skipped: int = field(default=0, init=False)
+    #: loads let through to re-measure a tier refused for cost.
+    probes: int = field(default=0, init=False)
+    _refused_since: dict[str, float] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.prefill_tokens_per_s = check_number("prefill_tokens_per_s", self.prefill_tokens_per_s)
@@ -65,6 +83,9 @@ class CostModel:
         if isinstance(a, bool) or not isinstance(a, numbers.Real) or not 0 < a <= 1:  # NaN fails 0 < a
             raise InvalidArgumentError(f"invalid argument `alpha`: must be a number in (0, 1], got {a!r}")
         self.alpha = float(a)
+        self.probe_every_s = check_number("probe_every_s", self.probe_every_s, inf_ok=True)
+        if not callable(self.clock):
+            raise InvalidArgumentError(f"invalid argument `clock`: expected a callable, got {self.clock!r}")
 
     def observe(self, hop: str, nbytes: int, seconds: float) -> None:
         """Fold one measured transfer into the hop's bandwidth estimate, unless it carries no
@@ -75,10 +96,17 @@ class CostModel:
             self.observations_dropped += 1
             return
         fixed = self.latency_s[hop]
-        if nbytes == 0 or seconds == 0 or seconds < 2 * fixed:
+        if nbytes == 0 or seconds == 0:
             self.observations_skipped += 1
             return
-        measured = nbytes / (seconds - fixed)
+        if seconds < 2 * fixed:
+            at_least = nbytes / seconds  # raw throughput: the hop is at least this fast
+            if at_least <= self.bandwidth[hop]:
+                self.observations_skipped += 1
+                return
+            measured = at_least
+        else:
+            measured = nbytes / (seconds - fixed)
         self.bandwidth[hop] = (1 - self.alpha) * self.bandwidth[hop] + self.alpha * measured
 
     def load_seconds(self, tier: str, n_blocks: int) -> float:
@@ -94,3 +122,18 @@ class CostModel:
 
     def worth_loading(self, tier: str, n_blocks: int) -> bool:
         return self.load_seconds(tier, n_blocks) < self.recompute_seconds(n_blocks)
+
+    def take_probe(self, tier: str) -> bool:
+        """For a load `worth_loading` refused: whether to let it through anyway to re-measure
+        the tier. The first refusal starts the clock; then one probe every `probe_every_s`."""
+        now = self.clock()
+        since = self._refused_since.setdefault(tier, now)
+        if now - since < self.probe_every_s:
+            return False
+        self._refused_since[tier] = now
+        self.probes += 1
+        return True
+
+    def admitted(self, tier: str) -> None:
+        """A load from `tier` was found worth loading: the next refusal starts a new wait."""
+        self._refused_since.pop(tier, None)

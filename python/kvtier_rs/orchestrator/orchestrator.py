@@ -366,8 +366,11 @@ class TierOrchestrator:
             reason = "guard"
         elif self._promotions_in_flight(tier) >= self.max_in_flight[tier]:
             reason = "backpressure"
-        elif self.cost is not None and not self.cost.worth_loading(tier, n):
-            reason = "cost"
+        elif self.cost is not None:
+            if self.cost.worth_loading(tier, n):
+                self.cost.admitted(tier)
+            elif not self.cost.take_probe(tier):
+                reason = "cost"
         if reason is None:
             return n
         refused.setdefault(tier, {})[reason] = n
@@ -911,6 +914,7 @@ class TierOrchestrator:
                 "bandwidth": dict(self.cost.bandwidth),
                 "observations_dropped": self.cost.observations_dropped,
                 "observations_skipped": self.cost.observations_skipped,
+                "probes": self.cost.probes,
             },
             # Latency samples refused as NaN, inf or negative (LatencyRecorder), per recorder.
             "latency_samples_dropped": {name: rec.dropped for name, rec in self._recorders().items()},
