@@ -768,6 +768,8 @@ def test_a_disk_write_through_refused_entirely_leaves_no_job_behind(tmp_path):
         ({"max_promotions_in_flight": [("cpu", 4)]}, "`max_promotions_in_flight`: expected a dict"),
         ({"max_disk_write_backlog": "1024"}, "`max_disk_write_backlog`: must be a positive int"),
         ({"max_disk_write_backlog": 0}, "`max_disk_write_backlog`: must be a positive int"),
+        ({"disk_read_timeout_s": 0}, "`disk_read_timeout_s`"),
+        ({"disk_read_timeout_s": "10"}, "`disk_read_timeout_s`"),
     ],
 )
 def test_orchestrator_settings_are_checked_at_construction(tmp_path, kwargs, words):
@@ -820,3 +822,62 @@ def test_a_disk_hit_is_staged_through_the_cpu_tier_whatever_its_admission_rule(t
     (res,) = orch.drain()
     assert (res.loaded_disk, res.unreserved) == (2, 0)
     assert torch.equal(ts[0][8], want[0]) and torch.equal(ts[0][9], want[1])
+
+
+class HungReads:
+    """A disk tier whose read completions are held back (a stuck device) until released."""
+
+    def __init__(self, disk) -> None:
+        self._disk = disk
+        self.held: list = []
+        self.release = False
+
+    def __getattr__(self, name):
+        return getattr(self._disk, name)
+
+    def poll(self):
+        out = []
+        for r in self._disk.poll():
+            (out if r.kind != "read" else self.held).append(r)
+        if self.release:
+            out, self.held = out + self.held, []
+        return out
+
+
+def test_a_hung_disk_trips_its_guard_and_its_loads_give_up_on_it(tmp_path):
+    """Every disk read hangs. The guard needs 20 samples but back-pressure lets only 4 reads be
+    in flight, so the stall samples alone could never trip it: a tier with all its allowed
+    promotions stalled trips outright. And loads waiting on the hung reads give their disk part
+    up after disk_read_timeout_s (recomputed), instead of waiting for good; when the reads
+    finally land, the blocks are in the CPU tier, owned by no load."""
+    orch, layout, _ = make(
+        tmp_path,
+        random.Random(21),
+        cpu_blocks=8,
+        guards={"disk": GuardRule(p99_ms=5)},
+        max_promotions_in_flight={"disk": 4},
+        disk_read_timeout_s=0.2,
+    )
+    chains = [[f"c{i}".encode()] for i in range(4)]
+    for i, c in enumerate(chains):
+        orch.offload(c, [i])
+        orch.drain()
+    orch.offload([f"push{i}".encode() for i in range(8)], list(range(8, 16)))
+    orch.drain()
+    orch.stager.disk = HungReads(orch.stager.disk)
+    for i, c in enumerate(chains):
+        orch.load(c, [20 + i], request_id=i)
+    assert orch.plan([b"c0"], count=False).refused == {"disk": {"backpressure": 1}}
+    time.sleep(0.02)  # past the guard's 5 ms: every read in flight has stalled
+    assert orch.poll() == []
+    guard = orch.guards["disk"].state()
+    assert guard["state"] == "bypassed" and guard["trips"] == 1, guard
+    time.sleep(0.2)  # past disk_read_timeout_s
+    done = orch.poll()
+    assert sorted(r.request_id for r in done) == [0, 1, 2, 3]
+    assert all((r.loaded_disk, r.failed) == (0, 1) for r in done)
+    assert orch.stats()["load_timed_out"] == 4 and orch.stats()["load_failed"] == 4
+    orch.stager.disk.release = True
+    orch.drain()
+    assert all(orch.host.index.lookup_prefix(c) == 1 for c in chains), "the late reads landed in the CPU tier"
+    assert all(pins == 0 for _, _, pins, _ in orch.host.index.entries())

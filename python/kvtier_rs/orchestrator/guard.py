@@ -16,7 +16,9 @@ them, and counted in total.
 What a sample is, is the caller's (`TierOrchestrator`): every promotion the engine waited for,
 successful or not (a failed one still cost its wait), and a promotion still in flight once it has
 waited longer than the threshold (a hung disk must trip the guard, not hide from it; the load's
-completion, if it ever comes, is then not recorded again).
+completion, if it ever comes, is then not recorded again). When every promotion the tier may
+have in flight (its back-pressure cap) has stalled, the caller trips the guard outright
+(`trip_hung`): the cap can be below `min_samples`, and a hung tier produces nothing more.
 
 While the tier is bypassed the window is empty, so `state()["p99_ms"]` shows the p99 that tripped
 the guard instead of a window's: a dashboard should not read "0 ms" off a tier switched off for
@@ -143,12 +145,24 @@ class SloGuard:
                 return
             p99 = _p99_ms([s for _, s in self._samples])
             if p99 > self.rule.p99_ms:
-                self.bypassed_until = now + self.rule.recover_s
-                self._tripped_at = now
-                self.trip_count += 1
-                self.trips.append({"at": now, "at_unix": self._wall_clock(), "p99_ms": p99})
-                self._samples.clear()
-                self._over = 0
+                self._trip(now, p99)
+
+    def trip_hung(self, waited_s: float) -> None:
+        """Trip now, whatever the window holds: the caller saw every promotion the tier may have
+        in flight stalled past the threshold (the longest for `waited_s`), so it serves nothing
+        and cannot produce the samples a trip would otherwise need. No-op while bypassed."""
+        with self._lock:
+            now = self._clock()
+            if not self._bypassed(now):
+                self._trip(now, waited_s * 1e3)
+
+    def _trip(self, now: float, p99_ms: float) -> None:
+        self.bypassed_until = now + self.rule.recover_s
+        self._tripped_at = now
+        self.trip_count += 1
+        self.trips.append({"at": now, "at_unix": self._wall_clock(), "p99_ms": p99_ms})
+        self._samples.clear()
+        self._over = 0
 
     def allows(self) -> bool:
         """Whether promotions may use the tier now."""

@@ -39,7 +39,7 @@ from kvtier_rs._core import (
     NoSpaceError,
     NotReadyError,
 )
-from kvtier_rs.checks import check_count, show
+from kvtier_rs.checks import check_count, check_number, show
 from kvtier_rs.events import EventStream
 from kvtier_rs.host_tier import HostTier
 from kvtier_rs.keys import Key, index_list, key_list
@@ -200,6 +200,7 @@ class TierOrchestrator:
         guards: dict[str, GuardRule] | None = None,
         max_promotions_in_flight: dict[str, int] | None = None,
         max_disk_write_backlog: int = 1024,
+        disk_read_timeout_s: float = 10.0,
         events: EventStream | None = None,
     ) -> None:
         if engine.pool is not host.pool:
@@ -211,6 +212,9 @@ class TierOrchestrator:
             )
         in_flight = self._in_flight_limits(max_promotions_in_flight)
         max_disk_write_backlog = check_count("max_disk_write_backlog", max_disk_write_backlog)
+        #: A bound load whose disk read is still in flight this long after bind gives up its
+        #: disk part (recomputed; the read lands in the CPU tier, owned by no load).
+        self.disk_read_timeout_s = check_number("disk_read_timeout_s", disk_read_timeout_s, inf_ok=True)
         self.host = host
         self.engine = engine
         #: Block stored/removed/promoted events for external indexes; None publishes nothing.
@@ -659,24 +663,52 @@ class TierOrchestrator:
         """Give each guard a slow sample for every promotion of its tier that the engine has
         waited on for longer than the threshold and that is still in flight: a tier whose loads
         hang produces no completions, and without this the guard would never see it (only
-        back-pressure would stop new loads, with the guard reporting the tier healthy)."""
-        if not self.guards:
-            return
+        back-pressure would stop new loads, with the guard reporting the tier healthy).
+
+        One sample per stalled promotion is not always enough: back-pressure caps promotions in
+        flight (16 from disk by default) below the samples a guard needs (20 by default), and a
+        hung tier fills the cap and gets no more. So a tier whose promotions in flight have
+        reached the cap and have all stalled past the threshold trips its guard outright: it is
+        serving nothing, and every new hit of it is refused anyway.
+
+        Then, a bound load whose disk read is still in flight `disk_read_timeout_s` after bind
+        gives up its disk part: the engine recomputes those blocks instead of waiting for good.
+        Its destinations were never written (the copies start only once the read has landed),
+        and the read lands in the CPU tier, as one released unbound would."""
         now = time.perf_counter()
+        stalled: dict[str, list[float]] = {tier: [] for tier in TIERS}
+        in_flight: dict[str, int] = dict.fromkeys(TIERS, 0)
         for ld in list(self._loads.values()):
-            if not ld.bound:
-                continue  # the engine is not waiting yet
-            for tier, part, in_flight in (
+            waited = now - (ld.bound_at if ld.bound else ld.started)
+            for tier, part, busy in (
                 ("cpu", ld.cpu, bool(ld.cpu.jobs)),
                 ("disk", ld.disk, ld.disk_read is not None or bool(ld.disk.jobs)),
             ):
-                guard = self.guards.get(tier)
-                if guard is None or not in_flight or part.stall_recorded:
+                if not busy:
                     continue
-                waited = now - ld.bound_at
-                if waited > guard.threshold_s:
+                in_flight[tier] += 1
+                guard = self.guards.get(tier)
+                if guard is None or waited <= guard.threshold_s:
+                    continue
+                stalled[tier].append(waited)
+                if ld.bound and not part.stall_recorded:
                     guard.record(waited)
                     part.stall_recorded = True
+            if ld.bound and ld.disk_read is not None and waited > self.disk_read_timeout_s:
+                self._give_up_disk_read(ld)
+        for tier, guard in self.guards.items():
+            if in_flight[tier] >= self.max_in_flight[tier] and len(stalled[tier]) == in_flight[tier]:
+                guard.trip_hung(max(stalled[tier]))
+
+    def _give_up_disk_read(self, ld: _Load) -> None:
+        """Drop a load's disk part whose read takes too long (see `_record_stalls`)."""
+        assert ld.disk_read is not None
+        job, ld.disk_read = ld.disk_read, None
+        self._read_owner.pop(job, None)
+        self._orphan_reads[tuple(ld.disk.keys)] = job
+        self.counts["disk_read_timeout_blocks"] += len(ld.disk.keys)
+        ld.disk.keys = []
+        self._maybe_finish(ld)
 
     def _guard_sample(self, tier: str, part: _Copies, waited: float) -> None:
         """A finished promotion's wait, for the tier's guard, unless it was taken already while
@@ -905,6 +937,8 @@ class TierOrchestrator:
             "load_failed": c["load_failed_blocks"],
             "load_released": c["load_released_blocks"],
             "load_unreserved": c["load_unreserved_blocks"],
+            # Planned disk blocks given up after disk_read_timeout_s (recomputed; in load_failed).
+            "load_timed_out": c["disk_read_timeout_blocks"],
             "bytes": {"d2h": c["d2h_bytes"], "h2d": c["h2d_bytes"]},
             "tiers": tiers,
             "guards": {t: g.state() for t, g in self.guards.items()},
