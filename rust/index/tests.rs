@@ -787,3 +787,30 @@ fn a_store_refused_for_space_counts_no_refusal_or_skip() {
     assert_eq!(s.store_skipped - before.store_skipped, 0);
     assert_eq!(s.store_no_space - before.store_no_space, 1);
 }
+
+#[test]
+fn clear_lets_other_writers_in_between_its_parts() {
+    // Three parts: two full and one short.
+    let capacity = 2 * CLEAR_CHUNK as usize + 100;
+    let ix = index(capacity, PolicyKind::Lru);
+    let resident = keys(0..capacity as i128);
+    store(&ix, &resident);
+    let pinned = k(5);
+    ix.pin_for_load(&[pinned]).unwrap();
+    let mut parts = 0;
+    let removed = ix.clear_in_parts(|| {
+        parts += 1;
+        // The writers' lock is free between parts: a store gets it at once and lands.
+        let landed = ix.try_prepare_store(&[k(1_000_000 + parts)], InsertHint::default());
+        assert!(landed.is_some(), "clear held the writers' lock between its parts");
+        landed.unwrap().unwrap();
+    });
+    assert_eq!(parts, 3);
+    // Every resident block went but the pinned one; the stores made between parts are still
+    // being written, which a clear leaves alone wherever they landed.
+    assert!(ix.state_of(&pinned).is_some(), "a pinned block was cleared");
+    assert!(resident.iter().filter(|key| **key != pinned).all(|key| ix.state_of(key).is_none()));
+    assert_eq!(removed, capacity - 1);
+    assert_eq!(ix.len(), 1 + 3, "the pinned block and the three stores made between parts");
+    assert_eq!(ix.policy_len(), ix.len());
+}
