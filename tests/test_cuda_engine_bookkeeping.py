@@ -327,3 +327,33 @@ def test_a_clock_reference_the_runtime_refuses_times_jobs_to_the_poll(runtime, m
         [r] = eng.wait([job])
         assert r.success and r.seconds >= 0.05
         assert eng._clock is None and runtime.events == set()
+
+
+@pytest.mark.parametrize("other", ["poll", "close"])
+def test_wait_never_synchronizes_an_event_a_concurrent_poll_or_close_destroyed(runtime, other):
+    """wait() blocks in cudaEventSynchronize outside the lock; a poll (or close) on another
+    thread that collects the job meanwhile must not destroy the event under it: on a GPU that is
+    a call on a freed (or recycled) event handle."""
+    pool = host_pool()
+    eng = engine(pool)
+    runtime.events_done = False  # wait() finds the job still running and blocks on its event
+    job = eng.store([0], [0])
+    real_sync = runtime.cudaEventSynchronize
+    seen = []
+
+    def sync(ev):
+        # The copies complete and another thread collects the job before this thread's
+        # cudaEventSynchronize reaches the driver.
+        runtime.cudaEventSynchronize = real_sync
+        runtime.events_done = True
+        t = threading.Thread(target=lambda: seen.extend(eng.poll()) if other == "poll" else eng.close())
+        t.start()
+        t.join(10)
+        return real_sync(ev)
+
+    runtime.cudaEventSynchronize = sync
+    results = eng.wait([job]) + seen
+    eng.close()
+    assert [r.success for r in results] == [True]
+    assert runtime.misuse == [], runtime.misuse
+    assert runtime.events == set(), "an event was left behind"

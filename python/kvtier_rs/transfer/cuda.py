@@ -204,6 +204,12 @@ class CudaTransferEngine(TransferEngine):
         self._clock_stream = check(rt, "cudaStreamCreateWithFlags", rt.cudaStreamCreateWithFlags(flags))
         self._clock: _ClockRef | None = None
         self._events: dict[int, tuple[_Job, Any, _ClockRef | None]] = {}
+        #: Job id -> threads blocked in cudaEventSynchronize on its event (wait(), outside the
+        #: lock), and the events of such jobs collected meanwhile: the last blocked thread
+        #: destroys those, as destroying an event a thread is synchronizing on is a call on a
+        #: freed (or recycled) handle.
+        self._syncing: dict[int, int] = {}
+        self._orphans: dict[int, Any] = {}
         self._use_batch = use_batch and hasattr(rt, "cudaMemcpyBatchAsync")
         self.batch_calls = 0
         self.batch_refusals = 0
@@ -352,7 +358,10 @@ class CudaTransferEngine(TransferEngine):
                     continue
                 del self._events[job_id]
                 at = self._completed_at(ref, ev) if int(err) == 0 else None
-                rt.cudaEventDestroy(ev)
+                if self._syncing.get(job_id):
+                    self._orphans[job_id] = ev  # destroyed by the last thread blocked on it
+                else:
+                    rt.cudaEventDestroy(ev)
                 self._release_ref(ref)
                 done.append((job, err, at))
         for job, err, at in done:
@@ -367,13 +376,25 @@ class CudaTransferEngine(TransferEngine):
             time.sleep(min(_POLL_S, max(0.0, deadline - time.monotonic())))
             return
         with self._lock:
-            evs = [self._events[j][1] for j in job_ids if j in self._events]
-        if evs:
+            job_id = next((j for j in job_ids if j in self._events), None)
+            if job_id is None:
+                return
+            ev = self._events[job_id][1]
+            # Registered under the lock, so a concurrent poll or close that collects the job
+            # while this thread is in the driver leaves the event alive for it.
+            self._syncing[job_id] = self._syncing.get(job_id, 0) + 1
+        try:
             self._on_device()
-            # Its result is not checked: a concurrent poll may have finished the job and
-            # destroyed the event meanwhile, and a real failure is reported by the query that
-            # wait() makes next (_collect), which finishes the job.
-            self._rt.cudaEventSynchronize(evs[0])
+            # Its result is not checked: a real failure is reported by the query that wait()
+            # makes next (_collect), which finishes the job.
+            self._rt.cudaEventSynchronize(ev)
+        finally:
+            with self._lock:
+                left = self._syncing.pop(job_id) - 1
+                if left:
+                    self._syncing[job_id] = left
+                elif job_id in self._orphans:
+                    self._rt.cudaEventDestroy(self._orphans.pop(job_id))
 
     def wait_on(self, job_id: int, stream: object) -> None:
         """Make `stream` (e.g. the model's compute stream) wait until a job's copies are done."""
