@@ -357,3 +357,31 @@ def test_wait_never_synchronizes_an_event_a_concurrent_poll_or_close_destroyed(r
     assert [r.success for r in results] == [True]
     assert runtime.misuse == [], runtime.misuse
     assert runtime.events == set(), "an event was left behind"
+
+
+@pytest.mark.parametrize("failing_stream", [1, 2, 3])
+def test_an_engine_that_fails_to_start_unpins_the_pool_and_destroys_its_streams(runtime, monkeypatch, failing_stream):
+    """A CUDA call failing in the constructor (here the n-th stream creation) must leave the
+    pool as it found it: pinned by no one, and pinned again by the next engine on it."""
+    pool = host_pool()
+    created, destroyed = [], []
+    real_create, real_destroy = runtime.cudaStreamCreateWithFlags, runtime.cudaStreamDestroy
+
+    def create(flags):
+        if len(created) + 1 == failing_stream:
+            created.append(None)
+            return rt.cudaError_t.cudaErrorMemoryAllocation, None
+        res = real_create(flags)
+        created.append(res[1])
+        return res
+
+    monkeypatch.setattr(runtime, "cudaStreamCreateWithFlags", create)
+    monkeypatch.setattr(runtime, "cudaStreamDestroy", lambda s: (destroyed.append(s), real_destroy(s))[1])
+    with pytest.raises(kv.KvTierError, match="cudaStreamCreateWithFlags failed"):
+        engine(pool)
+    assert pool.ptr not in runtime.pinned, "the pool stayed pinned by an engine that never started"
+    assert sorted(destroyed) == sorted(s for s in created if s is not None), "a stream was leaked"
+    monkeypatch.setattr(runtime, "cudaStreamCreateWithFlags", real_create)
+    with engine(pool):
+        assert pool.ptr in runtime.pinned
+    assert pool.ptr not in runtime.pinned

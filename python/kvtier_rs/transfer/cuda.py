@@ -195,13 +195,23 @@ class CudaTransferEngine(TransferEngine):
         _PINS.acquire(rt, pool.ptr, pool.nbytes)
         self._pinned = True
         flags = rt.cudaStreamNonBlocking
-        self._streams = {
-            "d2h": check(rt, "cudaStreamCreateWithFlags", rt.cudaStreamCreateWithFlags(flags)),
-            "h2d": check(rt, "cudaStreamCreateWithFlags", rt.cudaStreamCreateWithFlags(flags)),
-        }
+        made = []
+        try:
+            for _ in range(3):
+                made.append(check(rt, "cudaStreamCreateWithFlags", rt.cudaStreamCreateWithFlags(flags)))
+        except BaseException:
+            # No engine, so no close(): what was taken is given back here. A pin left behind
+            # would keep the pool registered for good, and its _PINS entry would make a later
+            # pool at the same address count as pinned without ever being registered.
+            for s in made:
+                rt.cudaStreamDestroy(s)
+            self._pinned = False
+            _PINS.release(rt, pool.ptr, pool.nbytes)
+            raise
+        self._streams = {"d2h": made[0], "h2d": made[1]}
         # The clock reference's own stream: nothing else runs there, so its event completes
         # as soon as it is recorded.
-        self._clock_stream = check(rt, "cudaStreamCreateWithFlags", rt.cudaStreamCreateWithFlags(flags))
+        self._clock_stream = made[2]
         self._clock: _ClockRef | None = None
         self._events: dict[int, tuple[_Job, Any, _ClockRef | None]] = {}
         #: Job id -> threads blocked in cudaEventSynchronize on its event (wait(), outside the
