@@ -385,3 +385,25 @@ def test_an_engine_that_fails_to_start_unpins_the_pool_and_destroys_its_streams(
     with engine(pool):
         assert pool.ptr in runtime.pinned
     assert pool.ptr not in runtime.pinned
+
+
+def test_an_empty_job_does_not_turn_the_batch_call_off(runtime, monkeypatch):
+    """cudaMemcpyBatchAsync refuses a batch of no copies (numAttrs must not exceed count): an
+    empty job has nothing to copy and must not be taken for a runtime without the call, which
+    would send every later job through one call per piece."""
+    calls = []
+
+    def batch(dsts, srcs, sizes, count, attrs, attr_idxs, num_attrs, stream):
+        calls.append(count)
+        if count == 0 or num_attrs > count:
+            return (rt.cudaError_t.cudaErrorInvalidValue,)
+        return (OK,)
+
+    monkeypatch.setattr(runtime, "cudaMemcpyBatchAsync", batch)
+    pool = host_pool()
+    with engine(pool, use_batch=True) as eng:
+        results = eng.wait([eng.store([], []), eng.load([], [])])
+        assert [(r.success, r.bytes) for r in results] == [(True, 0), (True, 0)]
+        assert [r.success for r in eng.wait([eng.store([0], [0])])] == [True]
+        assert eng.batch_refusals == 0 and eng.batch_calls == 1, calls
+        assert runtime.copies == 0, "the store went through one call per piece"

@@ -303,7 +303,9 @@ class CudaTransferEngine(TransferEngine):
             job.regions,
         )
         try:
-            if not (self._use_batch and self._issue_batch(pieces, stream)):
+            # An empty job copies nothing; a batch of no copies is refused (numAttrs must not
+            # exceed count), and that refusal would turn the batch call off for every later job.
+            if pieces and not (self._use_batch and self._issue_batch(pieces, stream)):
                 self._issue_2d(pieces, kind, stream)
             done = check(rt, "cudaEventCreateWithFlags", rt.cudaEventCreateWithFlags(rt.cudaEventDefault))
         except KvTierError:
