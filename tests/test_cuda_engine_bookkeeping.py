@@ -71,6 +71,9 @@ class StandInRuntime:
         self.current[threading.get_ident()] = device
         return (OK,)
 
+    def cudaGetDevice(self):
+        return OK, self._device()
+
     def cudaHostRegister(self, ptr, nbytes, flags):
         if ptr in self.pinned:
             return (rt.cudaError_t.cudaErrorHostMemoryAlreadyRegistered,)
@@ -407,3 +410,25 @@ def test_an_empty_job_does_not_turn_the_batch_call_off(runtime, monkeypatch):
         assert [r.success for r in eng.wait([eng.store([0], [0])])] == [True]
         assert eng.batch_refusals == 0 and eng.batch_calls == 1, calls
         assert runtime.copies == 0, "the store went through one call per piece"
+
+
+def test_the_engine_leaves_the_callers_current_device_as_it_found_it(runtime):
+    """A thread working on device 0 that drives an engine for device 1 (one process, several
+    GPUs) must still be on device 0 after each call: CUDA's current device is the thread's
+    state (torch allocates `device="cuda"` tensors and picks its current stream by it)."""
+    pool = host_pool()
+    me = threading.get_ident()
+    runtime.cudaSetDevice(0)
+    eng = engine(pool, cuda_layout(device=1))
+    assert runtime.current[me] == 0, "the constructor left device 1 current"
+    job = eng.store([0], [0])
+    assert runtime.current[me] == 0, "store() left device 1 current"
+    eng.wait_on(job, 5)
+    assert runtime.current[me] == 0, "wait_on() left device 1 current"
+    assert [r.success for r in eng.wait([job])] == [True]
+    assert runtime.current[me] == 0, "wait() left device 1 current"
+    eng.poll()
+    assert runtime.current[me] == 0, "poll() left device 1 current"
+    eng.close()
+    assert runtime.current[me] == 0, "close() left device 1 current"
+    assert runtime.misuse == []
