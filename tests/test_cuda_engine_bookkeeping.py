@@ -71,6 +71,9 @@ class StandInRuntime:
         self.current[threading.get_ident()] = device
         return (OK,)
 
+    def cudaGetDevice(self):
+        return OK, self._device()
+
     def cudaHostRegister(self, ptr, nbytes, flags):
         if ptr in self.pinned:
             return (rt.cudaError_t.cudaErrorHostMemoryAlreadyRegistered,)
@@ -327,3 +330,105 @@ def test_a_clock_reference_the_runtime_refuses_times_jobs_to_the_poll(runtime, m
         [r] = eng.wait([job])
         assert r.success and r.seconds >= 0.05
         assert eng._clock is None and runtime.events == set()
+
+
+@pytest.mark.parametrize("other", ["poll", "close"])
+def test_wait_never_synchronizes_an_event_a_concurrent_poll_or_close_destroyed(runtime, other):
+    """wait() blocks in cudaEventSynchronize outside the lock; a poll (or close) on another
+    thread that collects the job meanwhile must not destroy the event under it: on a GPU that is
+    a call on a freed (or recycled) event handle."""
+    pool = host_pool()
+    eng = engine(pool)
+    runtime.events_done = False  # wait() finds the job still running and blocks on its event
+    job = eng.store([0], [0])
+    real_sync = runtime.cudaEventSynchronize
+    seen = []
+
+    def sync(ev):
+        # The copies complete and another thread collects the job before this thread's
+        # cudaEventSynchronize reaches the driver.
+        runtime.cudaEventSynchronize = real_sync
+        runtime.events_done = True
+        t = threading.Thread(target=lambda: seen.extend(eng.poll()) if other == "poll" else eng.close())
+        t.start()
+        t.join(10)
+        return real_sync(ev)
+
+    runtime.cudaEventSynchronize = sync
+    results = eng.wait([job]) + seen
+    eng.close()
+    assert [r.success for r in results] == [True]
+    assert runtime.misuse == [], runtime.misuse
+    assert runtime.events == set(), "an event was left behind"
+
+
+@pytest.mark.parametrize("failing_stream", [1, 2, 3])
+def test_an_engine_that_fails_to_start_unpins_the_pool_and_destroys_its_streams(runtime, monkeypatch, failing_stream):
+    """A CUDA call failing in the constructor (here the n-th stream creation) must leave the
+    pool as it found it: pinned by no one, and pinned again by the next engine on it."""
+    pool = host_pool()
+    created, destroyed = [], []
+    real_create, real_destroy = runtime.cudaStreamCreateWithFlags, runtime.cudaStreamDestroy
+
+    def create(flags):
+        if len(created) + 1 == failing_stream:
+            created.append(None)
+            return rt.cudaError_t.cudaErrorMemoryAllocation, None
+        res = real_create(flags)
+        created.append(res[1])
+        return res
+
+    monkeypatch.setattr(runtime, "cudaStreamCreateWithFlags", create)
+    monkeypatch.setattr(runtime, "cudaStreamDestroy", lambda s: (destroyed.append(s), real_destroy(s))[1])
+    with pytest.raises(kv.KvTierError, match="cudaStreamCreateWithFlags failed"):
+        engine(pool)
+    assert pool.ptr not in runtime.pinned, "the pool stayed pinned by an engine that never started"
+    assert sorted(destroyed) == sorted(s for s in created if s is not None), "a stream was leaked"
+    monkeypatch.setattr(runtime, "cudaStreamCreateWithFlags", real_create)
+    with engine(pool):
+        assert pool.ptr in runtime.pinned
+    assert pool.ptr not in runtime.pinned
+
+
+def test_an_empty_job_does_not_turn_the_batch_call_off(runtime, monkeypatch):
+    """cudaMemcpyBatchAsync refuses a batch of no copies (numAttrs must not exceed count): an
+    empty job has nothing to copy and must not be taken for a runtime without the call, which
+    would send every later job through one call per piece."""
+    calls = []
+
+    def batch(dsts, srcs, sizes, count, attrs, attr_idxs, num_attrs, stream):
+        calls.append(count)
+        if count == 0 or num_attrs > count:
+            return (rt.cudaError_t.cudaErrorInvalidValue,)
+        return (OK,)
+
+    monkeypatch.setattr(runtime, "cudaMemcpyBatchAsync", batch)
+    pool = host_pool()
+    with engine(pool, use_batch=True) as eng:
+        results = eng.wait([eng.store([], []), eng.load([], [])])
+        assert [(r.success, r.bytes) for r in results] == [(True, 0), (True, 0)]
+        assert [r.success for r in eng.wait([eng.store([0], [0])])] == [True]
+        assert eng.batch_refusals == 0 and eng.batch_calls == 1, calls
+        assert runtime.copies == 0, "the store went through one call per piece"
+
+
+def test_the_engine_leaves_the_callers_current_device_as_it_found_it(runtime):
+    """A thread working on device 0 that drives an engine for device 1 (one process, several
+    GPUs) must still be on device 0 after each call: CUDA's current device is the thread's
+    state (torch allocates `device="cuda"` tensors and picks its current stream by it)."""
+    pool = host_pool()
+    me = threading.get_ident()
+    runtime.cudaSetDevice(0)
+    eng = engine(pool, cuda_layout(device=1))
+    assert runtime.current[me] == 0, "the constructor left device 1 current"
+    job = eng.store([0], [0])
+    assert runtime.current[me] == 0, "store() left device 1 current"
+    eng.wait_on(job, 5)
+    assert runtime.current[me] == 0, "wait_on() left device 1 current"
+    assert [r.success for r in eng.wait([job])] == [True]
+    assert runtime.current[me] == 0, "wait() left device 1 current"
+    eng.poll()
+    assert runtime.current[me] == 0, "poll() left device 1 current"
+    eng.close()
+    assert runtime.current[me] == 0, "close() left device 1 current"
+    assert runtime.misuse == []

@@ -415,3 +415,26 @@ def test_close_reports_jobs_it_could_not_finish_as_failed():
     (res,) = eng.wait([job], timeout=10)
     assert not res.success and res.bytes == 0 and "closed before this job finished" in res.error
     assert eng.in_flight == 0 and eng.poll() == []
+
+
+def test_a_second_close_returns_only_once_the_first_has_finished_the_jobs():
+    """close() promises that the engine's jobs are finished when it returns (the caller then
+    frees the pool or the KV memory); a second close() from another thread while the first is
+    still draining returned at once, with a copy still running."""
+    x = torch.arange(8 * 64, dtype=torch.float32).reshape(8, 64)
+    eng = GateEngine(BlockLayout.per_layer([x]), kv.HostPool(4 * 4096, 4096))
+    job = eng.store([1], [0])
+    assert eng.entered.wait(10)
+    first = threading.Thread(target=eng.close)
+    first.start()
+    wait_until(lambda: eng._closed)
+    second_done = threading.Event()
+    second = threading.Thread(target=lambda: (eng.close(), second_done.set()))
+    second.start()
+    time.sleep(0.1)
+    assert not second_done.is_set(), "close() returned while a job was still copying"
+    eng.gate.set()
+    first.join(10)
+    second.join(10)
+    assert second_done.is_set()
+    assert [r.success for r in eng.wait([job], timeout=10)] == [True]

@@ -66,6 +66,8 @@ class TransferEngine(ABC):
         self._in_flight: dict[int, _Job] = {}
         self._finished: list[TransferResult] = []
         self._closed = False
+        #: close() has finished (jobs drained, resources released): a second close() waits for it.
+        self._shut_down = False
         #: store/load calls between the closed check and their job's hand-over (see close()).
         self._submitting = 0
 
@@ -231,6 +233,10 @@ class TransferEngine(ABC):
         `_shutdown`, not this, so that all of them share these guarantees."""
         with self._lock:
             if self._closed:
+                # Another close() may still be draining the jobs: returning now would let this
+                # caller free the pool or the KV memory under copies still running.
+                while not self._shut_down:
+                    self._progress.wait()
                 return
             self._closed = True
             # A store/load that passed the closed check is still handing its job over (e.g.
@@ -245,6 +251,9 @@ class TransferEngine(ABC):
                 stranded = list(self._in_flight.values())
             for job in stranded:
                 self._finish(job, f"closed: the {self.name} transfer engine was closed before this job finished")
+            with self._lock:
+                self._shut_down = True
+                self._progress.notify_all()
 
     def _shutdown(self) -> None:  # noqa: B027 - optional hook
         """Finish every submitted job (or leave it to be reported failed), then release engine

@@ -15,7 +15,8 @@
   by the first and unpinned when the last one closes (`_PINS`).
 - The current device is per thread in CUDA: every entry point that makes CUDA calls first makes
   the layout's device current on the calling thread (an engine built on one thread and polled or
-  fed from another would otherwise create its events on that thread's device, and fail).
+  fed from another would otherwise create its events on that thread's device, and fail), and
+  gives the thread back its own device before it returns.
 - A runtime that refuses cudaMemcpyBatchAsync once (a driver without it, or pointers it does not
   take) is not asked again: every later job goes straight to cudaMemcpyAsync/2D.
 - A job is timed to when its copies completed on the device, not to the poll that noticed it
@@ -30,6 +31,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from kvtier_rs._core import HostPool, InvalidArgumentError, KvTierError
@@ -191,28 +194,56 @@ class CudaTransferEngine(TransferEngine):
         super().__init__(layout, pool)
         rt = self._rt = _runtime()
         self._device = layout.device.index or 0
-        self._on_device()
-        _PINS.acquire(rt, pool.ptr, pool.nbytes)
-        self._pinned = True
-        flags = rt.cudaStreamNonBlocking
-        self._streams = {
-            "d2h": check(rt, "cudaStreamCreateWithFlags", rt.cudaStreamCreateWithFlags(flags)),
-            "h2d": check(rt, "cudaStreamCreateWithFlags", rt.cudaStreamCreateWithFlags(flags)),
-        }
+        with self._on_device():
+            _PINS.acquire(rt, pool.ptr, pool.nbytes)
+            self._pinned = True
+            flags = rt.cudaStreamNonBlocking
+            made = []
+            try:
+                for _ in range(3):
+                    made.append(check(rt, "cudaStreamCreateWithFlags", rt.cudaStreamCreateWithFlags(flags)))
+            except BaseException:
+                # No engine, so no close(): what was taken is given back here. A pin left behind
+                # would keep the pool registered for good, and its _PINS entry would make a later
+                # pool at the same address count as pinned without ever being registered.
+                for s in made:
+                    rt.cudaStreamDestroy(s)
+                self._pinned = False
+                _PINS.release(rt, pool.ptr, pool.nbytes)
+                raise
+        self._streams = {"d2h": made[0], "h2d": made[1]}
         # The clock reference's own stream: nothing else runs there, so its event completes
         # as soon as it is recorded.
-        self._clock_stream = check(rt, "cudaStreamCreateWithFlags", rt.cudaStreamCreateWithFlags(flags))
+        self._clock_stream = made[2]
         self._clock: _ClockRef | None = None
         self._events: dict[int, tuple[_Job, Any, _ClockRef | None]] = {}
+        #: Job id -> threads blocked in cudaEventSynchronize on its event (wait(), outside the
+        #: lock), and the events of such jobs collected meanwhile: the last blocked thread
+        #: destroys those, as destroying an event a thread is synchronizing on is a call on a
+        #: freed (or recycled) handle.
+        self._syncing: dict[int, int] = {}
+        self._orphans: dict[int, Any] = {}
         self._use_batch = use_batch and hasattr(rt, "cudaMemcpyBatchAsync")
         self.batch_calls = 0
         self.batch_refusals = 0
         self.copy_calls = 0
 
-    def _on_device(self) -> None:
-        """Make the layout's device current on the calling thread (CUDA's current device is
-        per thread). Cheap when it already is."""
-        check(self._rt, "cudaSetDevice", self._rt.cudaSetDevice(self._device))
+    @contextmanager
+    def _on_device(self) -> Iterator[None]:
+        """Make the layout's device current on the calling thread while the block runs (CUDA's
+        current device is per thread), then give the thread back the device it had: a caller
+        working on another device (one process, several GPUs) would otherwise find its
+        `device="cuda"` allocations and torch's current stream moved to this engine's device.
+        Cheap when it already is current (one cudaGetDevice)."""
+        rt = self._rt
+        prev = check(rt, "cudaGetDevice", rt.cudaGetDevice())
+        if prev != self._device:
+            check(rt, "cudaSetDevice", rt.cudaSetDevice(self._device))
+        try:
+            yield
+        finally:
+            if prev != self._device:
+                rt.cudaSetDevice(prev)
 
     # ---- copies ---------------------------------------------------------------------------
     def _issue_2d(self, pieces, kind, stream) -> None:
@@ -253,15 +284,15 @@ class CudaTransferEngine(TransferEngine):
             rt.cudaEventDestroy(ev)
 
     def _submit(self, job: _Job, block_ids: list[int], slots: list[int], after_stream: object) -> None:
-        self._on_device()
-        # Taken before any copy is queued, so that it precedes the job's completion event.
-        ref = self._take_clock_ref()
-        try:
-            self._queue(job, block_ids, slots, after_stream, ref)
-        except BaseException:
-            with self._lock:
-                self._release_ref(ref)
-            raise
+        with self._on_device():
+            # Taken before any copy is queued, so that it precedes the job's completion event.
+            ref = self._take_clock_ref()
+            try:
+                self._queue(job, block_ids, slots, after_stream, ref)
+            except BaseException:
+                with self._lock:
+                    self._release_ref(ref)
+                raise
 
     def _queue(
         self, job: _Job, block_ids: list[int], slots: list[int], after_stream: object, ref: _ClockRef | None
@@ -287,7 +318,9 @@ class CudaTransferEngine(TransferEngine):
             job.regions,
         )
         try:
-            if not (self._use_batch and self._issue_batch(pieces, stream)):
+            # An empty job copies nothing; a batch of no copies is refused (numAttrs must not
+            # exceed count), and that refusal would turn the batch call off for every later job.
+            if pieces and not (self._use_batch and self._issue_batch(pieces, stream)):
                 self._issue_2d(pieces, kind, stream)
             done = check(rt, "cudaEventCreateWithFlags", rt.cudaEventCreateWithFlags(rt.cudaEventDefault))
         except KvTierError:
@@ -340,8 +373,11 @@ class CudaTransferEngine(TransferEngine):
         return ref.host_s + ms / 1e3 if int(err) == 0 else None
 
     def _collect(self) -> None:
+        with self._on_device():
+            self._collect_events()
+
+    def _collect_events(self) -> None:
         rt = self._rt
-        self._on_device()
         done = []
         with self._lock:
             # Events are queried and destroyed only here, under the lock (cudaEventQuery does
@@ -352,7 +388,10 @@ class CudaTransferEngine(TransferEngine):
                     continue
                 del self._events[job_id]
                 at = self._completed_at(ref, ev) if int(err) == 0 else None
-                rt.cudaEventDestroy(ev)
+                if self._syncing.get(job_id):
+                    self._orphans[job_id] = ev  # destroyed by the last thread blocked on it
+                else:
+                    rt.cudaEventDestroy(ev)
                 self._release_ref(ref)
                 done.append((job, err, at))
         for job, err, at in done:
@@ -366,19 +405,31 @@ class CudaTransferEngine(TransferEngine):
             # cudaEventSynchronize cannot time out: poll instead (wait() checks the deadline).
             time.sleep(min(_POLL_S, max(0.0, deadline - time.monotonic())))
             return
-        with self._lock:
-            evs = [self._events[j][1] for j in job_ids if j in self._events]
-        if evs:
-            self._on_device()
-            # Its result is not checked: a concurrent poll may have finished the job and
-            # destroyed the event meanwhile, and a real failure is reported by the query that
-            # wait() makes next (_collect), which finishes the job.
-            self._rt.cudaEventSynchronize(evs[0])
+        # The device first: if making it current fails, nothing is registered below.
+        with self._on_device():
+            with self._lock:
+                job_id = next((j for j in job_ids if j in self._events), None)
+                if job_id is None:
+                    return
+                ev = self._events[job_id][1]
+                # Registered under the lock, so a concurrent poll or close that collects the
+                # job while this thread is in the driver leaves the event alive for it.
+                self._syncing[job_id] = self._syncing.get(job_id, 0) + 1
+            try:
+                # Its result is not checked: a real failure is reported by the query that
+                # wait() makes next (_collect), which finishes the job.
+                self._rt.cudaEventSynchronize(ev)
+            finally:
+                with self._lock:
+                    left = self._syncing.pop(job_id) - 1
+                    if left:
+                        self._syncing[job_id] = left
+                    elif job_id in self._orphans:
+                        self._rt.cudaEventDestroy(self._orphans.pop(job_id))
 
     def wait_on(self, job_id: int, stream: object) -> None:
         """Make `stream` (e.g. the model's compute stream) wait until a job's copies are done."""
-        self._on_device()
-        with self._lock:
+        with self._on_device(), self._lock:
             # Under the lock, so the event cannot be destroyed in between (the wait is only
             # queued, it does not block).
             item = self._events.get(job_id)
@@ -389,11 +440,14 @@ class CudaTransferEngine(TransferEngine):
         # Every job's copies were issued on these streams before close() let no new one in:
         # syncing them finishes all jobs (a job whose event reports an error, or one left when a
         # sync fails, is reported failed by close()).
+        with self._on_device():
+            self._shutdown_on_device()
+
+    def _shutdown_on_device(self) -> None:
         rt = self._rt
-        self._on_device()
         for s in self._streams.values():
             check(rt, "cudaStreamSynchronize", rt.cudaStreamSynchronize(s))
-        self._collect()
+        self._collect_events()
         for s in self._streams.values():
             rt.cudaStreamDestroy(s)
         self._streams = {}
