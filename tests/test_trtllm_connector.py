@@ -451,8 +451,9 @@ def test_bad_metadata_and_unknown_ids_are_clear_errors(tmp_path, engines):
     with pytest.raises(InvalidArgumentError, match="priorities"):
         w.wait_for_save(None)
     w.bind_connector_meta(None)
-    with pytest.raises(InvalidArgumentError, match="finished_gen_req_ids.*12345"):
-        w.get_finished([12345], [])
+    # A finished request with no save submitted (its step's forward pass failed) has nothing in
+    # flight: reported finished, not an error (see the failed-forward tests below).
+    assert w.get_finished([12345], []) == ([12345], [])
     with pytest.raises(InvalidArgumentError, match="unknown to kvtier"):
         eng.sched.update_state_after_alloc(Request(777, [1, 2]), [0])
 
@@ -648,3 +649,29 @@ def test_engine_hasher_calls_tensorrt_llms_own_hash_as_the_engine_chains_it(monk
     # Extending from the last key continues the same chain.
     assert chain.extend(keys[0], [1, 2, 3, 4], 1, 1, 7, "tenant") == keys[1:]
     assert chain.extend(None, [1.5, 2], 0, 1, None, None) is None
+
+
+# ---- a forward pass that fails ----------------------------------------------------------------
+# TensorRT-LLM's _forward_step catches an error in the forward pass (the model's, or the
+# connector's wait_for_layer_load / wait_for_save), fails every active request (request_finished)
+# and goes on: get_finished at the end of the iteration and start_load_kv on the next run outside
+# that handler, so an error raised there ends the executor loop.
+
+
+def test_a_request_whose_save_never_reached_the_worker_is_reported_finished(tmp_path, engines):
+    # The scheduler handed request 1 its first SaveSpec in this step's metadata (so
+    # request_finished says a save is in flight), but the forward pass failed before
+    # wait_for_save: the worker never saw it. get_finished raised InvalidArgumentError for the
+    # id, outside the forward's error handler, and the request was never reported finished (its
+    # blocks stayed allocated for good).
+    eng = make(tmp_path)
+    engines.append(eng)
+    r = Request(1, prompt(21, 12) + [1])
+    eng.step([r], model_error_at_layer=1)
+    assert [str(e) for e in eng.forward_errors] == ["model error in layer 1"]
+    assert 1 not in eng.saving and not eng.running, "reported finished, its blocks freed"
+    assert eng.worker.counts["finished_without_save"] == 1
+    # The engine serves on: the same prompt again is computed (nothing was offloaded) and saved.
+    eng.run_request(Request(2, prompt(21, 12) + [2]))
+    eng.step([Request(3, prompt(21, 12) + [3])])
+    assert eng.matched[3] == 12

@@ -91,7 +91,13 @@ class WorkerCore:
         self._saving: set[int] = set()  # finished requests whose saves we must report
         self._known: set[int] = set()  # request ids seen in any SaveSpec
         self.load_results: list[Any] = []
-        self.counts = {"loaded_blocks": 0, "offloaded_blocks": 0, "offload_no_space": 0, "offload_refused": 0}
+        self.counts = {
+            "loaded_blocks": 0,
+            "offloaded_blocks": 0,
+            "offload_no_space": 0,
+            "offload_refused": 0,
+            "finished_without_save": 0,  # reported finished with no save submitted (a failed step)
+        }
 
     # ---- base-class surface when TensorRT-LLM is absent -------------------------------------
     # (the real base defines the same three; ours are only used without it)
@@ -290,12 +296,13 @@ class WorkerCore:
                 f"invalid argument `started_loading_req_ids`: {list(started_loading_req_ids)[:5]}; kvtier never "
                 "answers load_kv_async=True, so no request can be loading asynchronously"
             )
-        unknown = [r for r in finished_gen_req_ids if r not in self._known]
-        if unknown:
-            raise InvalidArgumentError(
-                f"invalid argument `finished_gen_req_ids`: requests {unknown[:5]} never had a save from kvtier "
-                "(KvtierScheduler.request_finished returned False for them)"
-            )
+        # An id with no save known here is not an error: the scheduler says a request saves once
+        # it has put a SaveSpec in some step's metadata, and a forward pass that failed before
+        # wait_for_save (TensorRT-LLM then fails every active request) never submitted it. Such
+        # a request has nothing in flight and is reported finished below. Raising here (outside
+        # the engine's forward error handler) ended the executor loop and left the request's
+        # blocks allocated for good.
+        self.counts["finished_without_save"] += sum(1 for r in finished_gen_req_ids if r not in self._known)
         self._saving.update(finished_gen_req_ids)
         self._collect(orch.poll())  # completes finished stores in the CPU tier
         index = orch.host.index
