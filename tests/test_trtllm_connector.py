@@ -675,3 +675,38 @@ def test_a_request_whose_save_never_reached_the_worker_is_reported_finished(tmp_
     eng.run_request(Request(2, prompt(21, 12) + [2]))
     eng.step([Request(3, prompt(21, 12) + [3])])
     assert eng.matched[3] == 12
+
+
+class FailingLoadsEngine(CpuTransferEngine):
+    """The real CPU engine, copying inline (a job is finished when submitted); the next
+    `fail_next` host->device jobs fail."""
+
+    fail_next = 0
+
+    def __init__(self, layout, pool):
+        super().__init__(layout, pool, inline=True)
+
+    def copy_now(self, direction, *args, **kwargs):
+        if direction == "h2d" and FailingLoadsEngine.fail_next > 0:
+            FailingLoadsEngine.fail_next -= 1
+            raise RuntimeError("injected copy failure")
+        super().copy_now(direction, *args, **kwargs)
+
+
+def test_a_failed_load_does_not_lose_the_other_loads_of_its_step(tmp_path, engines):
+    # Two loads finished in the same poll, the first short: _collect raised at it and dropped
+    # the rest of the batch, so the second stayed in _pending_loads although the orchestrator had
+    # retired it. Every later start_load_kv then raised 'previous step's loads are unfinished'
+    # (outside the engine's forward error handler): the engine could not run another step.
+    FailingLoadsEngine.fail_next = 0
+    eng = make(tmp_path, engine_factory=FailingLoadsEngine)
+    engines.append(eng)
+    eng.run_request(Request(1, prompt(31, 12) + [1]))
+    eng.run_request(Request(2, prompt(32, 12) + [1]))
+    FailingLoadsEngine.fail_next = eng.layers  # every layer of the first load of the next step
+    eng.step([Request(3, prompt(31, 12) + [2]), Request(4, prompt(32, 12) + [2])], handle_errors=True)
+    assert len(eng.forward_errors) == 1 and "request 3: 3 of 3 blocks failed to load" in str(eng.forward_errors[0])
+    assert not eng.running and not eng.saving
+    # The next step runs (and its loads are checked token by token by the driver).
+    eng.step([Request(5, prompt(32, 12) + [3])])
+    assert eng.matched[5] == 12 and len(eng.forward_errors) == 1

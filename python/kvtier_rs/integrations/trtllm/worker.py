@@ -235,6 +235,10 @@ class WorkerCore:
             self._loads_done = True
 
     def _collect(self, results: list[Any]) -> None:
+        # Every result of the batch is taken before a shortfall is raised: the orchestrator
+        # reports each finished load once, so one left in _pending_loads here would stay there
+        # for good (and every later start_load_kv would refuse to run).
+        error = None
         for res in results:
             spec = self._pending_loads.pop(res.request_id, None)
             if spec is None:
@@ -242,12 +246,15 @@ class WorkerCore:
             self.load_results.append(res)
             if res.loaded != len(spec.keys):
                 # Everything promised was held (see the scheduler), so only a fault gets here.
-                raise KvTierError(
+                error = error or KvTierError(
                     f"kvtier: request {spec.request_id}: {len(spec.keys) - res.loaded} of {len(spec.keys)} blocks "
                     "failed to load (copy error, or a disk block failed its checksum); refusing to run the layer "
                     "on missing KV"
                 )
+                continue
             self.counts["loaded_blocks"] += res.loaded
+        if error is not None:
+            raise error
 
     def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
         # Offloads are whole blocks (every layer of a pool row), submitted once per step in
