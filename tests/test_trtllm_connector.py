@@ -710,3 +710,71 @@ def test_a_failed_load_does_not_lose_the_other_loads_of_its_step(tmp_path, engin
     # The next step runs (and its loads are checked token by token by the driver).
     eng.step([Request(5, prompt(32, 12) + [3])])
     assert eng.matched[5] == 12 and len(eng.forward_errors) == 1
+
+
+class StaleLoadEngine(CpuTransferEngine):
+    """The real CPU engine, whose host->device copies of every layer but the first wait until
+    the test opens the gate, and then fail if `fail` is set."""
+
+    gate = threading.Event()
+    fail = False
+
+    def copy_now(self, direction, block_ids, slots, sub_blocks=None, regions=None):
+        if direction == "h2d" and regions != [0]:
+            if not self.gate.wait(10):
+                raise RuntimeError("gate never opened")
+            if StaleLoadEngine.fail:
+                raise RuntimeError("injected copy failure")
+        super().copy_now(direction, block_ids, slots, sub_blocks, regions)
+
+
+def _load_left_in_flight(tmp_path, engines, seed, *, fail):
+    """An engine whose last step failed in layer 0 while its load's later layers still copy."""
+    StaleLoadEngine.gate.set()
+    StaleLoadEngine.fail = False
+    eng = make(tmp_path, engine_factory=StaleLoadEngine)
+    engines.append(eng)
+    eng.run_request(Request(1, prompt(seed, 12) + [1]))
+    StaleLoadEngine.gate.clear()
+    StaleLoadEngine.fail = fail
+    eng.step([Request(2, prompt(seed, 12) + [2])], model_error_at_layer=0)
+    assert eng.matched[2] == 12 and [str(e) for e in eng.forward_errors] == ["model error in layer 0"]
+    assert eng.worker._pending_loads or eng.worker._stale_loads, "the load is still copying"
+    return eng
+
+
+def test_the_next_step_waits_for_a_load_left_in_flight_by_a_failed_step(tmp_path, engines):
+    # The load's request failed with its step and its blocks went back to the engine, which may
+    # give them to this step's requests: the late copies must land before this step runs. Before,
+    # start_load_kv raised 'previous step's loads are unfinished' (outside the engine's forward
+    # error handler: the executor loop ended).
+    eng = _load_left_in_flight(tmp_path, engines, 41, fail=False)
+    opener = threading.Timer(0.2, StaleLoadEngine.gate.set)
+    opener.start()
+    try:
+        eng.step([Request(3, prompt(42, 12) + [1])])
+    finally:
+        opener.cancel()
+        StaleLoadEngine.gate.set()
+    assert opener.finished.is_set(), "start_load_kv returned only once the late copies had landed"
+    assert eng.worker.counts["stale_loads"] == 1 and not eng.worker._stale_loads
+    assert eng.worker.tiers.orchestrator.host.index.stats()["pinned_blocks"] == 0
+    eng.step([Request(4, prompt(41, 12) + [4])])  # and loads work again
+    assert eng.matched[4] == 12
+
+
+def test_a_load_of_a_failed_step_that_fails_later_is_not_raised_again(tmp_path, engines):
+    # Its request is gone; its failure concerns nobody. Before, get_finished raised 'failed to
+    # load' for it (outside the forward error handler: the executor loop ended), or the next
+    # step's wait_for_layer_load did, failing requests that had nothing to do with it.
+    eng = _load_left_in_flight(tmp_path, engines, 43, fail=True)
+    StaleLoadEngine.gate.set()
+    for _ in range(2000):
+        eng.poll_finished()  # get_finished, as the engine calls it every iteration
+        if not eng.worker._pending_loads and not eng.worker._stale_loads:
+            break
+        time.sleep(0.002)
+    assert eng.worker.counts["stale_loads"] == 1
+    StaleLoadEngine.fail = False
+    eng.step([Request(3, prompt(43, 12) + [3])])
+    assert len(eng.forward_errors) == 1

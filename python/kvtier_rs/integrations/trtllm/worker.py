@@ -86,6 +86,10 @@ class WorkerCore:
         self.engine = shared.engine_name(llm_args, self.options.namespace)
         self.tiers: shared.EngineTiers | None = None
         self._pending_loads: dict[Any, Any] = {}  # orchestrator request id -> LoadSpec
+        # Loads of a step whose forward pass ended before its last layer (it failed, and
+        # TensorRT-LLM failed its requests): still copying into blocks the engine may have given
+        # to other requests since. Waited for, never reported (see _retire_pending_loads).
+        self._stale_loads: dict[Any, Any] = {}
         self._loads_done = True
         self._save_keys: dict[int, set[bytes]] = {}  # request id -> keys offloaded for it
         self._saving: set[int] = set()  # finished requests whose saves we must report
@@ -97,6 +101,7 @@ class WorkerCore:
             "offload_no_space": 0,
             "offload_refused": 0,
             "finished_without_save": 0,  # reported finished with no save submitted (a failed step)
+            "stale_loads": 0,  # loads of a failed step, landed (or failed) after it
         }
 
     # ---- base-class surface when TensorRT-LLM is absent -------------------------------------
@@ -173,8 +178,23 @@ class WorkerCore:
     def start_load_kv(self, stream: Any) -> None:
         orch = self._orch("start_load_kv")
         meta = self._meta("start_load_kv")
-        if self._pending_loads:
-            raise KvTierError("kvtier: start_load_kv called while the previous step's loads are unfinished")
+        # Loads of an earlier step still in flight: its forward pass failed before its last
+        # layer. Their copies must land before this step's copies and forward pass touch the
+        # same blocks. (This used to raise, outside TensorRT-LLM's forward error handler, which
+        # ended the executor loop after any failed step with a load.)
+        self._retire_pending_loads()
+        deadline = time.monotonic() + self.options.load_timeout_s
+        while self._stale_loads:
+            self._collect(orch.poll())
+            if not self._stale_loads:
+                break
+            if time.monotonic() > deadline:
+                raise KvTierError(
+                    f"kvtier: loads of an earlier, failed step (requests "
+                    f"{sorted(s.request_id for s in self._stale_loads.values())}) still copying after "
+                    f"{self.options.load_timeout_s} s; not starting a step whose blocks they may overwrite"
+                )
+            time.sleep(0.0002)
         self._loads_done = True
         if meta is None:
             return
@@ -234,6 +254,14 @@ class WorkerCore:
                 time.sleep(0.0002)
             self._loads_done = True
 
+    def _retire_pending_loads(self) -> None:
+        """The step of the loads still pending is over (called between steps: its forward
+        pass ended before its last layer, so it failed and TensorRT-LLM failed its requests).
+        Their results concern no request any more: they are collected as stale, never raised."""
+        self._stale_loads.update(self._pending_loads)
+        self._pending_loads.clear()
+        self._loads_done = True
+
     def _collect(self, results: list[Any]) -> None:
         # Every result of the batch is taken before a shortfall is raised: the orchestrator
         # reports each finished load once, so one left in _pending_loads here would stay there
@@ -242,6 +270,8 @@ class WorkerCore:
         for res in results:
             spec = self._pending_loads.pop(res.request_id, None)
             if spec is None:
+                if self._stale_loads.pop(res.request_id, None) is not None:
+                    self.counts["stale_loads"] += 1  # its request failed with its step
                 continue
             self.load_results.append(res)
             if res.loaded != len(spec.keys):
@@ -311,6 +341,10 @@ class WorkerCore:
         # blocks allocated for good.
         self.counts["finished_without_save"] += sum(1 for r in finished_gen_req_ids if r not in self._known)
         self._saving.update(finished_gen_req_ids)
+        # The forward pass is over; a successful one waited for every layer of every load, so a
+        # load still pending belongs to a step that failed (a shortfall raised here, outside the
+        # engine's forward error handler, would end the executor loop).
+        self._retire_pending_loads()
         self._collect(orch.poll())  # completes finished stores in the CPU tier
         index = orch.host.index
         done = []
