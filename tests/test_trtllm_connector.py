@@ -25,13 +25,18 @@ from kvtier_rs.transfer import CpuTransferEngine
 TPB = 4
 
 
-def make(tmp_path, *, cpu_blocks=16, disk=False, engine_factory=None, block_hasher=None, **extra):
+def make(
+    tmp_path, *, cpu_blocks=16, disk=False, engine_factory=None, block_hasher=None, keep_load_results=None, **extra
+):
     # One block = 3 layers * 2 * 4 tokens * 24 values * 2 bytes = 1152 bytes; slots are 4 KiB.
     cfg = {"cpu_bytes": cpu_blocks * 4096, "io_engine": "cpu", "namespace": f"t-{tmp_path.name}", **extra}
     if disk:
         cfg.update(disk_root=str(tmp_path / "disk"), disk_bytes=256 * 8192, disk_io_engine="pool")
     sched_cls = type("S", (trtllm.KvtierScheduler,), {"kvtier_config": cfg})
-    work_cls = type("W", (trtllm.KvtierWorker,), {"kvtier_config": cfg, "engine_factory": engine_factory})
+    attrs = {"kvtier_config": cfg, "engine_factory": engine_factory}
+    if keep_load_results is not None:
+        attrs["keep_load_results"] = keep_load_results
+    work_cls = type("W", (trtllm.KvtierWorker,), attrs)
     args = llm_args(TPB)
     worker = work_cls(args)
     eng = Engine(sched_cls(args), worker, tokens_per_block=TPB, block_hasher=block_hasher)
@@ -778,3 +783,15 @@ def test_a_load_of_a_failed_step_that_fails_later_is_not_raised_again(tmp_path, 
     StaleLoadEngine.fail = False
     eng.step([Request(3, prompt(43, 12) + [3])])
     assert len(eng.forward_errors) == 1
+
+
+def test_load_results_kept_for_inspection_are_bounded(tmp_path, engines):
+    # Every load's result was appended to worker.load_results and never dropped (nothing reads
+    # it): a serving process grew by one LoadResult per request that loaded, for good.
+    eng = make(tmp_path, keep_load_results=2)
+    engines.append(eng)
+    eng.run_request(Request(1, prompt(51, 8) + [1]))
+    for i in range(3):
+        eng.step([Request(10 + i, prompt(51, 8) + [2 + i])])
+    assert eng.worker.counts["loaded_blocks"] == 6
+    assert [r.request_id[1] for r in eng.worker.load_results] == [11, 12]  # the most recent

@@ -17,6 +17,7 @@ overlaps the copies of layers i+1.. (on CUDA the copy streams run beside the for
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,9 @@ class WorkerCore:
     #: Builds the transfer engine from (layout, host pool); None = by `io_engine`. Tests swap in
     #: an engine whose copies they can hold back.
     engine_factory: Callable[[BlockLayout, Any], TransferEngine] | None = None
+    #: How many of the most recent load results `load_results` keeps (for inspection; a
+    #: serving process must not keep one per request for good).
+    keep_load_results: int = 256
 
     def _kvtier_init(self, llm_args: Any) -> None:
         self.options: ConnectorOptions = load_options(type(self).kvtier_config)
@@ -94,7 +98,8 @@ class WorkerCore:
         self._save_keys: dict[int, set[bytes]] = {}  # request id -> keys offloaded for it
         self._saving: set[int] = set()  # finished requests whose saves we must report
         self._known: set[int] = set()  # request ids seen in any SaveSpec
-        self.load_results: list[Any] = []
+        # Bounded: it was a list appended to for every load and never trimmed.
+        self.load_results: deque[Any] = deque(maxlen=type(self).keep_load_results)
         self.counts = {
             "loaded_blocks": 0,
             "offloaded_blocks": 0,
