@@ -26,7 +26,15 @@ TPB = 4
 
 
 def make(
-    tmp_path, *, cpu_blocks=16, disk=False, engine_factory=None, block_hasher=None, keep_load_results=None, **extra
+    tmp_path,
+    *,
+    cpu_blocks=16,
+    disk=False,
+    engine_factory=None,
+    block_hasher=None,
+    keep_load_results=None,
+    request_data="v1",
+    **extra,
 ):
     # One block = 3 layers * 2 * 4 tokens * 24 values * 2 bytes = 1152 bytes; slots are 4 KiB.
     cfg = {"cpu_bytes": cpu_blocks * 4096, "io_engine": "cpu", "namespace": f"t-{tmp_path.name}", **extra}
@@ -39,7 +47,7 @@ def make(
     work_cls = type("W", (trtllm.KvtierWorker,), attrs)
     args = llm_args(TPB)
     worker = work_cls(args)
-    eng = Engine(sched_cls(args), worker, tokens_per_block=TPB, block_hasher=block_hasher)
+    eng = Engine(sched_cls(args), worker, tokens_per_block=TPB, block_hasher=block_hasher, request_data=request_data)
     return eng
 
 
@@ -795,3 +803,17 @@ def test_load_results_kept_for_inspection_are_bounded(tmp_path, engines):
         eng.step([Request(10 + i, prompt(51, 8) + [2 + i])])
     assert eng.worker.counts["loaded_blocks"] == 6
     assert [r.request_id[1] for r in eng.worker.load_results] == [11, 12]  # the most recent
+
+
+@pytest.mark.parametrize(("request_data", "offloaded"), [("v2", 3), ("legacy", 0), ("v1", 0)])
+def test_retention_config_is_mirrored_only_where_the_engine_honours_it(tmp_path, engines, request_data, offloaded):
+    # KV cache manager V2 ignores KvCacheRetentionConfig and reports RequestData.priorities =
+    # None (the reference: "treat None as 35"). kvtier read the request's config instead, so a
+    # prompt the engine keeps at 35 was held below min_offload_priority and never offloaded.
+    # Releases whose RequestData has no priorities field (1.2) honour the config: read it there.
+    eng = make(tmp_path, request_data=request_data)
+    engines.append(eng)
+    low = Retention([TokenRange(0, None, 10)])
+    eng.run_request(Request(1, prompt(61, 12) + [1], retention=low))
+    assert eng.worker.counts["offloaded_blocks"] == offloaded
+    assert eng.sched.counts["below_min_priority_blocks"] == (0 if offloaded else 3)

@@ -46,6 +46,15 @@ class RequestData:  # field for field as tensorrt_llm's (2026 release, V1 KV cac
 
 
 @dataclass
+class LegacyRequestData:  # tensorrt_llm 1.2's: no block_hashes, priorities, cache_salt
+    request_id: int
+    new_tokens: list[int]
+    new_block_ids: list[int]
+    computed_position: int
+    num_scheduled_tokens: int
+
+
+@dataclass
 class SchedulerOutput:
     new_requests: list[RequestData] = field(default_factory=list)
     cached_requests: list[RequestData] = field(default_factory=list)
@@ -121,9 +130,14 @@ class Engine:
         width=24,
         dtype=torch.float16,
         block_hasher=None,
+        request_data="v1",
     ):
         """`block_hasher`: when set, RequestData carries the engine's block_hashes computed with
-        it (as releases from mid-2026 do with the V1 KV cache manager); else they are empty."""
+        it (as releases from mid-2026 do with the V1 KV cache manager); else they are empty.
+        `request_data`: "v1" (2026 release, V1 KV cache manager: per-block priorities), "v2"
+        (KV cache manager V2, which ignores retention configs: priorities always None) or
+        "legacy" (1.2's RequestData: its five fields, no priorities at all)."""
+        self.request_data = request_data
         self.sched, self.worker = scheduler, worker
         self.block_hasher = block_hasher
         self.tpb, self.layers = tokens_per_block, layers
@@ -211,7 +225,7 @@ class Engine:
         for req in list(self.running.values()):
             if req.state == "CONTEXT_INIT":
                 start = req.context_current_position
-                data = RequestData(
+                data = self._request_data(
                     req.request_id,
                     req.get_tokens(0),
                     list(req.block_ids),
@@ -219,7 +233,7 @@ class Engine:
                     req.prompt_len - start,
                     block_hashes=self.block_hashes(req),
                     priorities=None
-                    if req.kv_cache_retention_config is None
+                    if req.kv_cache_retention_config is None or self.request_data == "v2"
                     else [self.priority_of(req, i) for i in range(len(req.block_ids))],
                     cache_salt=req.cache_salt,
                 )
@@ -229,7 +243,7 @@ class Engine:
             else:
                 new_tokens = req.tokens[req.reported_tokens :]
                 req.reported_tokens = len(req.tokens)
-                data = RequestData(
+                data = self._request_data(
                     req.request_id,
                     new_tokens,
                     [],
@@ -264,6 +278,11 @@ class Engine:
             self._terminate(self.running.pop(rid))
         self.poll_finished()
         return meta
+
+    def _request_data(self, *args, **kwargs):
+        if self.request_data == "legacy":
+            return LegacyRequestData(*args)
+        return RequestData(*args, **kwargs)
 
     def _terminate(self, req):
         if self.sched.request_finished(req, list(req.block_ids)):
