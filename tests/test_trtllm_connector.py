@@ -25,16 +25,29 @@ from kvtier_rs.transfer import CpuTransferEngine
 TPB = 4
 
 
-def make(tmp_path, *, cpu_blocks=16, disk=False, engine_factory=None, block_hasher=None, **extra):
+def make(
+    tmp_path,
+    *,
+    cpu_blocks=16,
+    disk=False,
+    engine_factory=None,
+    block_hasher=None,
+    keep_load_results=None,
+    request_data="v1",
+    **extra,
+):
     # One block = 3 layers * 2 * 4 tokens * 24 values * 2 bytes = 1152 bytes; slots are 4 KiB.
     cfg = {"cpu_bytes": cpu_blocks * 4096, "io_engine": "cpu", "namespace": f"t-{tmp_path.name}", **extra}
     if disk:
         cfg.update(disk_root=str(tmp_path / "disk"), disk_bytes=256 * 8192, disk_io_engine="pool")
     sched_cls = type("S", (trtllm.KvtierScheduler,), {"kvtier_config": cfg})
-    work_cls = type("W", (trtllm.KvtierWorker,), {"kvtier_config": cfg, "engine_factory": engine_factory})
+    attrs = {"kvtier_config": cfg, "engine_factory": engine_factory}
+    if keep_load_results is not None:
+        attrs["keep_load_results"] = keep_load_results
+    work_cls = type("W", (trtllm.KvtierWorker,), attrs)
     args = llm_args(TPB)
     worker = work_cls(args)
-    eng = Engine(sched_cls(args), worker, tokens_per_block=TPB, block_hasher=block_hasher)
+    eng = Engine(sched_cls(args), worker, tokens_per_block=TPB, block_hasher=block_hasher, request_data=request_data)
     return eng
 
 
@@ -451,8 +464,9 @@ def test_bad_metadata_and_unknown_ids_are_clear_errors(tmp_path, engines):
     with pytest.raises(InvalidArgumentError, match="priorities"):
         w.wait_for_save(None)
     w.bind_connector_meta(None)
-    with pytest.raises(InvalidArgumentError, match="finished_gen_req_ids.*12345"):
-        w.get_finished([12345], [])
+    # A finished request with no save submitted (its step's forward pass failed) has nothing in
+    # flight: reported finished, not an error (see the failed-forward tests below).
+    assert w.get_finished([12345], []) == ([12345], [])
     with pytest.raises(InvalidArgumentError, match="unknown to kvtier"):
         eng.sched.update_state_after_alloc(Request(777, [1, 2]), [0])
 
@@ -648,3 +662,158 @@ def test_engine_hasher_calls_tensorrt_llms_own_hash_as_the_engine_chains_it(monk
     # Extending from the last key continues the same chain.
     assert chain.extend(keys[0], [1, 2, 3, 4], 1, 1, 7, "tenant") == keys[1:]
     assert chain.extend(None, [1.5, 2], 0, 1, None, None) is None
+
+
+# ---- a forward pass that fails ----------------------------------------------------------------
+# TensorRT-LLM's _forward_step catches an error in the forward pass (the model's, or the
+# connector's wait_for_layer_load / wait_for_save), fails every active request (request_finished)
+# and goes on: get_finished at the end of the iteration and start_load_kv on the next run outside
+# that handler, so an error raised there ends the executor loop.
+
+
+def test_a_request_whose_save_never_reached_the_worker_is_reported_finished(tmp_path, engines):
+    # The scheduler handed request 1 its first SaveSpec in this step's metadata (so
+    # request_finished says a save is in flight), but the forward pass failed before
+    # wait_for_save: the worker never saw it. get_finished raised InvalidArgumentError for the
+    # id, outside the forward's error handler, and the request was never reported finished (its
+    # blocks stayed allocated for good).
+    eng = make(tmp_path)
+    engines.append(eng)
+    r = Request(1, prompt(21, 12) + [1])
+    eng.step([r], model_error_at_layer=1)
+    assert [str(e) for e in eng.forward_errors] == ["model error in layer 1"]
+    assert 1 not in eng.saving and not eng.running, "reported finished, its blocks freed"
+    assert eng.worker.counts["finished_without_save"] == 1
+    # The engine serves on: the same prompt again is computed (nothing was offloaded) and saved.
+    eng.run_request(Request(2, prompt(21, 12) + [2]))
+    eng.step([Request(3, prompt(21, 12) + [3])])
+    assert eng.matched[3] == 12
+
+
+class FailingLoadsEngine(CpuTransferEngine):
+    """The real CPU engine, copying inline (a job is finished when submitted); the next
+    `fail_next` host->device jobs fail."""
+
+    fail_next = 0
+
+    def __init__(self, layout, pool):
+        super().__init__(layout, pool, inline=True)
+
+    def copy_now(self, direction, *args, **kwargs):
+        if direction == "h2d" and FailingLoadsEngine.fail_next > 0:
+            FailingLoadsEngine.fail_next -= 1
+            raise RuntimeError("injected copy failure")
+        super().copy_now(direction, *args, **kwargs)
+
+
+def test_a_failed_load_does_not_lose_the_other_loads_of_its_step(tmp_path, engines):
+    # Two loads finished in the same poll, the first short: _collect raised at it and dropped
+    # the rest of the batch, so the second stayed in _pending_loads although the orchestrator had
+    # retired it. Every later start_load_kv then raised 'previous step's loads are unfinished'
+    # (outside the engine's forward error handler): the engine could not run another step.
+    FailingLoadsEngine.fail_next = 0
+    eng = make(tmp_path, engine_factory=FailingLoadsEngine)
+    engines.append(eng)
+    eng.run_request(Request(1, prompt(31, 12) + [1]))
+    eng.run_request(Request(2, prompt(32, 12) + [1]))
+    FailingLoadsEngine.fail_next = eng.layers  # every layer of the first load of the next step
+    eng.step([Request(3, prompt(31, 12) + [2]), Request(4, prompt(32, 12) + [2])], handle_errors=True)
+    assert len(eng.forward_errors) == 1 and "request 3: 3 of 3 blocks failed to load" in str(eng.forward_errors[0])
+    assert not eng.running and not eng.saving
+    # The next step runs (and its loads are checked token by token by the driver).
+    eng.step([Request(5, prompt(32, 12) + [3])])
+    assert eng.matched[5] == 12 and len(eng.forward_errors) == 1
+
+
+class StaleLoadEngine(CpuTransferEngine):
+    """The real CPU engine, whose host->device copies of every layer but the first wait until
+    the test opens the gate, and then fail if `fail` is set."""
+
+    gate = threading.Event()
+    fail = False
+
+    def copy_now(self, direction, block_ids, slots, sub_blocks=None, regions=None):
+        if direction == "h2d" and regions != [0]:
+            if not self.gate.wait(10):
+                raise RuntimeError("gate never opened")
+            if StaleLoadEngine.fail:
+                raise RuntimeError("injected copy failure")
+        super().copy_now(direction, block_ids, slots, sub_blocks, regions)
+
+
+def _load_left_in_flight(tmp_path, engines, seed, *, fail):
+    """An engine whose last step failed in layer 0 while its load's later layers still copy."""
+    StaleLoadEngine.gate.set()
+    StaleLoadEngine.fail = False
+    eng = make(tmp_path, engine_factory=StaleLoadEngine)
+    engines.append(eng)
+    eng.run_request(Request(1, prompt(seed, 12) + [1]))
+    StaleLoadEngine.gate.clear()
+    StaleLoadEngine.fail = fail
+    eng.step([Request(2, prompt(seed, 12) + [2])], model_error_at_layer=0)
+    assert eng.matched[2] == 12 and [str(e) for e in eng.forward_errors] == ["model error in layer 0"]
+    assert eng.worker._pending_loads or eng.worker._stale_loads, "the load is still copying"
+    return eng
+
+
+def test_the_next_step_waits_for_a_load_left_in_flight_by_a_failed_step(tmp_path, engines):
+    # The load's request failed with its step and its blocks went back to the engine, which may
+    # give them to this step's requests: the late copies must land before this step runs. Before,
+    # start_load_kv raised 'previous step's loads are unfinished' (outside the engine's forward
+    # error handler: the executor loop ended).
+    eng = _load_left_in_flight(tmp_path, engines, 41, fail=False)
+    opener = threading.Timer(0.2, StaleLoadEngine.gate.set)
+    opener.start()
+    try:
+        eng.step([Request(3, prompt(42, 12) + [1])])
+    finally:
+        opener.cancel()
+        StaleLoadEngine.gate.set()
+    assert opener.finished.is_set(), "start_load_kv returned only once the late copies had landed"
+    assert eng.worker.counts["stale_loads"] == 1 and not eng.worker._stale_loads
+    assert eng.worker.tiers.orchestrator.host.index.stats()["pinned_blocks"] == 0
+    eng.step([Request(4, prompt(41, 12) + [4])])  # and loads work again
+    assert eng.matched[4] == 12
+
+
+def test_a_load_of_a_failed_step_that_fails_later_is_not_raised_again(tmp_path, engines):
+    # Its request is gone; its failure concerns nobody. Before, get_finished raised 'failed to
+    # load' for it (outside the forward error handler: the executor loop ended), or the next
+    # step's wait_for_layer_load did, failing requests that had nothing to do with it.
+    eng = _load_left_in_flight(tmp_path, engines, 43, fail=True)
+    StaleLoadEngine.gate.set()
+    for _ in range(2000):
+        eng.poll_finished()  # get_finished, as the engine calls it every iteration
+        if not eng.worker._pending_loads and not eng.worker._stale_loads:
+            break
+        time.sleep(0.002)
+    assert eng.worker.counts["stale_loads"] == 1
+    StaleLoadEngine.fail = False
+    eng.step([Request(3, prompt(43, 12) + [3])])
+    assert len(eng.forward_errors) == 1
+
+
+def test_load_results_kept_for_inspection_are_bounded(tmp_path, engines):
+    # Every load's result was appended to worker.load_results and never dropped (nothing reads
+    # it): a serving process grew by one LoadResult per request that loaded, for good.
+    eng = make(tmp_path, keep_load_results=2)
+    engines.append(eng)
+    eng.run_request(Request(1, prompt(51, 8) + [1]))
+    for i in range(3):
+        eng.step([Request(10 + i, prompt(51, 8) + [2 + i])])
+    assert eng.worker.counts["loaded_blocks"] == 6
+    assert [r.request_id[1] for r in eng.worker.load_results] == [11, 12]  # the most recent
+
+
+@pytest.mark.parametrize(("request_data", "offloaded"), [("v2", 3), ("legacy", 0), ("v1", 0)])
+def test_retention_config_is_mirrored_only_where_the_engine_honours_it(tmp_path, engines, request_data, offloaded):
+    # KV cache manager V2 ignores KvCacheRetentionConfig and reports RequestData.priorities =
+    # None (the reference: "treat None as 35"). kvtier read the request's config instead, so a
+    # prompt the engine keeps at 35 was held below min_offload_priority and never offloaded.
+    # Releases whose RequestData has no priorities field (1.2) honour the config: read it there.
+    eng = make(tmp_path, request_data=request_data)
+    engines.append(eng)
+    low = Retention([TokenRange(0, None, 10)])
+    eng.run_request(Request(1, prompt(61, 12) + [1], retention=low))
+    assert eng.worker.counts["offloaded_blocks"] == offloaded
+    assert eng.sched.counts["below_min_priority_blocks"] == (0 if offloaded else 3)

@@ -46,6 +46,15 @@ class RequestData:  # field for field as tensorrt_llm's (2026 release, V1 KV cac
 
 
 @dataclass
+class LegacyRequestData:  # tensorrt_llm 1.2's: no block_hashes, priorities, cache_salt
+    request_id: int
+    new_tokens: list[int]
+    new_block_ids: list[int]
+    computed_position: int
+    num_scheduled_tokens: int
+
+
+@dataclass
 class SchedulerOutput:
     new_requests: list[RequestData] = field(default_factory=list)
     cached_requests: list[RequestData] = field(default_factory=list)
@@ -121,9 +130,14 @@ class Engine:
         width=24,
         dtype=torch.float16,
         block_hasher=None,
+        request_data="v1",
     ):
         """`block_hasher`: when set, RequestData carries the engine's block_hashes computed with
-        it (as releases from mid-2026 do with the V1 KV cache manager); else they are empty."""
+        it (as releases from mid-2026 do with the V1 KV cache manager); else they are empty.
+        `request_data`: "v1" (2026 release, V1 KV cache manager: per-block priorities), "v2"
+        (KV cache manager V2, which ignores retention configs: priorities always None) or
+        "legacy" (1.2's RequestData: its five fields, no priorities at all)."""
+        self.request_data = request_data
         self.sched, self.worker = scheduler, worker
         self.block_hasher = block_hasher
         self.tpb, self.layers = tokens_per_block, layers
@@ -135,6 +149,7 @@ class Engine:
         self.new_saving: list[int] = []
         self.matched: dict[int, int] = {}  # request id -> connector-matched tokens
         self.layer_calls: list[tuple[str, int]] = []
+        self.forward_errors: list[BaseException] = []
         self.worker.register_kv_caches(self.pool)
 
     # ---- the "model" ---------------------------------------------------------------------------
@@ -171,9 +186,20 @@ class Engine:
         return 35
 
     # ---- one iteration -------------------------------------------------------------------------
-    def step(self, new_requests=(), *, gpu_matched=None, finish=()):
+    def step(self, new_requests=(), *, gpu_matched=None, finish=(), model_error_at_layer=None, handle_errors=False):
         """Schedule `new_requests` (whole prompt in one chunk) and one decode token for each
-        running one; finish the requests named in `finish` after the step. Returns the metadata."""
+        running one; finish the requests named in `finish` after the step. Returns the metadata.
+
+        `handle_errors`: an error in the forward pass (the model's, or the connector's
+        wait_for_layer_load / save_kv_layer / wait_for_save) is handled as
+        PyExecutor._forward_step does: caught, every active request terminated
+        (request_finished, then freed unless it saves asynchronously), and the loop goes on to
+        get_finished. The error is kept in `forward_errors`. start_load_kv and get_finished run
+        outside that handler, as in TensorRT-LLM: their errors propagate. The driver's own KV
+        checks (AssertionError) always propagate. Off by default, so that a connector error in
+        any other test fails it. `model_error_at_layer`: the model raises in that layer (after
+        its wait_for_layer_load); implies handle_errors."""
+        handle_errors = handle_errors or model_error_at_layer is not None
         gpu_matched = gpu_matched or {}
         out = SchedulerOutput()
         computing: list[tuple[Request, int, int]] = []  # (req, first pos, end pos) computed now
@@ -199,7 +225,7 @@ class Engine:
         for req in list(self.running.values()):
             if req.state == "CONTEXT_INIT":
                 start = req.context_current_position
-                data = RequestData(
+                data = self._request_data(
                     req.request_id,
                     req.get_tokens(0),
                     list(req.block_ids),
@@ -207,7 +233,7 @@ class Engine:
                     req.prompt_len - start,
                     block_hashes=self.block_hashes(req),
                     priorities=None
-                    if req.kv_cache_retention_config is None
+                    if req.kv_cache_retention_config is None or self.request_data == "v2"
                     else [self.priority_of(req, i) for i in range(len(req.block_ids))],
                     cache_salt=req.cache_salt,
                 )
@@ -217,7 +243,7 @@ class Engine:
             else:
                 new_tokens = req.tokens[req.reported_tokens :]
                 req.reported_tokens = len(req.tokens)
-                data = RequestData(
+                data = self._request_data(
                     req.request_id,
                     new_tokens,
                     [],
@@ -232,9 +258,50 @@ class Engine:
         meta = pickle.loads(pickle.dumps(meta))  # the MPI broadcast
         self.worker.bind_connector_meta(meta)
         self.worker.start_load_kv(None)
+        try:
+            self._forward(computing, model_error_at_layer)
+        except AssertionError:
+            raise  # wrong KV reached attention: the test fails
+        except Exception as e:  # PyExecutor._forward_step's handler
+            if not handle_errors:
+                raise
+            self.forward_errors.append(e)
+            self._handle_errors()
+            self.poll_finished()
+            return meta
+        for req, _, _ in computing:  # sampling
+            if req.state == "CONTEXT_INIT":
+                req.state = "GENERATION_IN_PROGRESS"
+            req.tokens.append(1000 + (sum(req.tokens) * 31 + req.generated) % 997)
+            req.generated += 1
+        for rid in finish:
+            self._terminate(self.running.pop(rid))
+        self.poll_finished()
+        return meta
+
+    def _request_data(self, *args, **kwargs):
+        if self.request_data == "legacy":
+            return LegacyRequestData(*args)
+        return RequestData(*args, **kwargs)
+
+    def _terminate(self, req):
+        if self.sched.request_finished(req, list(req.block_ids)):
+            self.saving[req.request_id] = req
+            self.new_saving.append(req.request_id)
+        else:
+            self._free(req)
+
+    def _handle_errors(self):
+        """PyExecutor._handle_errors: every active request fails and is terminated."""
+        for rid in list(self.running):
+            self._terminate(self.running.pop(rid))
+
+    def _forward(self, computing, model_error_at_layer):
         for layer in range(self.layers):
             self.layer_calls.append(("wait", layer))
             self.worker.wait_for_layer_load(layer, None)
+            if layer == model_error_at_layer:
+                raise RuntimeError(f"model error in layer {layer}")
             for req, lo, hi in computing:
                 # Attention reads every earlier token's KV at this layer: it must all be there.
                 for pos in range(lo):
@@ -249,20 +316,6 @@ class Engine:
             self.worker.save_kv_layer(layer, None)
             self.layer_calls.append(("save", layer))
         self.worker.wait_for_save(None)
-        for req, _, _ in computing:  # sampling
-            if req.state == "CONTEXT_INIT":
-                req.state = "GENERATION_IN_PROGRESS"
-            req.tokens.append(1000 + (sum(req.tokens) * 31 + req.generated) % 997)
-            req.generated += 1
-        for rid in finish:
-            req = self.running.pop(rid)
-            if self.sched.request_finished(req, list(req.block_ids)):
-                self.saving[rid] = req
-                self.new_saving.append(rid)
-            else:
-                self._free(req)
-        self.poll_finished()
-        return meta
 
     def poll_finished(self):
         ids, self.new_saving = self.new_saving, []

@@ -48,7 +48,8 @@ class _Req:
     tokens: list[int] = field(default_factory=list)
     keys: list[bytes] = field(default_factory=list)  # of full blocks known so far
     block_ids: list[int] = field(default_factory=list)
-    priorities: list[int | None] = field(default_factory=list)  # engine-reported, per block id
+    # engine-reported, per block id; None: the release reports none (read the retention config)
+    priorities: list[int | None] = field(default_factory=list)
     gpu_blocks: int = 0  # blocks TensorRT-LLM matched itself
     external_tokens: int = 0
     load_keys: list[bytes] = field(default_factory=list)
@@ -263,7 +264,18 @@ class SchedulerCore:
                     f"priorities for {len(new_ids)} new block ids"
                 )
             r.block_ids += new_ids
-            r.priorities += list(prios) if prios is not None else [None] * len(new_ids)
+            if prios is not None:
+                r.priorities += list(prios)
+            elif hasattr(data, "priorities"):
+                # The release reports priorities, and None means the engine keeps these blocks
+                # at the default: KV cache manager V2 ignores KvCacheRetentionConfig altogether.
+                # Reading the request's config here held blocks the engine keeps at 35 below
+                # min_offload_priority (never offloaded) or above other blocks in kvtier's tiers.
+                r.priorities += [DEFAULT_PRIORITY] * len(new_ids)
+            else:
+                # A release without the field (1.2): its V1 manager applies the request's
+                # retention config, which _retention reads for these blocks.
+                r.priorities += [None] * len(new_ids)
             self._extend_keys(r)
             hashes = getattr(data, "block_hashes", None)
             if hashes:

@@ -17,6 +17,7 @@ overlaps the copies of layers i+1.. (on CUDA the copy streams run beside the for
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,9 @@ class WorkerCore:
     #: Builds the transfer engine from (layout, host pool); None = by `io_engine`. Tests swap in
     #: an engine whose copies they can hold back.
     engine_factory: Callable[[BlockLayout, Any], TransferEngine] | None = None
+    #: How many of the most recent load results `load_results` keeps (for inspection; a
+    #: serving process must not keep one per request for good).
+    keep_load_results: int = 256
 
     def _kvtier_init(self, llm_args: Any) -> None:
         self.options: ConnectorOptions = load_options(type(self).kvtier_config)
@@ -86,12 +90,24 @@ class WorkerCore:
         self.engine = shared.engine_name(llm_args, self.options.namespace)
         self.tiers: shared.EngineTiers | None = None
         self._pending_loads: dict[Any, Any] = {}  # orchestrator request id -> LoadSpec
+        # Loads of a step whose forward pass ended before its last layer (it failed, and
+        # TensorRT-LLM failed its requests): still copying into blocks the engine may have given
+        # to other requests since. Waited for, never reported (see _retire_pending_loads).
+        self._stale_loads: dict[Any, Any] = {}
         self._loads_done = True
         self._save_keys: dict[int, set[bytes]] = {}  # request id -> keys offloaded for it
         self._saving: set[int] = set()  # finished requests whose saves we must report
         self._known: set[int] = set()  # request ids seen in any SaveSpec
-        self.load_results: list[Any] = []
-        self.counts = {"loaded_blocks": 0, "offloaded_blocks": 0, "offload_no_space": 0, "offload_refused": 0}
+        # Bounded: it was a list appended to for every load and never trimmed.
+        self.load_results: deque[Any] = deque(maxlen=type(self).keep_load_results)
+        self.counts = {
+            "loaded_blocks": 0,
+            "offloaded_blocks": 0,
+            "offload_no_space": 0,
+            "offload_refused": 0,
+            "finished_without_save": 0,  # reported finished with no save submitted (a failed step)
+            "stale_loads": 0,  # loads of a failed step, landed (or failed) after it
+        }
 
     # ---- base-class surface when TensorRT-LLM is absent -------------------------------------
     # (the real base defines the same three; ours are only used without it)
@@ -167,8 +183,23 @@ class WorkerCore:
     def start_load_kv(self, stream: Any) -> None:
         orch = self._orch("start_load_kv")
         meta = self._meta("start_load_kv")
-        if self._pending_loads:
-            raise KvTierError("kvtier: start_load_kv called while the previous step's loads are unfinished")
+        # Loads of an earlier step still in flight: its forward pass failed before its last
+        # layer. Their copies must land before this step's copies and forward pass touch the
+        # same blocks. (This used to raise, outside TensorRT-LLM's forward error handler, which
+        # ended the executor loop after any failed step with a load.)
+        self._retire_pending_loads()
+        deadline = time.monotonic() + self.options.load_timeout_s
+        while self._stale_loads:
+            self._collect(orch.poll())
+            if not self._stale_loads:
+                break
+            if time.monotonic() > deadline:
+                raise KvTierError(
+                    f"kvtier: loads of an earlier, failed step (requests "
+                    f"{sorted(s.request_id for s in self._stale_loads.values())}) still copying after "
+                    f"{self.options.load_timeout_s} s; not starting a step whose blocks they may overwrite"
+                )
+            time.sleep(0.0002)
         self._loads_done = True
         if meta is None:
             return
@@ -228,20 +259,37 @@ class WorkerCore:
                 time.sleep(0.0002)
             self._loads_done = True
 
+    def _retire_pending_loads(self) -> None:
+        """The step of the loads still pending is over (called between steps: its forward
+        pass ended before its last layer, so it failed and TensorRT-LLM failed its requests).
+        Their results concern no request any more: they are collected as stale, never raised."""
+        self._stale_loads.update(self._pending_loads)
+        self._pending_loads.clear()
+        self._loads_done = True
+
     def _collect(self, results: list[Any]) -> None:
+        # Every result of the batch is taken before a shortfall is raised: the orchestrator
+        # reports each finished load once, so one left in _pending_loads here would stay there
+        # for good (and every later start_load_kv would refuse to run).
+        error = None
         for res in results:
             spec = self._pending_loads.pop(res.request_id, None)
             if spec is None:
+                if self._stale_loads.pop(res.request_id, None) is not None:
+                    self.counts["stale_loads"] += 1  # its request failed with its step
                 continue
             self.load_results.append(res)
             if res.loaded != len(spec.keys):
                 # Everything promised was held (see the scheduler), so only a fault gets here.
-                raise KvTierError(
+                error = error or KvTierError(
                     f"kvtier: request {spec.request_id}: {len(spec.keys) - res.loaded} of {len(spec.keys)} blocks "
                     "failed to load (copy error, or a disk block failed its checksum); refusing to run the layer "
                     "on missing KV"
                 )
+                continue
             self.counts["loaded_blocks"] += res.loaded
+        if error is not None:
+            raise error
 
     def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
         # Offloads are whole blocks (every layer of a pool row), submitted once per step in
@@ -290,13 +338,18 @@ class WorkerCore:
                 f"invalid argument `started_loading_req_ids`: {list(started_loading_req_ids)[:5]}; kvtier never "
                 "answers load_kv_async=True, so no request can be loading asynchronously"
             )
-        unknown = [r for r in finished_gen_req_ids if r not in self._known]
-        if unknown:
-            raise InvalidArgumentError(
-                f"invalid argument `finished_gen_req_ids`: requests {unknown[:5]} never had a save from kvtier "
-                "(KvtierScheduler.request_finished returned False for them)"
-            )
+        # An id with no save known here is not an error: the scheduler says a request saves once
+        # it has put a SaveSpec in some step's metadata, and a forward pass that failed before
+        # wait_for_save (TensorRT-LLM then fails every active request) never submitted it. Such
+        # a request has nothing in flight and is reported finished below. Raising here (outside
+        # the engine's forward error handler) ended the executor loop and left the request's
+        # blocks allocated for good.
+        self.counts["finished_without_save"] += sum(1 for r in finished_gen_req_ids if r not in self._known)
         self._saving.update(finished_gen_req_ids)
+        # The forward pass is over; a successful one waited for every layer of every load, so a
+        # load still pending belongs to a step that failed (a shortfall raised here, outside the
+        # engine's forward error handler, would end the executor loop).
+        self._retire_pending_loads()
         self._collect(orch.poll())  # completes finished stores in the CPU tier
         index = orch.host.index
         done = []
