@@ -31,6 +31,8 @@ pub struct Recovered {
     pub discarded: u64,
     /// Older copies of a key that also lives in a newer slot.
     pub duplicates: u64,
+    /// The highest generation of any header of this directory, held or dropped for its payload
+    /// (the next open continues after it).
     pub max_generation: u64,
 }
 
@@ -61,7 +63,9 @@ fn pread_full(fd: i32, buf: &mut [u8], off: u64) -> bool {
 
 enum SlotScan {
     Free,
-    Discarded,
+    /// With the generation its header gave, when the header was this directory's and only the
+    /// payload failed: that generation was handed out, and the next open must go past it.
+    Discarded(Option<u64>),
     Valid(SlotHeader),
 }
 
@@ -78,23 +82,23 @@ fn scan_slot(
     let header = if verify {
         let whole = &mut buf.as_mut_slice()[..geo.slot_stride];
         if !pread_full(fd, whole, payload_off) {
-            return SlotScan::Discarded;
+            return SlotScan::Discarded(None);
         }
         &whole[geo.data_bytes..]
     } else {
         let page = &mut buf.as_mut_slice()[..HEADER_BYTES];
         if !pread_full(fd, page, payload_off + geo.data_bytes as u64) {
-            return SlotScan::Discarded;
+            return SlotScan::Discarded(None);
         }
         &*page
     };
     match SlotHeader::decode(header, slot, dir_id) {
         Err(HeaderError::Blank) => SlotScan::Free,
-        Err(_) => SlotScan::Discarded,
-        Ok(h) if h.payload_len != geo.block_bytes as u64 => SlotScan::Discarded,
+        Err(_) => SlotScan::Discarded(None),
+        Ok(h) if h.payload_len != geo.block_bytes as u64 => SlotScan::Discarded(Some(h.generation)),
         Ok(h) => {
             if verify && !h.payload_matches(&buf.as_slice()[..geo.block_bytes]) {
-                return SlotScan::Discarded;
+                return SlotScan::Discarded(Some(h.generation));
             }
             SlotScan::Valid(h)
         }
@@ -120,7 +124,7 @@ pub fn scan(geo: &Geometry, slabs: &[Arc<SlabFile>], dir_id: u64, verify_payload
     let next_chunk = AtomicUsize::new(0);
     let work = || {
         let mut buf = AlignedBuf::new(if verify_payload { geo.slot_stride } else { HEADER_BYTES });
-        let (mut valid, mut free, mut bad) = (Vec::new(), Vec::new(), 0u64);
+        let (mut valid, mut free, mut bad, mut bad_generation) = (Vec::new(), Vec::new(), 0u64, 0u64);
         loop {
             let start = next_chunk.fetch_add(1, Ordering::Relaxed) * chunk;
             if start >= total {
@@ -132,17 +136,18 @@ pub fn scan(geo: &Geometry, slabs: &[Arc<SlabFile>], dir_id: u64, verify_payload
                 }
                 match scan_slot(geo, slabs, dir_id, slot as u32, verify_payload, &mut buf) {
                     SlotScan::Free => free.push(slot as u32),
-                    SlotScan::Discarded => {
+                    SlotScan::Discarded(generation) => {
                         bad += 1;
+                        bad_generation = bad_generation.max(generation.unwrap_or(0));
                         free.push(slot as u32);
                     }
                     SlotScan::Valid(h) => valid.push(h),
                 }
             }
         }
-        (valid, free, bad)
+        (valid, free, bad, bad_generation)
     };
-    let parts: Vec<(Vec<SlotHeader>, Vec<u32>, u64)> = std::thread::scope(|s| {
+    let parts: Vec<(Vec<SlotHeader>, Vec<u32>, u64, u64)> = std::thread::scope(|s| {
         let mut helpers = Vec::with_capacity(threads - 1);
         for t in 1..threads {
             match spawn::spawn_scoped(s, format!("kvtier-scan-{t}"), work) {
@@ -164,9 +169,13 @@ pub fn scan(geo: &Geometry, slabs: &[Arc<SlabFile>], dir_id: u64, verify_payload
         }
     }
     let mut best: HashMap<BlockKey, SlotHeader> = HashMap::new();
-    for (valid, free, bad) in parts {
+    for (valid, free, bad, bad_generation) in parts {
         out.free.extend(free);
         out.discarded += bad;
+        // A torn slot dropped here keeps its header on disk until the slot is reused; an open
+        // that does not read payloads will take it as valid. Generations after this open must
+        // outrank it, or a block rewritten now loses to its own torn copy there.
+        out.max_generation = out.max_generation.max(bad_generation);
         for h in valid {
             out.max_generation = out.max_generation.max(h.generation);
             match best.get_mut(&h.key) {

@@ -45,7 +45,8 @@ pub struct DiskStatus {
     /// damaged metadata): whatever they held is gone; a reopening tier starts them empty.
     pub missing_slots: u64,
     /// Lowest and highest generation among the blocks held (0 and 0 when empty), and the
-    /// highest generation seen in any valid header (the next open continues after it).
+    /// highest generation of any header of this directory, also one whose payload failed (the
+    /// next open continues after it).
     pub min_generation: u64,
     pub max_generation: u64,
     pub last_generation: u64,
