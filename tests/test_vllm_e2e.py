@@ -113,15 +113,17 @@ def test_disk_tier_serves_prefix_evicted_from_cpu_tier(env, prompts, baseline):
         # head stays (a finished request's head is made the most recent) and answers HIT;
         # the promotions of the other two must not evict it (before, one did, and it was read
         # back from disk: 3 promotions for 2 chunks missing).
+        mgr = state(llm).manager
         for name in "ABC":
             tokens, _ = E.generate(llm, prompts[name])
             assert tokens == baseline[name]
-        mgr = state(llm).manager
+            # A request's chunks stay pinned while their disk write-throughs run: wait for them,
+            # so that which chunks the next stores evict does not hang on the disk's speed (on a
+            # busy machine B's chunks were still pinned when C stored, C evicted A's head, and
+            # A came back from disk whole). And before A is looked up, C's must not be held, or
+            # A's promotions could find no slot they may take and A would be recomputed.
+            mgr.lower.drain()
         assert mgr.cpu_index.stats()["evictions"] >= 3
-        # C's chunks stay pinned while their disk write-throughs run (on a busy machine, maybe
-        # still when A is looked up): wait for them, or A's promotions could find no slot they
-        # may take (A's head is held) and A's other chunks would be recomputed.
-        mgr.lower.drain()
         E.drop_gpu_cache(llm)
         tokens, cached = E.generate(llm, prompts["A"])
         assert cached == SERVED, mgr.snapshot()
