@@ -523,3 +523,15 @@ def test_a_number_too_large_for_a_float_is_a_bad_record(tmp_path, capsys, record
     assert f"huge.jsonl:1: field '{field}'" in err and len(err) < 300, err
     d = read_trace(p, skip_bad=True)
     assert (d.n_requests, d.skipped) == (1, 1)
+
+
+@pytest.mark.parametrize("option", ["--gpu", "--cpu"])
+def test_a_block_count_of_thousands_of_digits_is_a_one_line_error(tmp_path, capsys, option):
+    """int() refuses strings of more than 4300 digits: parse_size converted the count before
+    bounding it, so such a count was a ValueError traceback instead of the usual bound."""
+    p = write_lines(tmp_path / "t.jsonl", MOON)
+    err = plan_fails(capsys, str(p), option, "9" * 5000 + "blocks")
+    assert f"{option}: at most 1000000000000 (10^12) blocks" in err and len(err) < 200, err
+    with pytest.raises(PlanError, match="at most"):
+        parse_size("1" + "0" * 4400 + "blocks", "--disk")
+    assert parse_size("0" * 5000 + "7blocks", "--disk").value == 7
