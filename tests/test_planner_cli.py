@@ -475,3 +475,20 @@ def test_one_block_is_said_in_the_singular(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "a CPU tier of 1 block with policy lru" in out and "lru @ 1 block, admit" in out
     assert "1 blocks" not in out
+
+
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["--rate", "1e-320"], ["--rate 1e-320", "timestamps", "float"]),
+        (["--rate", "1e-306"], ["--rate 1e-306", "timestamps", "float"]),
+    ],
+)
+def test_synth_arrivals_overflowing_time_are_a_one_line_error(tmp_path, capsys, args, words):
+    """A tiny --rate (positive and finite, so accepted) made arrival times overflow a float:
+    an OverflowError traceback from int(inf * 1000)."""
+    out = tmp_path / "t.jsonl"
+    err = cli_fails(capsys, "trace", "synth", "--out", str(out), "--requests", "50", "--mix", "chat=1", *args)
+    for w in words:
+        assert w in err
+    assert not out.exists()

@@ -162,9 +162,17 @@ def synthesize(cfg: SynthConfig) -> list[dict]:
 def _emit(records, keys, when, segs, rng, cfg, queue, tiebreak, sess, fresh) -> None:
     n_in = sum(length for _, length in segs)
     out = rng.randint(50, 800)
+    ms = when * 1000
+    if not math.isfinite(ms):
+        # A tiny --rate (1e-306 per second) spaces arrivals past a float's range: int(inf)
+        # would raise OverflowError, and no reader could use such times anyway.
+        raise PlanError(
+            f"--rate {cfg.rate!r}: arrivals so rare put request {len(records) + 1}'s timestamps "
+            "past a float's range (raise --rate)"
+        )
     records.append(
         {
-            "timestamp": int(when * 1000),
+            "timestamp": int(ms),
             "input_length": n_in,
             "output_length": out,
             "hash_ids": keys.chain(segs),
