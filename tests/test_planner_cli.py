@@ -12,6 +12,7 @@ import pytest
 
 from kvtier_rs.cli import main
 from kvtier_rs.planner.synth import SynthConfig, synthesize, write_trace
+from kvtier_rs.planner.traces import read_trace
 
 
 @pytest.fixture(scope="module")
@@ -492,3 +493,35 @@ def test_synth_arrivals_overflowing_time_are_a_one_line_error(tmp_path, capsys, 
     for w in words:
         assert w in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("name", ["t.jsonl", "t.jsonl.gz"])
+def test_synth_that_fails_midway_leaves_no_half_written_trace(tmp_path, capsys, monkeypatch, name):
+    """A write failing midway (a full disk: ENOSPC) left --out half-written, ending inside a
+    record, and a trace already there destroyed. The trace is now written beside it and moved
+    into place only once whole."""
+    import errno
+
+    import kvtier_rs.planner.synth as synth
+
+    out = tmp_path / name
+    assert main(["trace", "synth", "--out", str(out), "--requests", "20"]) == 0
+    before = out.read_bytes()
+    capsys.readouterr()
+    real_dumps, calls = synth.json.dumps, []
+
+    def dumps(obj, **kw):
+        calls.append(1)
+        if len(calls) > 30:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_dumps(obj, **kw)
+
+    monkeypatch.setattr(synth.json, "dumps", dumps)
+    err = cli_fails(capsys, "trace", "synth", "--out", str(out), "--requests", "100", "--seed", "5")
+    assert "--out" in err and "No space left on device" in err
+    assert out.read_bytes() == before, "the earlier trace is intact"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name], "no temporary file left behind"
+    monkeypatch.undo()
+    fresh = tmp_path / "sub" / name
+    assert main(["trace", "synth", "--out", str(fresh), "--requests", "30"]) == 0
+    assert read_trace(fresh).n_requests == 30
