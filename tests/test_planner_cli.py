@@ -525,3 +525,13 @@ def test_synth_that_fails_midway_leaves_no_half_written_trace(tmp_path, capsys, 
     fresh = tmp_path / "sub" / name
     assert main(["trace", "synth", "--out", str(fresh), "--requests", "30"]) == 0
     assert read_trace(fresh).n_requests == 30
+
+
+def test_a_figure_that_cannot_be_written_is_a_one_line_error(synth_trace, tmp_path, capsys):
+    """check_plot_dir checks DIR, not the figures' own paths: a figure path taken by a directory
+    (or a file that cannot be replaced) failed in fig.savefig after the whole replay, an
+    IsADirectoryError traceback. Now it is one line naming --plot and the file."""
+    d = tmp_path / "figs"
+    (d / "miss_ratio_curves.png").mkdir(parents=True)
+    err = cli_fails(capsys, "plan", str(synth_trace), "--plot", str(d), "--no-progress", "--capacities", "50")
+    assert "--plot" in err and "miss_ratio_curves.png" in err
