@@ -535,3 +535,10 @@ def test_a_figure_that_cannot_be_written_is_a_one_line_error(synth_trace, tmp_pa
     (d / "miss_ratio_curves.png").mkdir(parents=True)
     err = cli_fails(capsys, "plan", str(synth_trace), "--plot", str(d), "--no-progress", "--capacities", "50")
     assert "--plot" in err and "miss_ratio_curves.png" in err
+
+
+def test_status_refuses_an_empty_dir_instead_of_scanning_the_current_one(tmp_path, capsys, monkeypatch):
+    """Path("") is ".": `kvtier status --dir ""` scanned the current directory."""
+    monkeypatch.chdir(tmp_path)
+    err = cli_fails(capsys, "status", "--dir", "")
+    assert "--dir: empty path" in err and "./kvtier-disk.meta" not in err
