@@ -542,3 +542,12 @@ def test_status_refuses_an_empty_dir_instead_of_scanning_the_current_one(tmp_pat
     monkeypatch.chdir(tmp_path)
     err = cli_fails(capsys, "status", "--dir", "")
     assert "--dir: empty path" in err and "./kvtier-disk.meta" not in err
+
+
+@pytest.mark.parametrize(
+    ("args", "words"), [(["--block-size", "2000000"], "--block-size: must be between 1 and 1048576")]
+)
+def test_synth_refuses_a_block_size_the_planner_cannot_read(tmp_path, capsys, args, words):
+    out = tmp_path / "t.jsonl"
+    err = cli_fails(capsys, "trace", "synth", "--out", str(out), "--requests", "5", *args)
+    assert words in err and not out.exists()
