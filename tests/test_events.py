@@ -149,3 +149,38 @@ def test_no_stream_means_no_events(tmp_path):
     o.offload([b"x"], [0])
     o.drain()
     assert o.events is None and o.stats()["events"] is None
+
+
+@pytest.mark.parametrize("single", [b"\x01\x02", "ab", 7])
+def test_publish_refuses_a_single_key_where_a_batch_is_expected(single):
+    """publish(kind, tier, b"\\x01\\x02") published the keys (1, 2): a digest passed where a batch
+    is expected became one int key per byte (a str, one key per character), and consumers
+    indexing those keys were told of blocks that do not exist."""
+    ev = EventStream(4)
+    with pytest.raises(InvalidArgumentError, match="`keys`: expected a sequence of keys, got a single key"):
+        ev.publish("stored", "cpu", single)
+    assert ev.last_seq == 0 and len(ev) == 0
+
+
+@pytest.mark.parametrize(
+    ("call", "name"),
+    [
+        (lambda ev: ev.since(0, max_events=-1), "max_events"),
+        (lambda ev: ev.since(0, max_events="2"), "max_events"),
+        (lambda ev: ev.since(0, max_events=1.5), "max_events"),
+        (lambda ev: ev.since(True), "seq"),
+        (lambda ev: ev.drain(True), "max_events"),
+        (lambda ev: ev.missed_since(-5), "seq"),
+        (lambda ev: ev.missed_since("a"), "seq"),
+        (lambda ev: ev.missed_since(1.5), "seq"),
+    ],
+)
+def test_cursor_and_count_arguments_are_checked_everywhere(call, name):
+    """since() checked seq but not max_events (-1 silently returned nothing, "2" was a TypeError);
+    missed_since() checked nothing (-5 answered 6 missed when none were); bools passed as ints."""
+    ev = EventStream(8)
+    for i in range(5):
+        ev.publish("stored", "cpu", [i])
+    with pytest.raises(InvalidArgumentError, match=f"`{name}`"):
+        call(ev)
+    assert len(ev) == 5

@@ -131,3 +131,46 @@ def test_a_huge_integer_size_is_refused_without_echoing_it():
 
     with pytest.raises(kv.InvalidArgumentError, match=r"an integer of about 5001 digits is more than the maximum"):
         parse_bytes(10**5000, name="cpu")
+
+
+# ---- HostTier.store payloads ---------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("payload", "words"),
+    [
+        # Right size, but not bytes: taken as their UTF-32 or int64 encodings before.
+        ("x" * 1024, "expected bytes or an array, got str"),
+        ([0] * 512, "expected bytes or an array, got list"),
+        # Right size, but the copy into the slot failed after the index had handed out slots:
+        # a ValueError/TypeError naming nothing, with the chain's earlier blocks stored.
+        (np.array([object()] * 512), "an array of object"),
+        (np.zeros((1024, 2), dtype=np.float32)[:, 0], None),
+        (None, "expected bytes or an array, got NoneType"),
+    ],
+)
+def test_host_tier_store_checks_every_payload_before_the_index(payload, words):
+    tier = kv.HostTier(kv.TierConfig(8 * 4096, 4096))
+    if words is None:  # a non-contiguous array is fine: copied whole, exactly its bytes
+        tier.store([1, 2], [block(1), payload])
+        assert tier.read([2]) == [payload.tobytes()]
+        return
+    with pytest.raises(kv.InvalidArgumentError, match=f"payloads: the payload for key 2: .*{words}"):
+        tier.store([1, 2], [block(1), payload])
+    assert tier.index.entries() == [] and tier.stats()["stores_prepared"] == 0, "bad input changed nothing"
+
+
+def test_host_tier_store_refuses_a_key_given_twice():
+    """store([5, 5], [a, b]) stored b under 5 (the payload map kept the last), though the index
+    took the first 5 and skipped the second as present: which payload a key gets was an accident."""
+    tier = kv.HostTier(kv.TierConfig(8 * 4096, 4096))
+    with pytest.raises(kv.InvalidArgumentError, match="keys: key 5 is given twice"):
+        tier.store([5, 5], [block(1), block(2)])
+    assert tier.index.entries() == []
+
+
+@pytest.mark.parametrize(("slot", "exc"), [(-1, kv.InvalidArgumentError), (True, kv.InvalidArgumentError)])
+def test_host_tier_slot_views_name_a_bad_slot(slot, exc):
+    """slot_array(-1) was pyo3's OverflowError 'out of range integral type conversion attempted',
+    naming nothing; slot_array(True) was slot 1."""
+    tier = kv.HostTier(kv.TierConfig(8 * 4096, 4096))
+    with pytest.raises(exc, match="`slot`"):
+        tier.slot_array(slot)

@@ -12,6 +12,7 @@ import pytest
 
 from kvtier_rs.cli import main
 from kvtier_rs.planner.synth import SynthConfig, synthesize, write_trace
+from kvtier_rs.planner.traces import read_trace
 
 
 @pytest.fixture(scope="module")
@@ -475,3 +476,78 @@ def test_one_block_is_said_in_the_singular(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "a CPU tier of 1 block with policy lru" in out and "lru @ 1 block, admit" in out
     assert "1 blocks" not in out
+
+
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["--rate", "1e-320"], ["--rate 1e-320", "timestamps", "float"]),
+        (["--rate", "1e-306"], ["--rate 1e-306", "timestamps", "float"]),
+    ],
+)
+def test_synth_arrivals_overflowing_time_are_a_one_line_error(tmp_path, capsys, args, words):
+    """A tiny --rate (positive and finite, so accepted) made arrival times overflow a float:
+    an OverflowError traceback from int(inf * 1000)."""
+    out = tmp_path / "t.jsonl"
+    err = cli_fails(capsys, "trace", "synth", "--out", str(out), "--requests", "50", "--mix", "chat=1", *args)
+    for w in words:
+        assert w in err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("name", ["t.jsonl", "t.jsonl.gz"])
+def test_synth_that_fails_midway_leaves_no_half_written_trace(tmp_path, capsys, monkeypatch, name):
+    """A write failing midway (a full disk: ENOSPC) left --out half-written, ending inside a
+    record, and a trace already there destroyed. The trace is now written beside it and moved
+    into place only once whole."""
+    import errno
+
+    import kvtier_rs.planner.synth as synth
+
+    out = tmp_path / name
+    assert main(["trace", "synth", "--out", str(out), "--requests", "20"]) == 0
+    before = out.read_bytes()
+    capsys.readouterr()
+    real_dumps, calls = synth.json.dumps, []
+
+    def dumps(obj, **kw):
+        calls.append(1)
+        if len(calls) > 30:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_dumps(obj, **kw)
+
+    monkeypatch.setattr(synth.json, "dumps", dumps)
+    err = cli_fails(capsys, "trace", "synth", "--out", str(out), "--requests", "100", "--seed", "5")
+    assert "--out" in err and "No space left on device" in err
+    assert out.read_bytes() == before, "the earlier trace is intact"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name], "no temporary file left behind"
+    monkeypatch.undo()
+    fresh = tmp_path / "sub" / name
+    assert main(["trace", "synth", "--out", str(fresh), "--requests", "30"]) == 0
+    assert read_trace(fresh).n_requests == 30
+
+
+def test_a_figure_that_cannot_be_written_is_a_one_line_error(synth_trace, tmp_path, capsys):
+    """check_plot_dir checks DIR, not the figures' own paths: a figure path taken by a directory
+    (or a file that cannot be replaced) failed in fig.savefig after the whole replay, an
+    IsADirectoryError traceback. Now it is one line naming --plot and the file."""
+    d = tmp_path / "figs"
+    (d / "miss_ratio_curves.png").mkdir(parents=True)
+    err = cli_fails(capsys, "plan", str(synth_trace), "--plot", str(d), "--no-progress", "--capacities", "50")
+    assert "--plot" in err and "miss_ratio_curves.png" in err
+
+
+def test_status_refuses_an_empty_dir_instead_of_scanning_the_current_one(tmp_path, capsys, monkeypatch):
+    """Path("") is ".": `kvtier status --dir ""` scanned the current directory."""
+    monkeypatch.chdir(tmp_path)
+    err = cli_fails(capsys, "status", "--dir", "")
+    assert "--dir: empty path" in err and "./kvtier-disk.meta" not in err
+
+
+@pytest.mark.parametrize(
+    ("args", "words"), [(["--block-size", "2000000"], "--block-size: must be between 1 and 1048576")]
+)
+def test_synth_refuses_a_block_size_the_planner_cannot_read(tmp_path, capsys, args, words):
+    out = tmp_path / "t.jsonl"
+    err = cli_fails(capsys, "trace", "synth", "--out", str(out), "--requests", "5", *args)
+    assert words in err and not out.exists()

@@ -503,3 +503,35 @@ def test_backwards_timestamps_in_tokens_and_tester_traces(tmp_path):
     many.write_text(json.dumps([other, conv]))
     with pytest.raises(TraceError, match=r"conversation 1: requests\[1\]: field 't': 2 is earlier than 3"):
         read_trace(many)
+
+
+@pytest.mark.parametrize(
+    ("record", "field"),
+    [
+        ('{"timestamp": 1%s, "input_length": 10, "hash_ids": [1]}' % ("0" * 400), "timestamp"),
+        ('{"timestamp": 1, "input_length": 1e300, "hash_ids": [1]}', "input_length"),
+        ('{"timestamp": 1, "input_length": 10, "output_length": 1%s, "hash_ids": [1]}' % ("0" * 400), "output_length"),
+    ],
+)
+def test_a_number_too_large_for_a_float_is_a_bad_record(tmp_path, capsys, record, field):
+    """A JSON integer beyond a float's range in a number field was an OverflowError traceback
+    (math.isfinite on the int); a huge value was echoed in full (hundreds of digits). Now the
+    record is bad like any other, named by line and field, skippable, the value shown bounded."""
+    p = tmp_path / "huge.jsonl"
+    p.write_text(record + "\n" + json.dumps(MOON[1]) + "\n")
+    err = plan_fails(capsys, str(p))
+    assert f"huge.jsonl:1: field '{field}'" in err and len(err) < 300, err
+    d = read_trace(p, skip_bad=True)
+    assert (d.n_requests, d.skipped) == (1, 1)
+
+
+@pytest.mark.parametrize("option", ["--gpu", "--cpu"])
+def test_a_block_count_of_thousands_of_digits_is_a_one_line_error(tmp_path, capsys, option):
+    """int() refuses strings of more than 4300 digits: parse_size converted the count before
+    bounding it, so such a count was a ValueError traceback instead of the usual bound."""
+    p = write_lines(tmp_path / "t.jsonl", MOON)
+    err = plan_fails(capsys, str(p), option, "9" * 5000 + "blocks")
+    assert f"{option}: at most 1000000000000 (10^12) blocks" in err and len(err) < 200, err
+    with pytest.raises(PlanError, match="at most"):
+        parse_size("1" + "0" * 4400 + "blocks", "--disk")
+    assert parse_size("0" * 5000 + "7blocks", "--disk").value == 7

@@ -35,10 +35,21 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvtier_rs._core import InvalidArgumentError
-from kvtier_rs.keys import Key
+from kvtier_rs.checks import show
+from kvtier_rs.keys import Key, key_list
 
 EVENT_KINDS = ("stored", "removed", "promoted")
 EVENT_TIERS = ("cpu", "disk")
+
+
+def _check_count(name: str, value: object, *, none_ok: bool = True) -> None:
+    """A cursor or an event count: an int >= 0 (None where `none_ok`). Every consumer call
+    checks its arguments alike: since() took any max_events (-1 answered nothing, "2" was a
+    TypeError), missed_since() took any seq (-5 answered 6 missed), and bools passed as ints."""
+    if value is None and none_ok:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidArgumentError(f"invalid argument `{name}`: must be an int >= 0, got {show(value)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +80,9 @@ class EventStream:
             raise InvalidArgumentError(f"invalid argument `kind`: {kind!r}; expected one of {EVENT_KINDS}")
         if tier not in EVENT_TIERS:
             raise InvalidArgumentError(f"invalid argument `tier`: {tier!r}; expected one of {EVENT_TIERS}")
-        keys = tuple(keys)
+        # key_list refuses a single key: a bytes digest iterated as a batch became one int key
+        # per byte (a str, one key per character), events for blocks that do not exist.
+        keys = tuple(key_list(keys))
         if not keys:
             return None
         with self._lock:
@@ -85,8 +98,7 @@ class EventStream:
     # ---- consuming -----------------------------------------------------------------------
     def drain(self, max_events: int | None = None) -> list[BlockEvent]:
         """Take up to `max_events` oldest events (all when None), in sequence order."""
-        if max_events is not None and (not isinstance(max_events, int) or max_events < 0):
-            raise InvalidArgumentError(f"invalid argument `max_events`: must be an int >= 0, got {max_events!r}")
+        _check_count("max_events", max_events)
         with self._lock:
             n = len(self._ring) if max_events is None else min(max_events, len(self._ring))
             return [self._ring.popleft() for _ in range(n)]
@@ -94,8 +106,8 @@ class EventStream:
     def since(self, seq: int, max_events: int | None = None) -> list[BlockEvent]:
         """Events with a sequence number above `seq` still in the ring, oldest first, without
         taking them."""
-        if not isinstance(seq, int) or seq < 0:
-            raise InvalidArgumentError(f"invalid argument `seq`: must be an int >= 0, got {seq!r}")
+        _check_count("seq", seq, none_ok=False)
+        _check_count("max_events", max_events)
         with self._lock:
             if not self._ring or seq >= self._last_seq:
                 return []
@@ -106,6 +118,7 @@ class EventStream:
 
     def missed_since(self, seq: int) -> int:
         """How many events after `seq` are no longer in the ring (dropped or drained)."""
+        _check_count("seq", seq, none_ok=False)
         with self._lock:
             first = self._ring[0].seq if self._ring else self._last_seq + 1
             return max(0, first - seq - 1)

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from kvtier_rs._core import BlockIndex, HostPool, InvalidArgumentError, StoreOutcome
+from kvtier_rs.checks import integer, show
 from kvtier_rs.config import TierConfig
 from kvtier_rs.keys import Key, key_list
 
@@ -41,6 +42,11 @@ class HostTier:
 
     def slot_array(self, slot: int) -> np.ndarray:
         """Writable uint8 view of a slot's payload bytes (no copy)."""
+        # Checked here: the core takes the slot as an unsigned int, so -1 was pyo3's bare
+        # OverflowError naming nothing, and True was slot 1.
+        slot = integer(slot, "slot")
+        if slot < 0:
+            raise InvalidArgumentError(f"invalid argument `slot`: slot {slot} out of range 0..{self.num_slots}")
         off = self.pool.slot_offset(slot)
         return self._bytes[off : off + self._block_bytes]
 
@@ -56,19 +62,24 @@ class HostTier:
         keys = key_list(keys)
         if len(keys) != len(payloads):
             raise InvalidArgumentError(f"payloads: {len(payloads)} payloads for {len(keys)} keys")
-        by_key = {}
+        by_key: dict[Key, np.ndarray] = {}
         for key, payload in zip(keys, payloads, strict=True):
-            data = np.frombuffer(payload, dtype=np.uint8) if isinstance(payload, bytes) else np.asarray(payload)
-            if data.nbytes != self._block_bytes:
+            try:
+                given_twice = key in by_key
+            except TypeError:  # unhashable: not a key at all
                 raise InvalidArgumentError(
-                    f"payloads: the payload for key {key!r} is {data.nbytes} bytes, blocks are {self._block_bytes}"
-                )
-            by_key[key] = data
+                    f"invalid argument `key`: keys must be int or bytes, got {show(key)}"
+                ) from None
+            if given_twice:
+                # The index would take the first and skip the second as present, while the
+                # payload map kept the last: which payload the key got was an accident.
+                raise InvalidArgumentError(f"keys: key {show(key)} is given twice")
+            by_key[key] = self._payload_bytes(key, payload)
         out = self.index.prepare_store(keys, **hint)
         ok = []
         try:
             for key, slot in zip(out.keys, out.slots, strict=True):
-                self.slot_array(slot)[:] = by_key[key].reshape(-1).view(np.uint8)
+                self.slot_array(slot)[:] = by_key[key]
                 ok.append(key)
         finally:
             done = set(ok)
@@ -78,6 +89,25 @@ class HostTier:
             if failed:
                 self.index.complete_store(failed, False)
         return out
+
+    def _payload_bytes(self, key: Key, payload: Any) -> np.ndarray:
+        """A payload as a flat, contiguous uint8 array of exactly one block, or an
+        InvalidArgumentError naming its key. Everything that can fail is done here, before the
+        index hands out slots: a str or a list of the right size was stored as its UTF-32 or
+        int64 encoding, and an object or non-contiguous array passed the size check only to fail
+        in the copy (a bare ValueError/TypeError) with the chain's earlier blocks stored."""
+        where = f"payloads: the payload for key {show(key)}"
+        if isinstance(payload, (bytes, bytearray)):
+            data = np.frombuffer(payload, dtype=np.uint8)
+        elif isinstance(payload, memoryview) or hasattr(payload, "__array__"):
+            data = np.asarray(payload)
+        else:
+            raise InvalidArgumentError(f"{where}: expected bytes or an array, got {type(payload).__name__}")
+        if data.dtype.kind in "OU":
+            raise InvalidArgumentError(f"{where}: expected bytes or an array of numbers, got an array of {data.dtype}")
+        if data.nbytes != self._block_bytes:
+            raise InvalidArgumentError(f"{where} is {data.nbytes} bytes, blocks are {self._block_bytes}")
+        return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
 
     def read(self, keys: Sequence[Key]) -> list[bytes]:
         """Copy out ready blocks (pins them for the duration of the copy)."""

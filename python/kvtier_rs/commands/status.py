@@ -64,6 +64,9 @@ def lock_holder(root: Path) -> tuple[str, int | None]:
 def run_status(args: argparse.Namespace) -> int:
     from kvtier_rs._core import disk_status
 
+    if not args.dir:
+        # Path("") is ".": an empty --dir would scan the current directory instead.
+        raise PlanError("--dir: empty path; give the disk tier directory")
     root = Path(args.dir)
     try:
         mode = root.stat().st_mode

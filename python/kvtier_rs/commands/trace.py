@@ -70,7 +70,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run_synth(args: argparse.Namespace) -> int:
     from kvtier_rs.planner.synth import SynthConfig, parse_mix, synthesize, write_trace
+    from kvtier_rs.planner.traces import MAX_BLOCK_SIZE
 
+    # The planner's own bound: a larger block size wrote a trace `kvtier plan` then refused.
+    if not 0 < args.block_size <= MAX_BLOCK_SIZE:
+        raise PlanError(f"--block-size: must be between 1 and {MAX_BLOCK_SIZE} tokens, got {args.block_size}")
     if args.system_prompts <= 0 or args.documents <= 0:
         raise PlanError("--system-prompts and --documents must be positive")
     cfg = SynthConfig(

@@ -196,11 +196,15 @@ def parse_size(text: str, arg: str) -> Size:
         raise PlanError(f"{arg}: cannot read {text!r}; expected e.g. 40GiB, 2TB or 5000blocks")
     num, unit = m.group(1), m.group(2).lower()
     if unit in ("block", "blocks", "blk"):
-        if "." in num or int(num) <= 0:
-            raise PlanError(f"{arg}: a block count must be a positive integer, got {num}")
-        if int(num) > MAX_BLOCKS:
-            raise PlanError(f"{arg}: at most {MAX_BLOCKS} (10^12) blocks, got {num}")
-        return Size(int(num), True)
+        shown = num if len(num) <= 30 else f"a number of {len(num)} digits"
+        # Bounded by its digit count before int(): int() refuses a string of more than 4300
+        # digits (ValueError, leading zeros included), and so long a count is not echoed.
+        digits = num.lstrip("0") or "0"
+        if "." in num or digits == "0":
+            raise PlanError(f"{arg}: a block count must be a positive integer, got {shown}")
+        if len(digits) > len(str(MAX_BLOCKS)) or int(digits) > MAX_BLOCKS:
+            raise PlanError(f"{arg}: at most {MAX_BLOCKS} (10^12) blocks, got {shown}")
+        return Size(int(digits), True)
     if unit == "":
         raise PlanError(f"{arg}: {text!r} has no unit; write bytes with a unit (40GiB, 512MB) or blocks (5000blocks)")
     try:

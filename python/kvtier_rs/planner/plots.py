@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -63,8 +64,7 @@ def write_plots(rep: dict[str, Any], out_dir: str | Path) -> list[str]:
     ax.legend()
     fig.tight_layout()
     path = d / "miss_ratio_curves.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
     written.append(str(path))
 
     reuse = rep["questions"]["reuse"]
@@ -93,7 +93,23 @@ def write_plots(rep: dict[str, Any], out_dir: str | Path) -> list[str]:
         ax.set_title(label.split(" (")[0].capitalize() + " histogram")
         fig.tight_layout()
         path = d / name
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
+        _save(plt, fig, path)
         written.append(str(path))
     return written
+
+
+def _save(plt: Any, fig: Any, path: Path) -> None:
+    """Write one figure whole or not at all, or refuse naming --plot and the file.
+    check_plot_dir vets DIR before the replay, not the figures' own paths: one taken by a
+    directory, or a file that cannot be replaced, made savefig raise a traceback after the
+    whole replay; and a write failing midway (a full disk) left a truncated PNG."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        fig.savefig(tmp, dpi=120, format="png")
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise PlanError(f"--plot: cannot write {path}: {e.strerror or e}") from None
+    finally:
+        plt.close(fig)

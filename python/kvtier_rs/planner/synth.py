@@ -17,6 +17,7 @@ Arrivals of new work are Poisson, or bursty (rate alternating between bursts and
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import json
@@ -162,9 +163,17 @@ def synthesize(cfg: SynthConfig) -> list[dict]:
 def _emit(records, keys, when, segs, rng, cfg, queue, tiebreak, sess, fresh) -> None:
     n_in = sum(length for _, length in segs)
     out = rng.randint(50, 800)
+    ms = when * 1000
+    if not math.isfinite(ms):
+        # A tiny --rate (1e-306 per second) spaces arrivals past a float's range: int(inf)
+        # would raise OverflowError, and no reader could use such times anyway.
+        raise PlanError(
+            f"--rate {cfg.rate!r}: arrivals so rare put request {len(records) + 1}'s timestamps "
+            "past a float's range (raise --rate)"
+        )
     records.append(
         {
-            "timestamp": int(when * 1000),
+            "timestamp": int(ms),
             "input_length": n_in,
             "output_length": out,
             "hash_ids": keys.chain(segs),
@@ -187,6 +196,12 @@ def _emit(records, keys, when, segs, rng, cfg, queue, tiebreak, sess, fresh) -> 
 
 
 def write_trace(records: list[dict], path: str | Path) -> None:
+    """Write `records` to `path` whole or not at all: into a temporary file beside it, moved
+    into place once complete. Written in place, a failure midway (a full disk) left a trace
+    ending inside a record, and the trace that was there before destroyed."""
+    import os
+    import tempfile
+
     p = Path(path)
     if p.parent and not p.parent.exists():
         p.parent.mkdir(parents=True, exist_ok=True)
@@ -195,6 +210,29 @@ def write_trace(records: list[dict], path: str | Path) -> None:
         import gzip
 
         opener = gzip.open  # type: ignore[assignment]
-    with opener(p, "wt", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r, separators=(",", ":")) + "\n")
+    if p.exists() and not p.is_file():
+        # /dev/stdout, a FIFO: written in place (replacing it would replace the device node or link).
+        with opener(p, "wt", encoding="utf-8") as f:
+            for r in records:
+                f.write(json.dumps(r, separators=(",", ":")) + "\n")
+        return
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    os.close(fd)
+    try:
+        with opener(tmp, "wt", encoding="utf-8") as f:
+            for r in records:
+                f.write(json.dumps(r, separators=(",", ":")) + "\n")
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it 0600; a trace is an ordinary file
+        os.replace(tmp, p)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _umask() -> int:
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -13,6 +13,7 @@ import io
 import json
 import math
 import stat
+import sys
 import zlib
 from array import array
 from collections.abc import Iterable, Iterator
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from kvtier_rs.checks import show
 from kvtier_rs.planner.errors import PlanError, TraceError
 
 FORMATS = ("auto", "mooncake", "bailian", "kvcache-tester", "tokens")
@@ -32,6 +34,8 @@ MAX_BLOCK_SIZE = 1 << 20
 # Auto-detection reads the first line up to this many bytes; a longer first line can only be
 # a whole JSON document (kv-cache-tester) written on one line.
 DETECT_BYTES = 16 << 20
+# The largest integer float() takes without OverflowError (ints above it round to inf).
+_FLOAT_MAX = int(sys.float_info.max)
 
 
 @dataclass
@@ -97,11 +101,13 @@ def _int(rec: dict, name: str, *, maximum: int, minimum: int = 0, required: bool
         if isinstance(v, float) and v.is_integer():
             v = int(v)
         else:
-            raise _Bad(name, f"expected an integer, got {v!r}")
+            raise _Bad(name, f"expected an integer, got {show(v)}")
+    # show(): a JSON integer (or 1e300 as a float) can have hundreds of digits; the message
+    # stays one readable line.
     if v < minimum:
-        raise _Bad(name, f"must be >= {minimum}, got {v}")
+        raise _Bad(name, f"must be >= {minimum}, got {show(v)}")
     if v > maximum:
-        raise _Bad(name, f"must be <= {maximum}, got {v}")
+        raise _Bad(name, f"must be <= {maximum}, got {show(v)}")
     return v
 
 
@@ -109,8 +115,12 @@ def _number(rec: dict, name: str) -> float:
     if name not in rec:
         raise _Bad(name, "missing")
     v = rec[name]
+    # A JSON integer beyond a float's range (1e309 written out) is not a usable time either;
+    # math.isfinite would raise OverflowError on it, so it is checked first.
+    if isinstance(v, int) and not isinstance(v, bool) and abs(v) > _FLOAT_MAX:
+        raise _Bad(name, f"expected a finite number, got {show(v)}")
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise _Bad(name, f"expected a number, got {v!r}")
+        raise _Bad(name, f"expected a number, got {show(v)}")
     return float(v)
 
 
@@ -133,7 +143,7 @@ def _ids(rec: dict, name: str) -> list[int]:
         raise _Bad(name, f"expected a list of integers, got {type(v).__name__}")
     for i, x in enumerate(v):
         if isinstance(x, bool) or not isinstance(x, int) or x < 0 or x > U64:
-            raise _Bad(name, f"item {i} is {x!r}; expected an unsigned 64-bit integer")
+            raise _Bad(name, f"item {i} is {show(x)}; expected an unsigned 64-bit integer")
     return v
 
 
