@@ -597,3 +597,57 @@ def test_a_tier_refused_for_cost_is_probed_and_comes_back():
     assert orch.plan(keys).load_cpu == 8
     assert orch.plan(keys).load_cpu == 8 and model.probes == 1, "no probe is needed while loads pay"
     assert orch.stats()["cost_model"]["probes"] == 1
+
+
+# ---- 11. reads that no load waits for any more still measure the disk --------------------------
+class HeldReads:
+    """A disk tier whose read completions are held back (a slow device) until released."""
+
+    def __init__(self, disk) -> None:
+        self._disk = disk
+        self.held: list = []
+        self.release = False
+
+    def __getattr__(self, name):
+        return getattr(self._disk, name)
+
+    def poll(self):
+        out = []
+        for r in self._disk.poll():
+            (out if r.kind != "read" else self.held).append(r)
+        if self.release:
+            out, self.held = out + self.held, []
+        return out
+
+
+def test_a_disk_read_given_up_on_is_still_measured_by_the_cost_model(tmp_path, monkeypatch):
+    """A load gives its disk part up after disk_read_timeout_s; its read lands later, owned by
+    no load. Those are the slowest reads: if the cost model never sees them, a disk whose reads
+    all take longer than the timeout is never measured, its estimate never falls, and every plan
+    keeps sending loads to wait out the timeout (before, such reads were not observed)."""
+    now = [100.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    spy = SpyCost(prefill_tokens_per_s=1.0, tokens_per_block=16, block_bytes=4096)
+    tensors = [torch.randn(8, 2, 8, 32)]
+    layout = BlockLayout.per_layer(tensors)
+    host = kv.HostTier(kv.TierConfig(4 * 4096, layout.bytes_per_block))
+    disk = kv.DiskTier(str(tmp_path / "disk"), 64 * 4096 * 2, host.pool.slot_bytes, admission="always", engine="pool")
+    orch = TierOrchestrator(
+        host, CpuTransferEngine(layout, host.pool, inline=True), disk=disk, cost=spy, disk_read_timeout_s=1.0
+    )
+    orch.offload([b"a"], [0])
+    orch.drain()
+    orch.host.index.clear()
+    orch.stager.disk = HeldReads(orch.stager.disk)
+    spy.calls.clear()
+    orch.load([b"a"], [1], request_id="r")
+    deadline = time.monotonic() + 10
+    while not orch.stager.disk.held and time.monotonic() < deadline:  # the read has completed
+        assert orch.poll() == []
+        time.sleep(0.001)
+    now[0] += 2.0  # past disk_read_timeout_s: the load gives its disk part up
+    (res,) = orch.poll()
+    assert res.failed == 1 and orch.stats()["load_timed_out"] == 1
+    orch.stager.disk.release = True  # the read lands, owned by no load
+    orch.drain()
+    assert [hop for hop, _, _ in spy.calls] == ["disk"], "the late read was measured"

@@ -775,6 +775,11 @@ class TierOrchestrator:
         self._maybe_finish(ld)
 
     def _on_promotion(self, p: Any) -> None:
+        # Every read measures the disk hop, also one no load waits for any more (released, or
+        # given up after disk_read_timeout_s): those are the slowest reads, and a disk whose
+        # reads all outlast the timeout would otherwise never be measured at all.
+        if self.cost is not None:
+            self.cost.observe("disk", p.bytes, p.seconds)
         request_id = self._read_owner.pop(p.job_id, None)
         if request_id is None and self._orphan_reads.get(tuple(p.keys)) == p.job_id:
             del self._orphan_reads[tuple(p.keys)]  # landed in the CPU tier, owned by no load
@@ -782,8 +787,6 @@ class TierOrchestrator:
         if ld is None:
             return
         ld.disk_read = None
-        if self.cost is not None:
-            self.cost.observe("disk", p.bytes, p.seconds)
         if p.ok_prefix == 0 and ld.bound:
             # The read failed while the engine waited on it: a sample for the guard, from the
             # destinations on to the read's end (it started at reserve time).
