@@ -651,3 +651,27 @@ def test_a_disk_read_given_up_on_is_still_measured_by_the_cost_model(tmp_path, m
     orch.stager.disk.release = True  # the read lands, owned by no load
     orch.drain()
     assert [hop for hop, _, _ in spy.calls] == ["disk"], "the late read was measured"
+
+
+# ---- 12. the orchestrator's guard rules and cost model are checked at construction -------------
+@pytest.mark.parametrize(
+    "kw, name",
+    [
+        ({"guards": {"cpu": {"p99_ms": 5}}}, r"guards\['cpu'\]"),  # a rule's fields, not a GuardRule
+        ({"guards": {"disk": 5.0}}, r"guards\['disk'\]"),
+        ({"guards": {"cpu": None}}, r"guards\['cpu'\]"),
+        ({"guards": [GuardRule(p99_ms=5)]}, "guards"),
+        ({"cost": {"prefill_tokens_per_s": 1e4}}, "cost"),
+        ({"cost": 1e4}, "cost"),
+    ],
+)
+def test_guard_rules_and_the_cost_model_of_the_wrong_type_are_refused_naming_them(kw, name):
+    """Before, any value was taken and the first poll(), plan() or stats() raised a bare
+    AttributeError on the engine thread (or failed every metrics scrape)."""
+    with pytest.raises(kv.InvalidArgumentError, match=f"invalid argument `{name}`"):
+        orchestrator(**kw)
+
+
+def test_a_slo_guard_refuses_a_rule_that_is_not_a_guard_rule():
+    with pytest.raises(kv.InvalidArgumentError, match="invalid argument `rule`"):
+        SloGuard("cpu", {"p99_ms": 5})

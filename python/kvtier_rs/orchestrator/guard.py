@@ -44,7 +44,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtier_rs.checks import check_count, check_number, usable_sample
+from kvtier_rs._core import InvalidArgumentError
+from kvtier_rs.checks import check_count, check_number, show, usable_sample
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,8 @@ class SloGuard:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
+        if not isinstance(rule, GuardRule):  # else the first record() or state() raises AttributeError
+            raise InvalidArgumentError(f"invalid argument `rule`: expected a GuardRule, got {show(rule)}")
         self.tier = tier
         self.rule = rule
         self._clock = clock

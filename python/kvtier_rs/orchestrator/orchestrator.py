@@ -27,7 +27,7 @@ import contextlib
 import itertools
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -205,11 +205,24 @@ class TierOrchestrator:
     ) -> None:
         if engine.pool is not host.pool:
             raise InvalidArgumentError("invalid argument `engine`: it must copy into this host tier's pool")
+        if guards is not None and not isinstance(guards, Mapping):
+            raise InvalidArgumentError(
+                f"invalid argument `guards`: expected a dict of tier -> GuardRule, got {show(guards)}"
+            )
         unknown = set(guards or {}) - set(TIERS)
         if unknown:
             raise InvalidArgumentError(
-                f"invalid argument `guards`: unknown tiers {sorted(unknown)}; expected cpu, disk"
+                f"invalid argument `guards`: unknown tiers {sorted(map(str, unknown))}; expected cpu, disk"
             )
+        # Checked here: a rule given as its fields (a dict) or a number was taken before, and the
+        # first poll(), plan() or stats() raised a bare AttributeError on the engine thread.
+        for tier, rule in (guards or {}).items():
+            if not isinstance(rule, GuardRule):
+                raise InvalidArgumentError(
+                    f"invalid argument `guards[{tier!r}]`: expected a GuardRule, got {show(rule)}"
+                )
+        if cost is not None and not isinstance(cost, CostModel):
+            raise InvalidArgumentError(f"invalid argument `cost`: expected a CostModel or None, got {show(cost)}")
         in_flight = self._in_flight_limits(max_promotions_in_flight)
         max_disk_write_backlog = check_count("max_disk_write_backlog", max_disk_write_backlog)
         #: A bound load whose disk read is still in flight this long after bind gives up its
