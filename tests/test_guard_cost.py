@@ -675,3 +675,17 @@ def test_guard_rules_and_the_cost_model_of_the_wrong_type_are_refused_naming_the
 def test_a_slo_guard_refuses_a_rule_that_is_not_a_guard_rule():
     with pytest.raises(kv.InvalidArgumentError, match="invalid argument `rule`"):
         SloGuard("cpu", {"p99_ms": 5})
+
+
+# ---- 13. a measurement too fast to be a number does not make a hop free for good ----------------
+@pytest.mark.parametrize("latency", [0.0, 50e-6])
+def test_a_transfer_timed_at_almost_nothing_cannot_pin_the_estimate_at_infinity(latency):
+    """bytes / seconds overflows to inf for a tiny positive time (finite and non-negative, so
+    not dropped); folded in, the average became inf and no later measurement could lower it:
+    the hop was taken as free for the life of the process."""
+    c = cost(latency_s={"cpu": latency, "disk": latency})
+    c.observe("cpu", 1 << 30, 1e-300)
+    c.observe("disk", 1 << 30, 5e-324)
+    assert c.bandwidth == {"cpu": 10e9, "disk": 1e9} and c.observations_skipped == 2
+    c.observe("cpu", 1 << 20, 1.0)  # an ordinary measurement still moves it
+    assert c.bandwidth["cpu"] == pytest.approx(0.8 * 10e9 + 0.2 * (1 << 20) / (1.0 - latency))
