@@ -689,3 +689,49 @@ def test_a_transfer_timed_at_almost_nothing_cannot_pin_the_estimate_at_infinity(
     assert c.bandwidth == {"cpu": 10e9, "disk": 1e9} and c.observations_skipped == 2
     c.observe("cpu", 1 << 20, 1.0)  # an ordinary measurement still moves it
     assert c.bandwidth["cpu"] == pytest.approx(0.8 * 10e9 + 0.2 * (1 << 20) / (1.0 - latency))
+
+
+# ---- 14. a load in flight at the trip and noticed late is still not a probation sample ------------
+def test_a_load_in_flight_at_the_trip_noticed_only_after_probation_is_not_a_sample(monkeypatch):
+    """The guard took a sample's start as (now - latency). A latency ends at the copy's
+    completion, not at the poll that notices it, so a load bound before the trip, finished
+    during the bypass and noticed only after probation began (an idle engine polls no more)
+    looked as if it had started after the trip: a stale slow sample in the probation window."""
+    now = [100.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+
+    class OneSecondCopies(CpuTransferEngine):  # copies inline, each reported as taking 1 s
+        def poll(self):
+            return [dataclasses.replace(r, seconds=1.0) if r.direction == "h2d" else r for r in super().poll()]
+
+    tensors = [torch.randn(8, 2, 8, 32)]
+    layout = BlockLayout.per_layer(tensors)
+    host = kv.HostTier(kv.TierConfig(8 * 8192, layout.bytes_per_block))
+    orch = TierOrchestrator(
+        host,
+        OneSecondCopies(layout, host.pool, inline=True),
+        guards={"cpu": GuardRule(p99_ms=50, recover_s=30, min_samples=2)},
+    )
+    guard = orch.guards["cpu"]
+    guard._clock = lambda: now[0]  # the guard's clock and the orchestrator's agree here
+    orch.offload([b"a"], [0])
+    orch.drain()
+    orch.load([b"a"], [1], request_id="r")  # bound at t=100, its copy done at t=101
+    now[0] += 0.01
+    guard.trip_hung(0.5)  # tripped at t=100.01, while the load is in flight
+    now[0] += 40.0  # the engine idles past recover_s: on probation from t=130.01
+    (res,) = orch.poll()
+    assert res.loaded_cpu == 1
+    st = guard.state()
+    assert (st["state"], st["samples"]) == ("active", 0), "the stale load is not a probation sample"
+
+
+def test_a_sample_s_age_decides_whether_it_started_before_the_trip():
+    clock = FakeClock()
+    g = tripped_guard(clock)  # tripped at clock.t, recover_s=5
+    clock.t += 6  # on probation
+    g.record(0.5, started_s_ago=7.0)  # ended long before it was recorded: started before the trip
+    assert g.state()["samples"] == 0
+    g.record(0.5, started_s_ago=2.0)  # started after the trip
+    g.record(0.5, started_s_ago=NAN)  # a bad age: the latency (it ended now) decides
+    assert g.state()["samples"] == 2 and g.dropped_samples == 0

@@ -723,12 +723,14 @@ class TierOrchestrator:
         ld.disk.keys = []
         self._maybe_finish(ld)
 
-    def _guard_sample(self, tier: str, part: _Copies, waited: float) -> None:
+    def _guard_sample(self, tier: str, ld: _Load, part: _Copies, waited: float) -> None:
         """A finished promotion's wait, for the tier's guard, unless it was taken already while
-        the promotion was stalled."""
+        the promotion was stalled. With its age (since bind, now): `waited` ends at the copy's
+        completion, maybe long before this poll, and the guard tells a load that was in flight
+        at a trip by when it started."""
         guard = self.guards.get(tier)
         if guard is not None and not part.stall_recorded:
-            guard.record(waited)
+            guard.record(waited, started_s_ago=time.perf_counter() - ld.bound_at)
 
     def _on_transfer(self, r: TransferResult) -> None:
         if r.direction == "d2h":
@@ -784,7 +786,7 @@ class TierOrchestrator:
                 self.latency[f"{tier}_load"].observe(elapsed)
             # A failed load cost the engine its wait too: the guard sees it (the histogram
             # is of loads that landed; failures are counted in load_failed).
-            self._guard_sample(tier, part, elapsed)
+            self._guard_sample(tier, ld, part, elapsed)
         self._maybe_finish(ld)
 
     def _on_promotion(self, p: Any) -> None:
@@ -803,7 +805,7 @@ class TierOrchestrator:
         if p.ok_prefix == 0 and ld.bound:
             # The read failed while the engine waited on it: a sample for the guard, from the
             # destinations on to the read's end (it started at reserve time).
-            self._guard_sample("disk", ld.disk, max(0.0, ld.started + p.seconds - ld.bound_at))
+            self._guard_sample("disk", ld, ld.disk, max(0.0, ld.started + p.seconds - ld.bound_at))
         ld.disk.keys = ld.disk.keys[: p.ok_prefix]
         if not ld.disk.keys or ld.cpu.failed:
             ld.disk.keys = []
