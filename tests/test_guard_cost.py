@@ -597,3 +597,141 @@ def test_a_tier_refused_for_cost_is_probed_and_comes_back():
     assert orch.plan(keys).load_cpu == 8
     assert orch.plan(keys).load_cpu == 8 and model.probes == 1, "no probe is needed while loads pay"
     assert orch.stats()["cost_model"]["probes"] == 1
+
+
+# ---- 11. reads that no load waits for any more still measure the disk --------------------------
+class HeldReads:
+    """A disk tier whose read completions are held back (a slow device) until released."""
+
+    def __init__(self, disk) -> None:
+        self._disk = disk
+        self.held: list = []
+        self.release = False
+
+    def __getattr__(self, name):
+        return getattr(self._disk, name)
+
+    def poll(self):
+        out = []
+        for r in self._disk.poll():
+            (out if r.kind != "read" else self.held).append(r)
+        if self.release:
+            out, self.held = out + self.held, []
+        return out
+
+
+def test_a_disk_read_given_up_on_is_still_measured_by_the_cost_model(tmp_path, monkeypatch):
+    """A load gives its disk part up after disk_read_timeout_s; its read lands later, owned by
+    no load. Those are the slowest reads: if the cost model never sees them, a disk whose reads
+    all take longer than the timeout is never measured, its estimate never falls, and every plan
+    keeps sending loads to wait out the timeout (before, such reads were not observed)."""
+    now = [100.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    spy = SpyCost(prefill_tokens_per_s=1.0, tokens_per_block=16, block_bytes=4096)
+    tensors = [torch.randn(8, 2, 8, 32)]
+    layout = BlockLayout.per_layer(tensors)
+    host = kv.HostTier(kv.TierConfig(4 * 4096, layout.bytes_per_block))
+    disk = kv.DiskTier(str(tmp_path / "disk"), 64 * 4096 * 2, host.pool.slot_bytes, admission="always", engine="pool")
+    orch = TierOrchestrator(
+        host, CpuTransferEngine(layout, host.pool, inline=True), disk=disk, cost=spy, disk_read_timeout_s=1.0
+    )
+    orch.offload([b"a"], [0])
+    orch.drain()
+    orch.host.index.clear()
+    orch.stager.disk = HeldReads(orch.stager.disk)
+    spy.calls.clear()
+    orch.load([b"a"], [1], request_id="r")
+    deadline = time.monotonic() + 10
+    while not orch.stager.disk.held and time.monotonic() < deadline:  # the read has completed
+        assert orch.poll() == []
+        time.sleep(0.001)
+    now[0] += 2.0  # past disk_read_timeout_s: the load gives its disk part up
+    (res,) = orch.poll()
+    assert res.failed == 1 and orch.stats()["load_timed_out"] == 1
+    orch.stager.disk.release = True  # the read lands, owned by no load
+    orch.drain()
+    assert [hop for hop, _, _ in spy.calls] == ["disk"], "the late read was measured"
+
+
+# ---- 12. the orchestrator's guard rules and cost model are checked at construction -------------
+@pytest.mark.parametrize(
+    "kw, name",
+    [
+        ({"guards": {"cpu": {"p99_ms": 5}}}, r"guards\['cpu'\]"),  # a rule's fields, not a GuardRule
+        ({"guards": {"disk": 5.0}}, r"guards\['disk'\]"),
+        ({"guards": {"cpu": None}}, r"guards\['cpu'\]"),
+        ({"guards": [GuardRule(p99_ms=5)]}, "guards"),
+        ({"cost": {"prefill_tokens_per_s": 1e4}}, "cost"),
+        ({"cost": 1e4}, "cost"),
+    ],
+)
+def test_guard_rules_and_the_cost_model_of_the_wrong_type_are_refused_naming_them(kw, name):
+    """Before, any value was taken and the first poll(), plan() or stats() raised a bare
+    AttributeError on the engine thread (or failed every metrics scrape)."""
+    with pytest.raises(kv.InvalidArgumentError, match=f"invalid argument `{name}`"):
+        orchestrator(**kw)
+
+
+def test_a_slo_guard_refuses_a_rule_that_is_not_a_guard_rule():
+    with pytest.raises(kv.InvalidArgumentError, match="invalid argument `rule`"):
+        SloGuard("cpu", {"p99_ms": 5})
+
+
+# ---- 13. a measurement too fast to be a number does not make a hop free for good ----------------
+@pytest.mark.parametrize("latency", [0.0, 50e-6])
+def test_a_transfer_timed_at_almost_nothing_cannot_pin_the_estimate_at_infinity(latency):
+    """bytes / seconds overflows to inf for a tiny positive time (finite and non-negative, so
+    not dropped); folded in, the average became inf and no later measurement could lower it:
+    the hop was taken as free for the life of the process."""
+    c = cost(latency_s={"cpu": latency, "disk": latency})
+    c.observe("cpu", 1 << 30, 1e-300)
+    c.observe("disk", 1 << 30, 5e-324)
+    assert c.bandwidth == {"cpu": 10e9, "disk": 1e9} and c.observations_skipped == 2
+    c.observe("cpu", 1 << 20, 1.0)  # an ordinary measurement still moves it
+    assert c.bandwidth["cpu"] == pytest.approx(0.8 * 10e9 + 0.2 * (1 << 20) / (1.0 - latency))
+
+
+# ---- 14. a load in flight at the trip and noticed late is still not a probation sample ------------
+def test_a_load_in_flight_at_the_trip_noticed_only_after_probation_is_not_a_sample(monkeypatch):
+    """The guard took a sample's start as (now - latency). A latency ends at the copy's
+    completion, not at the poll that notices it, so a load bound before the trip, finished
+    during the bypass and noticed only after probation began (an idle engine polls no more)
+    looked as if it had started after the trip: a stale slow sample in the probation window."""
+    now = [100.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+
+    class OneSecondCopies(CpuTransferEngine):  # copies inline, each reported as taking 1 s
+        def poll(self):
+            return [dataclasses.replace(r, seconds=1.0) if r.direction == "h2d" else r for r in super().poll()]
+
+    tensors = [torch.randn(8, 2, 8, 32)]
+    layout = BlockLayout.per_layer(tensors)
+    host = kv.HostTier(kv.TierConfig(8 * 8192, layout.bytes_per_block))
+    orch = TierOrchestrator(
+        host,
+        OneSecondCopies(layout, host.pool, inline=True),
+        guards={"cpu": GuardRule(p99_ms=50, recover_s=30, min_samples=2)},
+    )
+    guard = orch.guards["cpu"]
+    guard._clock = lambda: now[0]  # the guard's clock and the orchestrator's agree here
+    orch.offload([b"a"], [0])
+    orch.drain()
+    orch.load([b"a"], [1], request_id="r")  # bound at t=100, its copy done at t=101
+    now[0] += 0.01
+    guard.trip_hung(0.5)  # tripped at t=100.01, while the load is in flight
+    now[0] += 40.0  # the engine idles past recover_s: on probation from t=130.01
+    (res,) = orch.poll()
+    assert res.loaded_cpu == 1
+    st = guard.state()
+    assert (st["state"], st["samples"]) == ("active", 0), "the stale load is not a probation sample"
+
+
+def test_a_sample_s_age_decides_whether_it_started_before_the_trip():
+    clock = FakeClock()
+    g = tripped_guard(clock)  # tripped at clock.t, recover_s=5
+    clock.t += 6  # on probation
+    g.record(0.5, started_s_ago=7.0)  # ended long before it was recorded: started before the trip
+    assert g.state()["samples"] == 0
+    g.record(0.5, started_s_ago=2.0)  # started after the trip
+    g.record(0.5, started_s_ago=NAN)  # a bad age: the latency (it ended now) decides
+    assert g.state()["samples"] == 2 and g.dropped_samples == 0

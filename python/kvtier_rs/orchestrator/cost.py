@@ -19,7 +19,9 @@ What a measurement may move (`observe`):
   included) is a lower bound on the hop's bandwidth: an estimate below it is raised toward it,
   as by a measurement. Otherwise (or when nothing moved) it is skipped and counted
   (`observations_skipped`). Without this, fast transfers were all skipped and slow ones all
-  counted, so the estimate could only fall.
+  counted, so the estimate could only fall;
+- a transfer whose time is so small that bytes / seconds overflows to inf is skipped and counted
+  too: an infinite measurement would make the estimate infinite for good.
 
 A tier the model refuses is not loaded from, so nothing would ever measure it again: one slow
 spell would switch it off for good. So a refused tier is probed: at most one load every
@@ -29,6 +31,7 @@ is measured like any other.
 
 from __future__ import annotations
 
+import math
 import numbers
 import time
 from collections.abc import Callable, Mapping
@@ -66,8 +69,8 @@ class CostModel:
     clock: Callable[[], float] = field(default=time.monotonic, repr=False)
     #: measurements refused as NaN, inf or negative (see the module docstring).
     observations_dropped: int = field(default=0, init=False)
-    #: measurements that carried no bandwidth information (nothing moved, or within 2x latency_s
-    #: and no faster than the estimate).
+    #: measurements that carried no bandwidth information (nothing moved, within 2x latency_s
+    #: and no faster than the estimate, or a time too small for bytes / seconds to be finite).
     observations_skipped: int = field(default=0, init=False)
     #: loads let through to re-measure a tier refused for cost.
     probes: int = field(default=0, init=False)
@@ -107,6 +110,11 @@ class CostModel:
             measured = at_least
         else:
             measured = nbytes / (seconds - fixed)
+        if measured == math.inf:
+            # A positive time so small that bytes / seconds overflows (a timer glitch): folded in,
+            # the average would be inf for good (no measurement lowers it), the hop free forever.
+            self.observations_skipped += 1
+            return
         self.bandwidth[hop] = (1 - self.alpha) * self.bandwidth[hop] + self.alpha * measured
 
     def load_seconds(self, tier: str, n_blocks: int) -> float:

@@ -44,7 +44,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtier_rs.checks import check_count, check_number, usable_sample
+from kvtier_rs._core import InvalidArgumentError
+from kvtier_rs.checks import check_count, check_number, show, usable_sample
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,8 @@ class SloGuard:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
+        if not isinstance(rule, GuardRule):  # else the first record() or state() raises AttributeError
+            raise InvalidArgumentError(f"invalid argument `rule`: expected a GuardRule, got {show(rule)}")
         self.tier = tier
         self.rule = rule
         self._clock = clock
@@ -126,16 +129,23 @@ class SloGuard:
         return self._over < min(self.MIN_SLOW, self.rule.min_samples) or 100 * self._over <= len(self._samples) - 101
 
     # ---- engine thread ----------------------------------------------------------------------
-    def record(self, latency_s: float) -> None:
-        """One promotion's latency, when it completes. Never raises for a bad number (dropped
-        and counted); a non-number is the caller's bug (InvalidArgumentError)."""
+    def record(self, latency_s: float, started_s_ago: float | None = None) -> None:
+        """One promotion's latency, when it completes. `started_s_ago`: how long before now the
+        promotion started; by default `latency_s` (it ended just now). A caller that notices a
+        completion later than it happened gives it: the latency alone would make a promotion in
+        flight at a trip, noticed after probation began, look as if it started after the trip.
+        Never raises for a bad number (dropped and counted); a non-number is the caller's bug
+        (InvalidArgumentError)."""
         ok = usable_sample(latency_s, "latency_s")
+        ago = latency_s  # a bad age (NaN, negative) falls back to this: the latency is still good
+        if started_s_ago is not None and usable_sample(started_s_ago, "started_s_ago") and ok:
+            ago = max(started_s_ago, latency_s)
         with self._lock:
             if not ok:
                 self.dropped_samples += 1
                 return
             now = self._clock()
-            if self._bypassed(now) or now - latency_s < self._tripped_at:
+            if self._bypassed(now) or now - ago < self._tripped_at:
                 return  # in flight when the guard tripped: not a sample of the tier on probation
             self._samples.append((now, latency_s))
             if self._slow(latency_s):

@@ -27,7 +27,7 @@ import contextlib
 import itertools
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -205,11 +205,24 @@ class TierOrchestrator:
     ) -> None:
         if engine.pool is not host.pool:
             raise InvalidArgumentError("invalid argument `engine`: it must copy into this host tier's pool")
+        if guards is not None and not isinstance(guards, Mapping):
+            raise InvalidArgumentError(
+                f"invalid argument `guards`: expected a dict of tier -> GuardRule, got {show(guards)}"
+            )
         unknown = set(guards or {}) - set(TIERS)
         if unknown:
             raise InvalidArgumentError(
-                f"invalid argument `guards`: unknown tiers {sorted(unknown)}; expected cpu, disk"
+                f"invalid argument `guards`: unknown tiers {sorted(map(str, unknown))}; expected cpu, disk"
             )
+        # Checked here: a rule given as its fields (a dict) or a number was taken before, and the
+        # first poll(), plan() or stats() raised a bare AttributeError on the engine thread.
+        for tier, rule in (guards or {}).items():
+            if not isinstance(rule, GuardRule):
+                raise InvalidArgumentError(
+                    f"invalid argument `guards[{tier!r}]`: expected a GuardRule, got {show(rule)}"
+                )
+        if cost is not None and not isinstance(cost, CostModel):
+            raise InvalidArgumentError(f"invalid argument `cost`: expected a CostModel or None, got {show(cost)}")
         in_flight = self._in_flight_limits(max_promotions_in_flight)
         max_disk_write_backlog = check_count("max_disk_write_backlog", max_disk_write_backlog)
         #: A bound load whose disk read is still in flight this long after bind gives up its
@@ -710,12 +723,14 @@ class TierOrchestrator:
         ld.disk.keys = []
         self._maybe_finish(ld)
 
-    def _guard_sample(self, tier: str, part: _Copies, waited: float) -> None:
+    def _guard_sample(self, tier: str, ld: _Load, part: _Copies, waited: float) -> None:
         """A finished promotion's wait, for the tier's guard, unless it was taken already while
-        the promotion was stalled."""
+        the promotion was stalled. With its age (since bind, now): `waited` ends at the copy's
+        completion, maybe long before this poll, and the guard tells a load that was in flight
+        at a trip by when it started."""
         guard = self.guards.get(tier)
         if guard is not None and not part.stall_recorded:
-            guard.record(waited)
+            guard.record(waited, started_s_ago=time.perf_counter() - ld.bound_at)
 
     def _on_transfer(self, r: TransferResult) -> None:
         if r.direction == "d2h":
@@ -771,10 +786,15 @@ class TierOrchestrator:
                 self.latency[f"{tier}_load"].observe(elapsed)
             # A failed load cost the engine its wait too: the guard sees it (the histogram
             # is of loads that landed; failures are counted in load_failed).
-            self._guard_sample(tier, part, elapsed)
+            self._guard_sample(tier, ld, part, elapsed)
         self._maybe_finish(ld)
 
     def _on_promotion(self, p: Any) -> None:
+        # Every read measures the disk hop, also one no load waits for any more (released, or
+        # given up after disk_read_timeout_s): those are the slowest reads, and a disk whose
+        # reads all outlast the timeout would otherwise never be measured at all.
+        if self.cost is not None:
+            self.cost.observe("disk", p.bytes, p.seconds)
         request_id = self._read_owner.pop(p.job_id, None)
         if request_id is None and self._orphan_reads.get(tuple(p.keys)) == p.job_id:
             del self._orphan_reads[tuple(p.keys)]  # landed in the CPU tier, owned by no load
@@ -782,12 +802,10 @@ class TierOrchestrator:
         if ld is None:
             return
         ld.disk_read = None
-        if self.cost is not None:
-            self.cost.observe("disk", p.bytes, p.seconds)
         if p.ok_prefix == 0 and ld.bound:
             # The read failed while the engine waited on it: a sample for the guard, from the
             # destinations on to the read's end (it started at reserve time).
-            self._guard_sample("disk", ld.disk, max(0.0, ld.started + p.seconds - ld.bound_at))
+            self._guard_sample("disk", ld, ld.disk, max(0.0, ld.started + p.seconds - ld.bound_at))
         ld.disk.keys = ld.disk.keys[: p.ok_prefix]
         if not ld.disk.keys or ld.cpu.failed:
             ld.disk.keys = []
