@@ -881,3 +881,48 @@ def test_a_hung_disk_trips_its_guard_and_its_loads_give_up_on_it(tmp_path):
     orch.drain()
     assert all(orch.host.index.lookup_prefix(c) == 1 for c in chains), "the late reads landed in the CPU tier"
     assert all(pins == 0 for _, _, pins, _ in orch.host.index.entries())
+
+
+def given_up_one_at_a_time(tmp_path, n_loads, **kw):
+    """Disk-resident chains loaded one request at a time from a disk whose reads hang, each
+    given up after disk_read_timeout_s before the next arrives (a modest request rate): their
+    reads stay in flight, owned by no load. Returns the orchestrator and the chains left."""
+    orch, _, _ = make(tmp_path, random.Random(22), cpu_blocks=8, disk_read_timeout_s=0.05, **kw)
+    chains = [[f"c{i}".encode()] for i in range(n_loads + 1)]
+    for i, c in enumerate(chains):
+        orch.offload(c, [i])
+        orch.drain()
+    orch.offload([f"push{i}".encode() for i in range(8)], list(range(8, 16)))
+    orch.drain()
+    assert all(orch.host.index.lookup_prefix(c) == 0 and orch.stager.disk.lookup_prefix(c) == 1 for c in chains)
+    orch.stager.disk = HungReads(orch.stager.disk)
+    for i, c in enumerate(chains[:n_loads]):
+        orch.load(c, [20 + i], request_id=i)
+        time.sleep(0.06)  # past disk_read_timeout_s (and any guard threshold below it)
+        (res,) = orch.poll()
+        assert (res.request_id, res.loaded_disk, res.failed) == (i, 0, 1)
+    return orch, chains[n_loads:]
+
+
+def test_reads_given_up_on_a_hung_disk_count_against_its_back_pressure(tmp_path):
+    """A read a load gave up on still holds a CPU staging slot and the disk's queue: counted as
+    a promotion in flight. Before, they were not, so at one request at a time every load waited
+    out the timeout and the hung reads piled up without bound, each holding a CPU slot."""
+    orch, (left,) = given_up_one_at_a_time(tmp_path, 4, max_promotions_in_flight={"disk": 4})
+    assert orch.plan(left, count=False).refused == {"disk": {"backpressure": 1}}
+    orch.stager.disk.release = True
+    orch.drain()
+    assert orch.plan(left, count=False).load_disk == 1, "the landed reads no longer count"
+
+
+def test_a_hung_disk_at_one_request_at_a_time_trips_its_guard(tmp_path):
+    """One stall sample per load (4 here, below the 20 a trip needs) and one load in flight at a
+    time: the reads given up on are what fill the tier's cap of promotions in flight, all of them
+    stalled, which trips the guard outright. Before, they counted for nothing: the guard stayed
+    active and every later request with disk hits waited out the timeout."""
+    orch, (left,) = given_up_one_at_a_time(
+        tmp_path, 4, max_promotions_in_flight={"disk": 4}, guards={"disk": GuardRule(p99_ms=5)}
+    )
+    guard = orch.guards["disk"].state()
+    assert guard["state"] == "bypassed" and guard["trips"] == 1, guard
+    assert orch.plan(left, count=False).refused == {"disk": {"guard": 1}}

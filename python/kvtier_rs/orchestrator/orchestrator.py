@@ -245,8 +245,10 @@ class TierOrchestrator:
         self._loads: dict[Any, _Load] = {}
         self._job_owner: dict[int, Any] = {}  # engine h2d job -> request id
         self._read_owner: dict[int, Any] = {}  # disk read job -> request id
-        # Reads of released reservations still in flight: chain -> job.
-        self._orphan_reads: dict[tuple[Key, ...], int] = {}
+        # Reads still in flight that no load owns (its reservation was released, or its load gave
+        # up on it): chain -> (job, when the read started). Still promotions in flight: each
+        # holds CPU staging slots and the disk's queue (back-pressure and stalls count them).
+        self._orphan_reads: dict[tuple[Key, ...], tuple[int, float]] = {}
         self._done: list[LoadResult] = []
         self.counts: Counter[str] = Counter()
         self.latency = {
@@ -399,7 +401,7 @@ class TierOrchestrator:
         loads = list(self._loads.values())
         if tier == "cpu":
             return sum(1 for ld in loads if ld.cpu.jobs)
-        return sum(1 for ld in loads if ld.disk_read is not None or ld.disk.jobs)
+        return sum(1 for ld in loads if ld.disk_read is not None or ld.disk.jobs) + len(self._orphan_reads)
 
     # ---- load ----------------------------------------------------------------------------
     def load(
@@ -496,7 +498,7 @@ class TierOrchestrator:
         if ld.disk_read is not None:
             # The read runs on; a reservation of the same chain before it lands takes it over.
             self._read_owner.pop(ld.disk_read, None)
-            self._orphan_reads[tuple(ld.disk.keys)] = ld.disk_read
+            self._orphan_reads[tuple(ld.disk.keys)] = (ld.disk_read, ld.started)
         self.counts["load_released_blocks"] += ld.reserved
         del self._loads[request_id]
 
@@ -562,9 +564,8 @@ class TierOrchestrator:
             ld.disk.keys = rest[plan.load_cpu : plan.load_cpu + plan.load_disk]
             # The same chain's read, started for a reservation that was given back and still in
             # flight (a request asked again), is taken over: its slots are held, its read runs on.
-            job = self._orphan_reads.pop(tuple(ld.disk.keys), None)
-            if job is None:
-                job = self.stager.promote(ld.disk.keys)
+            orphan = self._orphan_reads.pop(tuple(ld.disk.keys), None)
+            job = self.stager.promote(ld.disk.keys) if orphan is None else orphan[0]
             if job is None:
                 ld.result.unreserved = len(ld.disk.keys)  # no CPU slot to stage through: recomputed
                 ld.disk.keys = []
@@ -691,6 +692,15 @@ class TierOrchestrator:
         now = time.perf_counter()
         stalled: dict[str, list[float]] = {tier: [] for tier in TIERS}
         in_flight: dict[str, int] = dict.fromkeys(TIERS, 0)
+        # Reads no load waits for any more are no samples (nobody waited on them), but they are
+        # promotions in flight: on a hung disk at a modest request rate, the reads given up on
+        # are what fill the cap (one load at a time never would).
+        # Counted before the loads below, whose reads given up on here are counted as theirs.
+        disk_guard = self.guards.get("disk")
+        for _, started in list(self._orphan_reads.values()):
+            in_flight["disk"] += 1
+            if disk_guard is not None and now - started > disk_guard.threshold_s:
+                stalled["disk"].append(now - started)
         for ld in list(self._loads.values()):
             waited = now - (ld.bound_at if ld.bound else ld.started)
             for tier, part, busy in (
@@ -718,7 +728,7 @@ class TierOrchestrator:
         assert ld.disk_read is not None
         job, ld.disk_read = ld.disk_read, None
         self._read_owner.pop(job, None)
-        self._orphan_reads[tuple(ld.disk.keys)] = job
+        self._orphan_reads[tuple(ld.disk.keys)] = (job, ld.started)
         self.counts["disk_read_timeout_blocks"] += len(ld.disk.keys)
         ld.disk.keys = []
         self._maybe_finish(ld)
@@ -796,7 +806,7 @@ class TierOrchestrator:
         if self.cost is not None:
             self.cost.observe("disk", p.bytes, p.seconds)
         request_id = self._read_owner.pop(p.job_id, None)
-        if request_id is None and self._orphan_reads.get(tuple(p.keys)) == p.job_id:
+        if request_id is None and self._orphan_reads.get(tuple(p.keys), (None,))[0] == p.job_id:
             del self._orphan_reads[tuple(p.keys)]  # landed in the CPU tier, owned by no load
         ld = self._loads.get(request_id)
         if ld is None:
