@@ -167,7 +167,22 @@ def check_job_timing(blocks: int = 64, row: int = 1 << 20, late_s: float = 0.05)
         torch.cuda.synchronize()
         time.sleep(late_s)
         [r] = eng.wait([job])
-    return {"late_poll_s": late_s, "late_polled_load_seconds": r.seconds}
+        # Ordered after a busy compute stream, its copies start when that work is done: the job
+        # counts the wait, and started_at..finished_at its copies alone (the cost model's span).
+        compute = torch.cuda.Stream()
+        with torch.cuda.stream(compute):
+            a = torch.randn(4096, 4096, device="cuda")
+            for _ in range(20):
+                a = torch.tanh(a @ a)
+        t0 = time.perf_counter()
+        [ordered] = eng.wait([eng.load(list(range(blocks)), list(range(blocks)), after_stream=compute)])
+    return {
+        "late_poll_s": late_s,
+        "late_polled_load_seconds": r.seconds,
+        "ordered_load_wait_s": ordered.started_at - t0,
+        "ordered_load_copy_s": ordered.finished_at - ordered.started_at,
+        "ordered_load_seconds": ordered.seconds,
+    }
 
 
 def time_cuda(fn, repeats: int = 5) -> float:
@@ -299,6 +314,7 @@ def main() -> None:
         "overlaps_compute": out["overlap_fraction"] > 0.5,
         "ordering": bool(out["store_after_compute"] and out["load_before_compute"]),
         "jobs_timed_to_completion": out["late_polled_load_seconds"] < out["late_poll_s"] / 2,
+        "copies_timed_from_their_start": out["ordered_load_copy_s"] <= 2 * out["late_polled_load_seconds"] + 1e-3,
     }
     for k, v in out.items():
         log(f"{k:>32}: {v}")

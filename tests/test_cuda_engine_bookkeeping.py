@@ -136,7 +136,11 @@ class StandInRuntime:
         return OK, (self.recorded_at[end] - self.recorded_at[start]) * 1e3
 
     def cudaStreamWaitEvent(self, stream, ev, flags):
-        return (self._live("cudaStreamWaitEvent", ev),)
+        err = self._live("cudaStreamWaitEvent", ev)
+        if err == OK:
+            # The stream's later work starts once the event has completed.
+            self.busy_until[stream] = max(self.busy_until.get(stream, 0.0), self.recorded_at.get(ev, 0.0))
+        return (err,)
 
     def cudaEventQuery(self, ev):
         hook, self.on_query = self.on_query, None
@@ -432,3 +436,23 @@ def test_the_engine_leaves_the_callers_current_device_as_it_found_it(runtime):
     eng.close()
     assert runtime.current[me] == 0, "close() left device 1 current"
     assert runtime.misuse == []
+
+
+def test_a_job_ordered_after_a_busy_stream_says_when_its_copies_started(runtime):
+    """The copies of a load ordered after the compute stream start once the step queued there is
+    done (100 ms here): the job's time from submission holds that wait, and `started_at` says when
+    its own copies (two of 10 ms) began, which is what a bandwidth is measured over."""
+    compute = 999  # a stream of the engine's caller
+    pool = host_pool()
+    with engine(pool) as eng:
+        runtime.copy_seconds = 0.01
+        t0 = time.perf_counter()
+        runtime.busy_until[compute] = t0 + 0.1
+        load = eng.load([0], [1], after_stream=compute)
+        time.sleep(0.3)
+        [r] = eng.poll()
+        assert r.job_id == load and r.success
+        assert r.seconds >= 0.1 and r.started_at - t0 >= 0.1, (r.seconds, r.started_at - t0)
+        assert 0.02 <= r.finished_at - r.started_at < 0.05, r.finished_at - r.started_at
+        assert job_events(runtime, eng) == set() and runtime.misuse == [], "the start event outlived its job"
+    assert runtime.events == set()

@@ -361,9 +361,10 @@ def test_a_copy_within_twice_the_fixed_latency_carries_no_bandwidth_information(
 
 # ---- 5. region groups: one observation per part ----------------------------------------------------
 class QueuedEngine(CpuTransferEngine):
-    """Reports each load job as a FIFO copy engine would: job k of a burst finishes `per_job`
-    seconds after job k-1, so its seconds since submission include the queueing behind the
-    earlier ones. The copies themselves are real, inline, so a whole burst is in one poll."""
+    """Reports each load job as a FIFO copy engine would: job k of a burst starts copying when
+    job k-1 is done and takes `per_job` seconds, so its seconds since submission include the
+    queueing behind the earlier ones. The copies themselves are real, inline, so a whole burst
+    is in one poll."""
 
     per_job = 1e-3
 
@@ -372,9 +373,13 @@ class QueuedEngine(CpuTransferEngine):
 
     def poll(self):
         out = super().poll()
-        loads = sorted((r for r in out if r.direction == "h2d"), key=lambda r: r.job_id)
-        first = {id(r): i for i, r in enumerate(loads)}
-        return [dataclasses.replace(r, seconds=(first[id(r)] + 1) * self.per_job) if id(r) in first else r for r in out]
+        timed, end = {}, -math.inf
+        for r in sorted((r for r in out if r.direction == "h2d"), key=lambda r: r.job_id):
+            submitted = r.finished_at - r.seconds
+            start = max(r.started_at, end)
+            end = start + self.per_job
+            timed[id(r)] = dataclasses.replace(r, started_at=start, finished_at=end, seconds=end - submitted)
+        return [timed.get(id(r), r) for r in out]
 
 
 class SpyCost(CostModel):
@@ -410,14 +415,41 @@ def test_a_load_split_into_region_groups_is_one_observation_of_all_its_bytes(lay
     # The burst took `layers` job times back to back, as one job of the same bytes would report;
     # per-job folding saw job k as k+1 job times for 1/layers of the bytes.
     burst = layers * QueuedEngine.per_job
-    assert burst <= seconds <= burst + res.seconds
+    assert burst - 1e-9 <= seconds <= burst + res.seconds  # (a + d) - a may round below d
     assert spy.bandwidth["cpu"] == pytest.approx(0.8 * 10e9 + 0.2 * nbytes / seconds)
     # A load of the same bytes as one job reads the same bandwidth as the per-layer burst.
     spy.calls.clear()
     orch.load(keys, list(range(16, 24)), request_id="whole")
     orch.drain()
     ((_, whole_bytes, whole_s),) = spy.calls
-    assert whole_bytes == nbytes and whole_s >= QueuedEngine.per_job
+    assert whole_bytes == nbytes and whole_s >= QueuedEngine.per_job - 1e-9
+
+
+def test_the_cost_model_measures_a_load_from_when_its_copies_started():
+    """A load queued behind other work (here a store whose copy holds the CPU engine's copy
+    thread for 0.2 s; on a GPU, the step its copies are ordered after) waits before its copies
+    start. That wait is the engine's latency, not the hop's bandwidth: counted from the
+    submission, a busy engine read as a slow hop and the cost model refused loads that paid."""
+
+    class HeldStores(CpuTransferEngine):
+        hold_s = 0.0
+
+        def copy_now(self, direction, block_ids, slots, sub_blocks=None, regions=None):
+            if direction == "d2h":
+                time.sleep(self.hold_s)
+            super().copy_now(direction, block_ids, slots, sub_blocks, regions)
+
+    spy = SpyCost(prefill_tokens_per_s=1.0, tokens_per_block=16, block_bytes=4096)
+    orch = orchestrator(engine_cls=HeldStores, cost=spy)
+    orch.offload([b"a", b"b"], [0, 1])
+    orch.drain()
+    orch.engine.hold_s = 0.2
+    orch.offload([b"c"], [2])  # its copy holds the copy thread
+    orch.load([b"a", b"b"], [8, 9], request_id="r")  # queued behind it
+    (res,) = orch.drain()
+    assert res.loaded_cpu == 2 and res.seconds >= 0.2, "the load waited for the store"
+    ((hop, _, seconds),) = spy.calls
+    assert hop == "cpu" and seconds < 0.1, f"the cost model measured the wait: {seconds:.3f} s"
 
 
 def test_a_failed_part_measures_nothing():

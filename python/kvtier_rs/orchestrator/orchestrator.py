@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -125,16 +126,20 @@ class _Copies:
     """The host -> device copies of one part of a load (the CPU hits, or the disk hits once
     promoted): one engine job per region group, so a per-layer wait can return early.
 
-    The part is one transfer for the cost model: its bytes over the time from its first job's
-    submission to its last job's completion. Each job's own `seconds` runs from its submission,
-    so a later group's includes the time it queued behind the earlier ones; folding jobs in one
-    by one would read 32 layers copied back to back as 32 slow copies."""
+    The part is one transfer for the cost model: its bytes over the time from when its first
+    job's copies started to its last job's completion. Each job's own `seconds` runs from its
+    submission, so a later group's includes the time it queued behind the earlier ones; folding
+    jobs in one by one would read 32 layers copied back to back as 32 slow copies. And the
+    copies start only once the compute stream they were ordered after is done with the step in
+    flight: counted from the submission, a busy step read as a slow hop, and the cost model
+    refused loads that would have paid."""
 
     keys: list[Key] = field(default_factory=list)
     jobs: dict[int, tuple[int, float]] = field(default_factory=dict)  # job id -> (group, submitted)
     done_groups: set[int] = field(default_factory=set)
     failed: bool = False
     started: float = 0.0  # perf_counter before the first job was submitted
+    copies_started: float = math.inf  # earliest start of the jobs' copies (TransferResult.started_at)
     finished: float = 0.0  # latest completion among the jobs that landed (or failed)
     bytes: int = 0  # copied by the jobs that landed
     # The SLO guard already took this part as a slow sample while it was still in flight
@@ -769,8 +774,9 @@ class TierOrchestrator:
             return
         self.counts["h2d_bytes"] += r.bytes
         part, tier = (ld.cpu, "cpu") if r.job_id in ld.cpu.jobs else (ld.disk, "disk")
-        group, submitted = part.jobs.pop(r.job_id)
-        part.finished = max(part.finished, submitted + r.seconds)
+        group, _ = part.jobs.pop(r.job_id)
+        part.finished = max(part.finished, r.finished_at)
+        part.copies_started = min(part.copies_started, r.started_at)
         if r.success:
             part.done_groups.add(group)
             part.bytes += r.bytes
@@ -786,9 +792,9 @@ class TierOrchestrator:
             elapsed = part.finished - ld.bound_at
             if not part.failed:
                 if self.cost is not None:
-                    # One host -> device transfer: all its bytes over first submission to last
+                    # One host -> device transfer: all its bytes over first copy start to last
                     # completion (see _Copies). A failed part measures nothing.
-                    self.cost.observe("cpu", part.bytes, part.finished - part.started)
+                    self.cost.observe("cpu", part.bytes, max(0.0, part.finished - part.copies_started))
                 if tier == "cpu":
                     ld.result.loaded_cpu = len(part.keys)
                 else:

@@ -25,6 +25,14 @@ class TransferResult:
     bytes: int
     seconds: float
     error: str | None = None
+    #: perf_counter time at which the job's copies started: on a device, once the work they were
+    #: ordered after (`after_stream`) and the copies queued before them had finished; on the CPU
+    #: engine, when its copy thread took the job. The submission time when the engine cannot tell.
+    #: A hop's bandwidth is bytes over the time from here to completion: `seconds` (from the
+    #: submission) also holds the waits, which say nothing about the hop.
+    started_at: float = 0.0
+    #: perf_counter time at which its copies completed (submission + `seconds`).
+    finished_at: float = 0.0
 
 
 @dataclass
@@ -157,12 +165,21 @@ class TransferEngine(ABC):
                 self._progress.notify_all()
         return job.job_id
 
-    def _finish(self, job: _Job, error: str | None = None, *, finished_at: float | None = None) -> None:
+    def _finish(
+        self,
+        job: _Job,
+        error: str | None = None,
+        *,
+        finished_at: float | None = None,
+        started_at: float | None = None,
+    ) -> None:
         """Report a job done. `finished_at` (perf_counter time) is when its copies completed,
         for an engine that learns of completions later (the CUDA engine, at its next poll):
-        without it the job is timed to now, which would time the caller's polling instead."""
+        without it the job is timed to now, which would time the caller's polling instead.
+        `started_at`: when its copies started (see TransferResult.started_at)."""
         now = time.perf_counter()
         end = now if finished_at is None else min(max(finished_at, job.submitted), now)
+        start = job.submitted if started_at is None else min(max(started_at, job.submitted), end)
         result = TransferResult(
             job_id=job.job_id,
             direction=job.direction,
@@ -171,6 +188,8 @@ class TransferEngine(ABC):
             bytes=job.num_blocks * self.layout.region_bytes(job.regions) if error is None else 0,
             seconds=end - job.submitted,
             error=error,
+            started_at=start,
+            finished_at=end,
         )
         with self._lock:
             # Once only: close() may already have reported a job it gave up on as failed, and

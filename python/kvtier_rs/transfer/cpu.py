@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -101,6 +102,7 @@ class CpuTransferEngine(TransferEngine):
             self._copy_job(*item)
 
     def _copy_job(self, job: _Job, block_ids: list[int], slots: list[int]) -> None:
+        started = time.perf_counter()  # after any wait in the queue, behind earlier jobs
         try:
             if job.sub_blocks is None and job.regions is None:
                 # The original call shape, so subclasses that override copy_now with the
@@ -109,9 +111,9 @@ class CpuTransferEngine(TransferEngine):
             else:
                 self.copy_now(job.direction, block_ids, slots, job.sub_blocks, job.regions)
         except Exception as e:  # noqa: BLE001 - reported through poll()
-            self._finish(job, f"{type(e).__name__}: {e}")
+            self._finish(job, f"{type(e).__name__}: {e}", started_at=started)
         else:
-            self._finish(job)
+            self._finish(job, started_at=started)
 
     def _shutdown(self) -> None:
         # The sentinel queues behind every job already submitted (close() lets no new one in

@@ -216,7 +216,7 @@ class CudaTransferEngine(TransferEngine):
         # as soon as it is recorded.
         self._clock_stream = made[2]
         self._clock: _ClockRef | None = None
-        self._events: dict[int, tuple[_Job, Any, _ClockRef | None]] = {}
+        self._events: dict[int, tuple[_Job, Any, _ClockRef | None, Any | None]] = {}  # done, ref, start
         #: Job id -> threads blocked in cudaEventSynchronize on its event (wait(), outside the
         #: lock), and the events of such jobs collected meanwhile: the last blocked thread
         #: destroys those, as destroying an event a thread is synchronizing on is a call on a
@@ -317,6 +317,10 @@ class CudaTransferEngine(TransferEngine):
             job.sub_blocks,
             job.regions,
         )
+        # When the copies start: after what they wait for (the compute stream, earlier jobs on
+        # this stream), which the job's time from submission also holds. Only with a clock
+        # reference to read it against; without one the job counts from its submission.
+        start = self._timing_event(stream) if ref is not None else None
         try:
             # An empty job copies nothing; a batch of no copies is refused (numAttrs must not
             # exceed count), and that refusal would turn the batch call off for every later job.
@@ -326,16 +330,34 @@ class CudaTransferEngine(TransferEngine):
         except KvTierError:
             # Copies issued before the failure still run and would write slots or blocks the
             # caller reuses once told the job failed: let them finish first.
+            self._destroy(start)  # allowed while recorded work is pending (CUDA frees it after)
             check(rt, "cudaStreamSynchronize", rt.cudaStreamSynchronize(stream))
             raise
         try:
             check(rt, "cudaEventRecord", rt.cudaEventRecord(done, stream))
         except KvTierError:
             rt.cudaEventDestroy(done)
+            self._destroy(start)  # allowed while recorded work is pending (CUDA frees it after)
             check(rt, "cudaStreamSynchronize", rt.cudaStreamSynchronize(stream))
             raise
         with self._lock:
-            self._events[job.job_id] = (job, done, ref)
+            self._events[job.job_id] = (job, done, ref, start)
+
+    def _timing_event(self, stream: Any) -> Any | None:
+        """A timing event recorded on `stream` now, or None if CUDA refuses it (the job is then
+        counted from its submission: a timing detail, not a reason to fail the copy)."""
+        rt = self._rt
+        err, ev = rt.cudaEventCreateWithFlags(rt.cudaEventDefault)
+        if int(err) != 0:
+            return None
+        if int(rt.cudaEventRecord(ev, stream)[0]) != 0:
+            rt.cudaEventDestroy(ev)
+            return None
+        return ev
+
+    def _destroy(self, ev: Any | None) -> None:
+        if ev is not None:
+            self._rt.cudaEventDestroy(ev)
 
     def _take_clock_ref(self) -> _ClockRef | None:
         """The clock reference a new job is timed against, held until the job is collected
@@ -382,21 +404,24 @@ class CudaTransferEngine(TransferEngine):
         with self._lock:
             # Events are queried and destroyed only here, under the lock (cudaEventQuery does
             # not block), so a concurrent poll never uses one after it was destroyed.
-            for job_id, (job, ev, ref) in list(self._events.items()):
+            for job_id, (job, ev, ref, start) in list(self._events.items()):
                 err = rt.cudaEventQuery(ev)[0]
                 if int(err) == int(rt.cudaError_t.cudaErrorNotReady):
                     continue
                 del self._events[job_id]
                 at = self._completed_at(ref, ev) if int(err) == 0 else None
+                # The start event precedes `ev` on its stream, so it has completed too.
+                started = self._completed_at(ref, start) if int(err) == 0 and start is not None else None
+                self._destroy(start)
                 if self._syncing.get(job_id):
                     self._orphans[job_id] = ev  # destroyed by the last thread blocked on it
                 else:
                     rt.cudaEventDestroy(ev)
                 self._release_ref(ref)
-                done.append((job, err, at))
-        for job, err, at in done:
+                done.append((job, err, at, started))
+        for job, err, at, started in done:
             if int(err) == 0:
-                self._finish(job, finished_at=at)
+                self._finish(job, finished_at=at, started_at=started)
             else:
                 self._finish(job, f"cudaEventQuery: {getattr(err, 'name', err)}")
 
