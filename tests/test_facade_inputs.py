@@ -174,3 +174,24 @@ def test_host_tier_slot_views_name_a_bad_slot(slot, exc):
     tier = kv.HostTier(kv.TierConfig(8 * 4096, 4096))
     with pytest.raises(exc, match="`slot`"):
         tier.slot_array(slot)
+
+
+@pytest.mark.parametrize("config", [{"capacity_bytes": 8 * 4096, "block_bytes": 4096}, None, 4096])
+def test_host_tier_refuses_a_config_that_is_not_a_tier_config(config):
+    """HostTier(dict) was `AttributeError: 'dict' object has no attribute 'capacity_bytes'`."""
+    with pytest.raises(kv.InvalidArgumentError, match="invalid argument `config`: expected a TierConfig"):
+        kv.HostTier(config)
+
+
+def test_host_tier_store_takes_payloads_as_any_iterable():
+    """Keys could be any iterable, payloads had to have a len(): a generator of payloads was
+    `TypeError: object of type 'generator' has no len()`. Now listed once, as keys are."""
+    tier = kv.HostTier(kv.TierConfig(8 * 4096, 4096))
+    tier.store(iter([1, 2]), (block(k) for k in (1, 2)))
+    assert tier.read([1, 2]) == [block(1), block(2)]
+    # Not an iterable at all, or one payload where a list of them is expected: named.
+    with pytest.raises(kv.InvalidArgumentError, match="invalid argument `payloads`: expected a sequence"):
+        tier.store([3], 5)
+    with pytest.raises(kv.InvalidArgumentError, match="invalid argument `payloads`: .* single payload"):
+        tier.store([3], block(3))
+    assert tier.read([1, 2]) == [block(1), block(2)] and len(tier.index.entries()) == 2

@@ -535,3 +535,30 @@ def test_a_block_count_of_thousands_of_digits_is_a_one_line_error(tmp_path, caps
     with pytest.raises(PlanError, match="at most"):
         parse_size("1" + "0" * 4400 + "blocks", "--disk")
     assert parse_size("0" * 5000 + "7blocks", "--disk").value == 7
+
+
+@pytest.mark.parametrize("scope", ["Local", "GLOBAL", "", 1, None, ["local"], {"local": True}])
+def test_an_unknown_hash_id_scope_is_a_bad_conversation(tmp_path, scope):
+    """hash_id_scope is "local" (ids unique inside one conversation; the default when absent) or
+    "global". Anything else was taken as global, merging the ids of different conversations;
+    it is now refused naming the file and field, and --skip-bad skips that conversation."""
+    conv = {"block_size": 4, "requests": [{"t": 0, "in": 9, "hash_ids": [1, 2]}]}
+    p = tmp_path / "scope.json"
+    p.write_text(json.dumps([{**conv, "hash_id_scope": scope}, conv]))
+    with pytest.raises(TraceError) as e:
+        read_trace(p)
+    assert (e.value.where, e.value.field) == ("conversation 0", "hash_id_scope")
+    assert str(p) in str(e.value) and "expected 'local' or 'global'" in str(e.value)
+    d = read_trace(p, skip_bad=True)
+    assert (d.n_requests, d.skipped) == (1, 1)
+
+
+def test_hash_id_scope_local_global_and_absent(tmp_path):
+    conv = {"block_size": 4, "requests": [{"t": 0, "in": 9, "hash_ids": [1, 2]}]}
+    for scope, shared in (("local", False), (None, False), ("global", True)):
+        c = conv if scope is None else {**conv, "hash_id_scope": scope}
+        p = tmp_path / f"{scope}.json"
+        p.write_text(json.dumps([c, c]))
+        d = read_trace(p)
+        # Global ids name the same blocks in every conversation; local (the default) ones do not.
+        assert (list(d.keys[0:2]) == list(d.keys[2:4])) is shared

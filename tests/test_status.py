@@ -145,6 +145,27 @@ def test_implausible_metadata_is_refused_by_status_and_open_alike(tmp_path, fiel
     assert after == before, "the tier refused without touching metadata or slabs"
 
 
+@pytest.mark.parametrize("line", ["block_bytes=5", "block_bytes=12000", "num_files=2"])
+def test_metadata_with_a_repeated_key_is_refused_by_status_and_open_alike(tmp_path, line):
+    """A second `block_bytes=` line (appended, or a line duplicated) was ignored: status and open
+    both took the first value. A tier writes each key once, so the file is damaged."""
+    root = tmp_path / "t"
+    make_tier(root, "pool", blocks=4, num_files=2).close()
+    with open(root / "kvtier-disk.meta", "a") as f:
+        f.write(line + "\n")
+    before = snapshot(root)
+    key = line.split("=")[0]
+    want = f"kvtier-disk.meta.*damaged metadata \\({key}= is given more than once\\)"
+    with pytest.raises(DiskIoError, match=want):
+        disk_status(root)
+    with pytest.raises(DiskIoError, match=want):
+        make_tier(root, "pool", blocks=4)
+    after = snapshot(root)
+    for files in (before, after):
+        del files["kvtier-disk.lock"]
+    assert after == before, "the tier refused without touching metadata or slabs"
+
+
 def test_slots_past_the_end_of_short_slabs_are_counted_not_read(tmp_path):
     # Metadata claiming 100M slots a file over files of 4 slots: the scan reads only what the
     # files hold (it used to read every claimed slot, which never finished).

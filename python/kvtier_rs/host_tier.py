@@ -7,7 +7,7 @@ is entirely the Rust index's.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -15,11 +15,15 @@ import numpy as np
 from kvtier_rs._core import BlockIndex, HostPool, InvalidArgumentError, StoreOutcome
 from kvtier_rs.checks import integer, show
 from kvtier_rs.config import TierConfig
-from kvtier_rs.keys import Key, key_list
+from kvtier_rs.keys import Key, _as_list, key_list
 
 
 class HostTier:
     def __init__(self, config: TierConfig) -> None:
+        # Checked here: a dict (or anything else) failed below with a bare AttributeError
+        # ("'dict' object has no attribute 'capacity_bytes'") naming no argument.
+        if not isinstance(config, TierConfig):
+            raise InvalidArgumentError(f"invalid argument `config`: expected a TierConfig, got {show(config)}")
         self.config = config
         self.pool = HostPool(int(config.capacity_bytes), int(config.block_bytes))
         self.index = BlockIndex(
@@ -56,10 +60,14 @@ class HostTier:
 
         return torch.from_numpy(self.slot_array(slot))
 
-    def store(self, keys: Sequence[Key], payloads: Sequence[bytes | np.ndarray], **hint: Any) -> StoreOutcome:
+    def store(self, keys: Iterable[Key], payloads: Iterable[bytes | np.ndarray], **hint: Any) -> StoreOutcome:
         """Store whole blocks from host memory (a convenience path; engines write slots directly).
         Payloads are checked before the index is asked for slots, so bad input changes nothing."""
         keys = key_list(keys)
+        # Listed once, as keys are: any iterable was taken for keys while payloads needed a
+        # len() (a generator was a bare TypeError); one bytes payload where a list of them is
+        # expected is refused by name rather than iterated into ints.
+        payloads = _as_list(payloads, "payloads", "payload")
         if len(keys) != len(payloads):
             raise InvalidArgumentError(f"payloads: {len(payloads)} payloads for {len(keys)} keys")
         by_key: dict[Key, np.ndarray] = {}

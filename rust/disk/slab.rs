@@ -238,6 +238,16 @@ impl Meta {
         None
     }
 
+    /// The first key written on more than one line, if any. `render` writes each key once, so
+    /// a repeat (a line appended or duplicated) is damage, and which value was meant cannot be
+    /// told: `parse` alone would silently take the first.
+    fn repeated_key(text: &str) -> Option<&'static str> {
+        const KEYS: [&str; 5] = ["format", "block_bytes", "slots_per_file", "num_files", "dir_id"];
+        KEYS.into_iter().find(|name| {
+            text.lines().filter(|l| l.strip_prefix(name).is_some_and(|rest| rest.starts_with('='))).count() > 1
+        })
+    }
+
     /// Parse the metadata text; never evaluates anything, only integers by name.
     fn parse(text: &str) -> Option<Meta> {
         let get = |name: &str| -> Option<u64> {
@@ -273,6 +283,9 @@ impl Meta {
         let text = fs::read_to_string(&path).map_err(|e| KvError::io("read", &path, &e))?;
         let meta =
             Meta::parse(&text).ok_or_else(|| refuse("not a kvtier disk-tier metadata file (unknown format)".into()))?;
+        if let Some(key) = Meta::repeated_key(&text) {
+            return Err(refuse(format!("damaged metadata ({key}= is given more than once)")));
+        }
         match meta.implausible() {
             Some(why) => Err(refuse(format!("damaged metadata ({why})"))),
             None => Ok(Some(meta)),

@@ -234,6 +234,30 @@ fn reopen_with_other_geometry_names_the_argument() {
 }
 
 #[test]
+fn metadata_with_a_repeated_key_is_refused_by_open_and_status_alike() {
+    // A tier writes each key once: a second `block_bytes=` line (appended, or a line
+    // duplicated) was ignored and the first value silently used. Which one was meant cannot be
+    // told, so the file is damaged, refused by name like other damaged metadata.
+    for (key, line) in [("block_bytes", "block_bytes=5"), ("dir_id", "dir_id=7"), ("format", "format=1")] {
+        let dir = TempDir::new();
+        DiskTier::open(config(&dir, 4, EngineChoice::Pool)).unwrap().close().unwrap();
+        let meta = dir.0.join(slab::META_NAME);
+        let mut text = std::fs::read_to_string(&meta).unwrap();
+        text.push_str(line);
+        text.push('\n');
+        std::fs::write(&meta, &text).unwrap();
+        let want = format!("damaged metadata ({key}= is given more than once)");
+        let e = status::disk_status(&dir.0, false).err().unwrap();
+        assert!(matches!(e, KvError::Io { .. }), "{e}");
+        let e = e.to_string();
+        assert!(e.contains(slab::META_NAME) && e.contains(&want), "{e}");
+        let e = DiskTier::open(config(&dir, 4, EngineChoice::Pool)).err().unwrap().to_string();
+        assert!(e.contains(slab::META_NAME) && e.contains(&want), "{e}");
+        assert_eq!(std::fs::read_to_string(&meta).unwrap(), text, "the refused file is left as it was");
+    }
+}
+
+#[test]
 fn eviction_keeps_capacity_and_newest_copy_wins_after_restart() {
     let dir = TempDir::new();
     let h = host(4);

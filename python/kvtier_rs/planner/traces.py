@@ -31,6 +31,8 @@ U64 = (1 << 64) - 1
 # core's u64 sums over a trace of any size that fits in memory cannot overflow.
 MAX_TOKENS = 10**9
 MAX_BLOCK_SIZE = 1 << 20
+# kv-cache-tester's hash_id_scope values; absent means "local".
+HASH_ID_SCOPES = ("local", "global")
 # Auto-detection reads the first line up to this many bytes; a longer first line can only be
 # a whole JSON document (kv-cache-tester) written on one line.
 DETECT_BYTES = 16 << 20
@@ -366,7 +368,13 @@ def _read_tester(p: Path, block_size: int | None, skip_bad: bool, limit: int | N
         try:
             if not isinstance(d, dict) or not isinstance(d.get("requests"), list):
                 raise _Bad("requests", "expected an object with a list of requests")
-            convs.append((where, d, _int(d, "block_size", minimum=1, maximum=MAX_BLOCK_SIZE)))
+            conv_bs = _int(d, "block_size", minimum=1, maximum=MAX_BLOCK_SIZE)
+            # "local" (ids unique inside one conversation, the default when absent) or "global";
+            # anything else ("Local", 1, a list) was read as global, merging the ids of
+            # different conversations, so it is a bad conversation like any bad field.
+            if d.get("hash_id_scope", "local") not in HASH_ID_SCOPES:
+                raise _Bad("hash_id_scope", f"expected 'local' or 'global', got {show(d['hash_id_scope'])}")
+            convs.append((where, d, conv_bs))
         except _Bad as bad:
             _skip_or_raise(data, skip_bad, p, where, bad)
     if not convs:
