@@ -15,7 +15,7 @@ import numpy as np
 from kvtier_rs._core import BlockIndex, HostPool, InvalidArgumentError, StoreOutcome
 from kvtier_rs.checks import integer, show
 from kvtier_rs.config import TierConfig
-from kvtier_rs.keys import Key, _as_list, key_list
+from kvtier_rs.keys import Key, as_list, key_list
 
 
 class HostTier:
@@ -67,7 +67,7 @@ class HostTier:
         # Listed once, as keys are: any iterable was taken for keys while payloads needed a
         # len() (a generator was a bare TypeError); one bytes payload where a list of them is
         # expected is refused by name rather than iterated into ints.
-        payloads = _as_list(payloads, "payloads", "payload")
+        payloads = as_list(payloads, "payloads", "payload")
         if len(keys) != len(payloads):
             raise InvalidArgumentError(f"payloads: {len(payloads)} payloads for {len(keys)} keys")
         by_key: dict[Key, np.ndarray] = {}

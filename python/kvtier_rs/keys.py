@@ -17,7 +17,9 @@ Key = int | bytes
 _SINGLE = (bytes, bytearray, memoryview, str, numbers.Integral)
 
 
-def _as_list(values: Any, name: str, item: str) -> list[Any]:
+def as_list(values: Any, name: str, item: str) -> list[Any]:
+    """`values` (any iterable but a single value, see _SINGLE) as a new list, or an error naming
+    argument `name`, whose items are `item`s."""
     if isinstance(values, _SINGLE):
         raise InvalidArgumentError(
             f"invalid argument `{name}`: expected a sequence of {item}s, got a single {item} "
@@ -34,9 +36,9 @@ def _as_list(values: Any, name: str, item: str) -> list[Any]:
 def key_list(keys: Iterable[Key], name: str = "keys") -> list[Key]:
     """`keys` as a list; a single key (or any bytes-like or str object) is refused, as the Rust
     core's batch methods do. The keys themselves are checked by the core."""
-    return _as_list(keys, name, "key")
+    return as_list(keys, name, "key")
 
 
 def index_list(values: Iterable[int], name: str, item: str = "block id") -> list[int]:
     """`values` as a list of Python ints (`integer`)."""
-    return [integer(v, name, f"{item}s must be integers") for v in _as_list(values, name, item)]
+    return [integer(v, name, f"{item}s must be integers") for v in as_list(values, name, item)]
