@@ -118,3 +118,24 @@ def assert_back_to(before: tuple[list[str], int], what: str) -> None:
     while tier_threads_and_fds() != before and time.monotonic() < deadline:
         time.sleep(0.01)
     assert tier_threads_and_fds() == before, f"{what}: threads or fds leaked"
+
+
+class HeldReads:
+    """A disk tier whose read completions are held back (a stuck or slow device) until
+    `release` is set; everything else goes to the tier itself."""
+
+    def __init__(self, disk) -> None:
+        self._disk = disk
+        self.held: list = []
+        self.release = False
+
+    def __getattr__(self, name):
+        return getattr(self._disk, name)
+
+    def poll(self):
+        out = []
+        for r in self._disk.poll():
+            (out if r.kind != "read" else self.held).append(r)
+        if self.release:
+            out, self.held = out + self.held, []
+        return out

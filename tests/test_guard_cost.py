@@ -17,6 +17,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
+from _disk_util import HeldReads
 
 import kvtier_rs as kv
 from kvtier_rs.orchestrator import CostModel, GuardRule, LatencyRecorder, SloGuard, TierOrchestrator
@@ -632,26 +633,6 @@ def test_a_tier_refused_for_cost_is_probed_and_comes_back():
 
 
 # ---- 11. reads that no load waits for any more still measure the disk --------------------------
-class HeldReads:
-    """A disk tier whose read completions are held back (a slow device) until released."""
-
-    def __init__(self, disk) -> None:
-        self._disk = disk
-        self.held: list = []
-        self.release = False
-
-    def __getattr__(self, name):
-        return getattr(self._disk, name)
-
-    def poll(self):
-        out = []
-        for r in self._disk.poll():
-            (out if r.kind != "read" else self.held).append(r)
-        if self.release:
-            out, self.held = out + self.held, []
-        return out
-
-
 def test_a_disk_read_given_up_on_is_still_measured_by_the_cost_model(tmp_path, monkeypatch):
     """A load gives its disk part up after disk_read_timeout_s; its read lands later, owned by
     no load. Those are the slowest reads: if the cost model never sees them, a disk whose reads

@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from _disk_util import HeldReads
 
 import kvtier_rs as kv
 from kvtier_rs._core import DiskTier
@@ -824,26 +825,6 @@ def test_a_disk_hit_is_staged_through_the_cpu_tier_whatever_its_admission_rule(t
     assert torch.equal(ts[0][8], want[0]) and torch.equal(ts[0][9], want[1])
 
 
-class HungReads:
-    """A disk tier whose read completions are held back (a stuck device) until released."""
-
-    def __init__(self, disk) -> None:
-        self._disk = disk
-        self.held: list = []
-        self.release = False
-
-    def __getattr__(self, name):
-        return getattr(self._disk, name)
-
-    def poll(self):
-        out = []
-        for r in self._disk.poll():
-            (out if r.kind != "read" else self.held).append(r)
-        if self.release:
-            out, self.held = out + self.held, []
-        return out
-
-
 def test_a_hung_disk_trips_its_guard_and_its_loads_give_up_on_it(tmp_path):
     """Every disk read hangs. The guard needs 20 samples but back-pressure lets only 4 reads be
     in flight, so the stall samples alone could never trip it: a tier with all its allowed
@@ -864,7 +845,7 @@ def test_a_hung_disk_trips_its_guard_and_its_loads_give_up_on_it(tmp_path):
         orch.drain()
     orch.offload([f"push{i}".encode() for i in range(8)], list(range(8, 16)))
     orch.drain()
-    orch.stager.disk = HungReads(orch.stager.disk)
+    orch.stager.disk = HeldReads(orch.stager.disk)
     for i, c in enumerate(chains):
         orch.load(c, [20 + i], request_id=i)
     assert orch.plan([b"c0"], count=False).refused == {"disk": {"backpressure": 1}}
@@ -895,7 +876,7 @@ def given_up_one_at_a_time(tmp_path, n_loads, **kw):
     orch.offload([f"push{i}".encode() for i in range(8)], list(range(8, 16)))
     orch.drain()
     assert all(orch.host.index.lookup_prefix(c) == 0 and orch.stager.disk.lookup_prefix(c) == 1 for c in chains)
-    orch.stager.disk = HungReads(orch.stager.disk)
+    orch.stager.disk = HeldReads(orch.stager.disk)
     for i, c in enumerate(chains[:n_loads]):
         orch.load(c, [20 + i], request_id=i)
         time.sleep(0.06)  # past disk_read_timeout_s (and any guard threshold below it)

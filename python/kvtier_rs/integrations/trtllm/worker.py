@@ -188,18 +188,16 @@ class WorkerCore:
         # same blocks. (This used to raise, outside TensorRT-LLM's forward error handler, which
         # ended the executor loop after any failed step with a load.)
         self._retire_pending_loads()
-        deadline = time.monotonic() + self.options.load_timeout_s
-        while self._stale_loads:
-            self._collect(orch.poll())
-            if not self._stale_loads:
-                break
-            if time.monotonic() > deadline:
-                raise KvTierError(
+        if self._stale_loads:
+            self._poll_until(
+                orch,
+                lambda: not self._stale_loads,
+                lambda: (
                     f"kvtier: loads of an earlier, failed step (requests "
                     f"{sorted(s.request_id for s in self._stale_loads.values())}) still copying after "
                     f"{self.options.load_timeout_s} s; not starting a step whose blocks they may overwrite"
-                )
-            time.sleep(0.0002)
+                ),
+            )
         self._loads_done = True
         if meta is None:
             return
@@ -232,23 +230,20 @@ class WorkerCore:
         if self._loads_done:
             return
         orch = self.tiers.orchestrator
-        deadline = time.monotonic() + self.options.load_timeout_s
 
-        def layer_missing() -> bool:
-            # A load still in flight whose layer `layer_idx` has not landed yet.
-            return any((orch.groups_ready(rid) or 0) <= layer_idx for rid in self._pending_loads)
+        def layer_landed() -> bool:
+            # No load still in flight is missing layer `layer_idx`.
+            return all((orch.groups_ready(rid) or 0) > layer_idx for rid in self._pending_loads)
 
-        while True:
-            self._collect(orch.poll())
-            if not layer_missing():
-                break
-            if time.monotonic() > deadline:
-                raise KvTierError(
-                    f"kvtier: layer {layer_idx} of the loads for requests "
-                    f"{sorted(s.request_id for s in self._pending_loads.values())} "
-                    f"not in place after {self.options.load_timeout_s} s"
-                )
-            time.sleep(0.0002)
+        self._poll_until(
+            orch,
+            layer_landed,
+            lambda: (
+                f"kvtier: layer {layer_idx} of the loads for requests "
+                f"{sorted(s.request_id for s in self._pending_loads.values())} "
+                f"not in place after {self.options.load_timeout_s} s"
+            ),
+        )
         if not self._pending_loads:
             self._loads_done = True
         elif layer_idx == self.tiers.num_layers - 1:
@@ -258,6 +253,18 @@ class WorkerCore:
                 self._collect(orch.poll())
                 time.sleep(0.0002)
             self._loads_done = True
+
+    def _poll_until(self, orch: Any, done: Callable[[], bool], timed_out: Callable[[], str]) -> None:
+        """Collect finished loads until `done()`; KvTierError(timed_out()) after load_timeout_s.
+        Polls at least once."""
+        deadline = time.monotonic() + self.options.load_timeout_s
+        while True:
+            self._collect(orch.poll())
+            if done():
+                return
+            if time.monotonic() > deadline:
+                raise KvTierError(timed_out())
+            time.sleep(0.0002)
 
     def _retire_pending_loads(self) -> None:
         """The step of the loads still pending is over (called between steps: its forward
