@@ -193,6 +193,19 @@ def test_bad_arguments_name_the_argument():
         ReplayTrace([0, 3], [1, 2, 3], [5], [0.0], 4)
 
 
+def test_opt_is_refused_on_a_trace_that_is_not_prefix_chained():
+    # Block 0 starts r0 but follows 4 in r1 (ids that do not digest their prefix): at capacity 2
+    # Belady hits nothing here while every online policy hits a block, so opt is no bound there.
+    trace = to_trace([([0], 4), ([2, 4, 0], 12), ([1, 4, 3], 12), ([4, 2], 8), ([3, 2, 0], 12)])
+    assert not trace.prefix_chained
+    for mode in ("tree", "flat"):
+        online = replay_sweep(trace, [(p, 2, "always") for p in ["fifo", "lru", "arc", "s3fifo"]], mode=mode)
+        assert all(r["all_hit_blocks"] == 1 for r in online)
+        with pytest.raises(InvalidArgumentError, match=r"prefix-chained.*block 0 starts request 0 but follows block 4"):
+            replay_sweep(trace, [("lru", 2, "always"), ("opt", 2, "always")], mode=mode)
+    assert to_trace([([1, 2], 8), ([1, 3], 8)]).prefix_chained
+
+
 def test_replay_trace_refuses_timestamps_that_go_backwards():
     with pytest.raises(InvalidArgumentError, match=r"timestamps.*request 2: 1(\.0)? s is earlier than request 1's 3"):
         ReplayTrace([0, 1, 2, 3], [1, 1, 1], [4, 4, 4], [0.0, 3.0, 1.0], 4)

@@ -76,6 +76,12 @@ impl ReplayTrace {
     fn total_tokens(&self) -> u64 {
         self.inner.total_tokens()
     }
+    /// Every block id always follows the same block id (ids that digest their whole prefix):
+    /// only on such a trace is `opt` a bound, and a sweep with `opt` refuses any other.
+    #[getter]
+    fn prefix_chained(&self) -> bool {
+        self.inner.prefix_chained()
+    }
     fn __repr__(&self) -> String {
         format!(
             "ReplayTrace(requests={}, refs={}, keys={}, block_size={})",

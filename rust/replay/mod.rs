@@ -18,6 +18,8 @@
 //!   and as vLLM frees a finished request's blocks: `insert` for blocks placed by this request,
 //!   `touch` for the rest, so the head of a chain is always more recent than its tail.
 //! - Hit rate is token-weighted over the measured requests (all but the first `warmup` share).
+//! - `opt` needs a prefix-chained trace (each block id always follows the same one) and refuses
+//!   any other: only there is Belady a bound on every policy's block hits.
 
 mod analysis;
 mod multitier;
@@ -50,6 +52,8 @@ pub struct Trace {
     input_tokens: Vec<u64>,
     timestamps_ns: Vec<u64>,
     raw_keys: Vec<u64>,
+    /// The first block that breaks prefix chaining, if any (see `check_chained_for_opt`).
+    unchained: Option<Unchained>,
     /// Per reference: index of the next request that uses the same key (NONE if never).
     next_use: OnceLock<Vec<u32>>,
 }
@@ -132,7 +136,8 @@ impl Trace {
                     (raw_keys.len() - 1) as u32
                 })
             })
-            .collect();
+            .collect::<Vec<u32>>();
+        let unchained = first_unchained(&offsets, &dense, &raw_keys);
         // Nanoseconds since the first request, so negative (but ordered) timestamps work too.
         let t0 = timestamps_s.first().copied().unwrap_or(0.0);
         let timestamps_ns = timestamps_s.iter().map(|&t| ((t - t0) * 1e9) as u64).collect();
@@ -143,8 +148,38 @@ impl Trace {
             input_tokens,
             timestamps_ns,
             raw_keys,
+            unchained,
             next_use: OnceLock::new(),
         })
+    }
+
+    /// Every block id always follows the same block id (or always starts its request), as
+    /// when ids digest their whole prefix (Mooncake's hash ids, `chain_hash`). Such a trace
+    /// never repeats a block inside one request either.
+    pub fn prefix_chained(&self) -> bool {
+        self.unchained.is_none()
+    }
+
+    /// Belady's `opt` is optimal (a bound on every policy's block hits) only on a prefix-chained
+    /// trace: there a block's next use is a hit whenever it is cached, since its parent is used
+    /// with it. Without chaining a block's next use can sit behind a miss, so `opt` keeps
+    /// blocks worth nothing and online policies beat it (see the test
+    /// `opt_is_never_beaten_it_is_refused_on_a_trace_that_is_not_prefix_chained`); it is
+    /// refused rather than reported as a bound.
+    pub(crate) fn check_chained_for_opt(&self) -> KvResult<()> {
+        let Some((key, r1, p1, r2, p2)) = self.unchained else { return Ok(()) };
+        let after =
+            |p: Option<u64>| p.map_or("starts request".to_string(), |p| format!("follows block {p} in request"));
+        Err(KvError::invalid(
+            "policy",
+            format!(
+                "opt (Belady) bounds hits only on a prefix-chained trace (each block id always after the same \
+                 block, as ids that digest their whole prefix are); here block {key} {} {r1} but {} {r2}, so a policy could \
+                 beat opt: leave opt out of the policies",
+                after(p1),
+                after(p2)
+            ),
+        ))
     }
 
     pub fn block_size(&self) -> u32 {
@@ -208,6 +243,30 @@ impl Trace {
             out
         })
     }
+}
+
+/// A block that breaks prefix chaining: (raw key, its first request, its predecessor there,
+/// a later request, its predecessor there); None: the start of the request.
+type Unchained = (u64, u64, Option<u64>, u64, Option<u64>);
+
+/// The first reference whose block id follows a different block (or none) than at its first
+/// occurrence.
+fn first_unchained(offsets: &[u64], dense: &[u32], raw_keys: &[u64]) -> Option<Unchained> {
+    // Per dense key: (predecessor at its first occurrence, NONE for none; that request).
+    let mut first: Vec<Option<(u32, u64)>> = vec![None; raw_keys.len()];
+    let raw = |k: u32| (k != NONE).then(|| raw_keys[k as usize]);
+    for r in 0..offsets.len().saturating_sub(1) {
+        let chain = &dense[offsets[r] as usize..offsets[r + 1] as usize];
+        for (i, &k) in chain.iter().enumerate() {
+            let pred = if i == 0 { NONE } else { chain[i - 1] };
+            match first[k as usize] {
+                None => first[k as usize] = Some((pred, r as u64)),
+                Some((p, r1)) if p != pred => return Some((raw_keys[k as usize], r1, raw(p), r as u64, raw(pred))),
+                Some(_) => {}
+            }
+        }
+    }
+    None
 }
 
 pub(crate) fn check_warmup(warmup: f64) -> KvResult<()> {

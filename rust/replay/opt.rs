@@ -4,7 +4,9 @@
 //!
 //! With chained keys a parent is used whenever its child is, so its next use is never later
 //! than its child's: the farthest-next-use block always has a leaf of equal next use below it,
-//! and choosing among leaves loses nothing against unconstrained Belady.
+//! and choosing among leaves loses nothing against unconstrained Belady. Without chaining
+//! (ids that do not digest their prefix) a next use can sit behind a miss and be no hit, so
+//! this is not optimal there; `replay_one` refuses such a trace (`Trace::check_chained_for_opt`).
 
 use std::collections::BTreeSet;
 

@@ -345,6 +345,7 @@ pub fn replay_one(
             run(trace, &mut cache, &mut Online::new(kind, capacity, trace.n_keys()), warmup, progress, true)
         }
         Replayer::Opt => {
+            trace.check_chained_for_opt()?;
             let mut cache = Cache::new(trace.n_keys(), capacity, mode, admission);
             run(trace, &mut cache, &mut Opt::new(trace), warmup, progress, true)
         }

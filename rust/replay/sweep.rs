@@ -34,6 +34,8 @@ pub fn run_sweep(
     progress: &Progress,
 ) -> KvResult<Vec<ReplayStats>> {
     if jobs.iter().any(|j| j.kind == Replayer::Opt) {
+        // Refused before any job runs, not after the others' long replays.
+        trace.check_chained_for_opt()?;
         // Built once here rather than by whichever opt job comes first.
         trace.next_use();
     }

@@ -371,3 +371,39 @@ fn a_capacity_far_above_the_traces_blocks_costs_only_what_the_trace_needs() {
         assert_eq!(huge.evictions, 0);
     }
 }
+
+#[test]
+fn opt_is_never_beaten_it_is_refused_on_a_trace_that_is_not_prefix_chained() {
+    // Block ids that do not digest their whole prefix: 0 starts r0 but follows 4 in r1, 4
+    // follows 2 in r1 but 1 in r2, 2 starts r1 but follows 4 in r3. Belady's next use then
+    // overstates a block's worth (its next use may sit behind a miss) and, at capacity 2, opt
+    // hits nothing while every online policy hits a block: opt would not be a bound.
+    let t = trace_of(&[vec![0], vec![2, 4, 0], vec![1, 4, 3], vec![4, 2], vec![3, 2, 0]]);
+    for mode in [Mode::Tree, Mode::Flat] {
+        let opt = replay_one(&t, Replayer::Opt, 2, AdmissionRule::Always, mode, 0.0, None);
+        for kind in ONLINE {
+            let s = run(&t, Replayer::Policy(kind), 2, mode);
+            if let Ok(o) = &opt {
+                assert!(
+                    s.all_hit_blocks <= o.all_hit_blocks,
+                    "{kind:?} {mode:?}: {} > opt {}",
+                    s.all_hit_blocks,
+                    o.all_hit_blocks
+                );
+            }
+        }
+        let e = opt.expect_err("opt refused on an unchained trace").to_string();
+        assert!(e.contains("prefix-chained") && e.contains("block 0") && e.contains("request 1"), "{e}");
+        // The sweep refuses it before running any job (an error, not a late failure).
+        let jobs = [
+            Job { kind: Replayer::Policy(PolicyKind::Lru), capacity: 2, admission: AdmissionRule::Always },
+            Job { kind: Replayer::Opt, capacity: 2, admission: AdmissionRule::Always },
+        ];
+        let p = Progress::default();
+        assert!(run_sweep(&t, &jobs, mode, 0.0, 1, &p).is_err());
+        assert_eq!(p.done.load(std::sync::atomic::Ordering::Relaxed), 0);
+    }
+    // A key repeated inside one request is unchained too; chained traces are accepted.
+    assert!(!trace_of(&[vec![1, 2, 1]]).prefix_chained());
+    assert!(trace_of(&[vec![1, 2], vec![1, 3], vec![1, 2, 5]]).prefix_chained());
+}
