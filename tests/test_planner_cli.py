@@ -366,6 +366,24 @@ def test_opt_is_labelled_a_bound_on_block_hits_only(tmp_path, capsys):
     assert fifo["hit_blocks"] > opt["hit_blocks"] and fifo["all_hit_blocks"] == opt["all_hit_blocks"]
 
 
+def test_opt_is_left_out_and_said_on_a_trace_whose_ids_are_not_prefix_chained(tmp_path, capsys):
+    """Block 0 starts one request and follows block 4 in others: there Belady is no bound (every
+    online policy beats it at 2 blocks) and the core refuses it. The plan goes on without it and
+    says why; asked for opt alone, it is a one-line error."""
+    reqs = [([0], 4), ([2, 4, 0], 12), ([1, 4, 3], 12), ([4, 2], 8), ([3, 2, 0], 12)]
+    trace = str(_block_trace(tmp_path, "unchained.jsonl", reqs))
+    rep = plan_json(capsys, trace, "--policies", "lru,opt", "--capacities", "2,4", "--warmup", "0")
+    assert {r["policy"] for r in rep["results"]} == {"lru"}
+    (note,) = rep["trace"]["notes"]
+    assert note.startswith("opt (Belady) left out: the block ids are not prefix-chained")
+    assert main(["plan", trace, "--capacities", "2", "--no-progress"]) == 0  # the default policies
+    assert f"note: {note}" in capsys.readouterr().out
+    err = cli_fails(capsys, "plan", trace, "--policies", "opt", "--capacities", "2")
+    assert "--policies: opt (Belady) is no bound on this trace" in err
+    chained = plan_json(capsys, str(_block_trace(tmp_path, "chained.jsonl", [([1, 2], 8), ([1, 3], 8)])))
+    assert "opt" in {r["policy"] for r in chained["results"]} and chained["trace"]["notes"] == []
+
+
 def test_promotions_not_worth_loading_are_not_gains(tmp_path, capsys):
     """Disk reads at 0.5 GB/s take longer than recomputing a 64 MiB block: the orchestrator
     would recompute those disk hits, so the plan must not count them. With them set aside the

@@ -293,6 +293,10 @@ class ReplayTrace:
     def n_keys(self) -> int: ...
     @property
     def total_tokens(self) -> int: ...
+    @property
+    def prefix_chained(self) -> bool:
+        """Every block id always follows the same id: only then is `opt` a bound (a sweep with
+        `opt` refuses any other trace)."""
     def analyze(self, top: int = 10) -> dict[str, Any]: ...
 
 @final

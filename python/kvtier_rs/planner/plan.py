@@ -16,6 +16,7 @@ from typing import Any
 from kvtier_rs.planner import gains
 from kvtier_rs.planner.advice import choose_policy, recommend
 from kvtier_rs.planner.checks import TIERS, check_options, tier_blocks
+from kvtier_rs.planner.errors import PlanError
 from kvtier_rs.planner.model import Size
 from kvtier_rs.planner.traces import TraceData, read_trace
 
@@ -171,6 +172,21 @@ def run_plan(opts: PlanOptions) -> dict[str, Any]:
 
     warm = opts.warmup
     policies = list(opts.policies)
+    trace_notes = []
+    if "opt" in policies and not trace.prefix_chained:
+        # Belady is a bound only where every block id always follows the same id (ids that
+        # digest their prefix): elsewhere a block's next use can sit behind a miss, online
+        # policies beat it, and the core refuses it. The rest of the plan holds: left out, said.
+        policies.remove("opt")
+        if not policies:
+            raise PlanError(
+                "--policies: opt (Belady) is no bound on this trace: its block ids are not prefix-chained "
+                "(a block follows different blocks in different requests); give an online policy too"
+            )
+        trace_notes.append(
+            "opt (Belady) left out: the block ids are not prefix-chained (a block follows different blocks "
+            "in different requests), and there it is no bound"
+        )
     jobs = [(p, c, "always") for p in policies for c in caps] + [("ceiling", 0, "always")]
     total = len(jobs) * trace.n_requests
     sweep = _progress_run(
@@ -223,6 +239,7 @@ def run_plan(opts: PlanOptions) -> dict[str, Any]:
             "warmup": warm,
             "measured_requests": ceiling["measured_requests"],
             "mode": opts.mode,
+            "notes": trace_notes,
         },
         "model": None
         if model is None

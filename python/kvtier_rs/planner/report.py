@@ -38,6 +38,7 @@ def render_table(rep: dict[str, Any]) -> str:
     ]
     if t["skipped_records"]:
         lines.append(f"          skipped {t['skipped_records']} bad records, e.g. {t['skipped_examples'][0]}")
+    lines += [f"          note: {n}" for n in t.get("notes", [])]
     if rep["model"]:
         m = rep["model"]
         lines.append(
