@@ -525,6 +525,19 @@ def test_bad_extra_config_names_the_key(extra, key_name):
         parse_options(extra)
 
 
+@pytest.mark.parametrize("key_name", ["offload_prompt_only", "self_describing_kv_events", "canonical_layout"])
+@pytest.mark.parametrize("value", ["false", "no", 0, None, [False]])
+def test_vllm_s_boolean_keys_take_booleans_only(key_name, value):
+    # vLLM reads these with bool(value): "false" (a string from a config file or a CLI) turns
+    # offload_prompt_only *on*, self-describing events on, canonical_layout on. Before: kvtier
+    # accepted them unchecked (its docs say vLLM validates them; it does not), so the engine
+    # ran with the opposite of what was asked, silently.
+    with pytest.raises(InvalidArgumentError, match=rf"kv_connector_extra_config\['{key_name}'\]: expected a bool"):
+        parse_options({"cpu_bytes_to_use": 1 << 20, key_name: value})
+    for ok in (True, False):
+        parse_options({"cpu_bytes_to_use": 1 << 20, key_name: ok})
+
+
 @pytest.mark.parametrize(
     ("key_name", "spec"),
     [
