@@ -525,6 +525,19 @@ def test_bad_extra_config_names_the_key(extra, key_name):
         parse_options(extra)
 
 
+@pytest.mark.parametrize("key_name", ["offload_prompt_only", "self_describing_kv_events", "canonical_layout"])
+@pytest.mark.parametrize("value", ["false", "no", 0, None, [False]])
+def test_vllm_s_boolean_keys_take_booleans_only(key_name, value):
+    # vLLM reads these with bool(value): "false" (a string from a config file or a CLI) turns
+    # offload_prompt_only *on*, self-describing events on, canonical_layout on. Before: kvtier
+    # accepted them unchecked (its docs say vLLM validates them; it does not), so the engine
+    # ran with the opposite of what was asked, silently.
+    with pytest.raises(InvalidArgumentError, match=rf"kv_connector_extra_config\['{key_name}'\]: expected a bool"):
+        parse_options({"cpu_bytes_to_use": 1 << 20, key_name: value})
+    for ok in (True, False):
+        parse_options({"cpu_bytes_to_use": 1 << 20, key_name: ok})
+
+
 @pytest.mark.parametrize(
     ("key_name", "spec"),
     [
@@ -699,6 +712,33 @@ def test_a_directory_named_by_the_previous_digest_is_not_found(tmp_path):
     mm.close()
     with DiskTier(str(old), 1 << 20, 32768, admission="always", engine="pool") as d:
         assert d.contains([key(1)]) == [True]
+
+
+def test_a_cascade_with_nothing_to_write_leaves_no_disk_job_behind(tmp_path):
+    # A cascade whose keys are all on disk already (or refused by admission or a full device)
+    # still makes a disk job, which the tier finishes at once. Before: KvtierDiskTier reported
+    # the vLLM job but never took the disk job's result, and polled the disk only while a real
+    # job was tracked, so one result per such cascade piled up in the tier (for good, on a
+    # disk that refuses everything).
+    import mmap
+
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    mm = mmap.mmap(-1, 8 * 32768)
+    view = memoryview(mm).cast("B", (8, 32768))
+    t = _disk_tier_of(tmp_path, _offloading_config({}), view)
+    t.submit_store(TransferJob(1, [key(1)], np.array([0]), False, ctx()))
+    t.drain_jobs()
+    assert [r.success for r in t.get_finished_jobs()] == [True]
+    for job in range(2, 7):  # key(1) is on disk: nothing to write
+        t.submit_store(TransferJob(job, [key(1)], np.array([0]), False, ctx()))
+    assert [r.job_id for r in t.get_finished_jobs()] == [2, 3, 4, 5, 6]
+    assert not t.has_pending_work()
+    t.drain_jobs()
+    assert t.disk.poll() == [], "finished disk jobs left in the tier"
+    t.shutdown()
+    view.release()
+    mm.close()
 
 
 @pytest.mark.parametrize(

@@ -18,9 +18,9 @@ from kvtier_rs.checks import show
 from kvtier_rs.options import OptionReader
 
 # vLLM's keys that KvtierOffloadingSpec honours: those vLLM itself reads from the same dict
-# whichever spec runs (spec_name .. self_describing_kv_events; vLLM validates them), and the CPU
-# spec's cpu_bytes_to_use, eviction_policy and store_threshold, which kvtier reads with vLLM's
-# meaning and validates here.
+# whichever spec runs (spec_name .. self_describing_kv_events; vLLM validates the chunk sizes,
+# kvtier the booleans, which vLLM does not), and the CPU spec's cpu_bytes_to_use,
+# eviction_policy and store_threshold, which kvtier reads with vLLM's meaning and validates here.
 VLLM_KEYS = frozenset(
     {
         "spec_name",
@@ -35,6 +35,9 @@ VLLM_KEYS = frozenset(
         "store_threshold",
     }
 )
+
+# Those of them vLLM reads as booleans (with bool(value)).
+_VLLM_BOOL_KEYS = ("offload_prompt_only", "self_describing_kv_events", "canonical_layout")
 
 _TIERING = (
     "vLLM's TieringOffloadingSpec (spec_name 'TieringOffloadingSpec', or "
@@ -179,6 +182,12 @@ def parse_options(extra: Mapping[str, Any]) -> KvtierOptions:
             + "; vLLM keys: "
             + ", ".join(sorted(VLLM_KEYS)),
         )
+    # vLLM reads its boolean keys with bool(value), validating nothing: "false" (a string from a
+    # config file or a command line) would turn offload_prompt_only or self-describing events
+    # *on*. Refused here, naming the key, before vLLM acts on the opposite of what was asked.
+    for k in _VLLM_BOOL_KEYS:
+        if k in extra and not isinstance(extra[k], bool):
+            raise _err(k, f"expected a bool (true or false), got {show(extra[k])}")
     if "cache_policy_module_path" in extra:
         raise _err(
             "cache_policy_module_path",

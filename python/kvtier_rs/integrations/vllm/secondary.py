@@ -172,6 +172,11 @@ class KvtierDiskTier(SecondaryTierManager):
             ticket = None
         if ticket is None or not ticket.keys:
             # Nothing new, refused by admission / a full device, or a failed tier: not cascaded.
+            if ticket is not None:
+                # The tier finished this empty job at once; take its result now, or it waits
+                # for a poll that comes only with a real job (never, on a disk that refuses
+                # everything) and one result per cascade piles up in the tier.
+                self.disk.try_take(ticket.job_id)
             self._done.append(JobResult(job_metadata.job_id, success=True))
             return
         self._jobs[ticket.job_id] = (job_metadata.job_id, list(ticket.keys), False)
