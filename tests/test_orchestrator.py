@@ -191,6 +191,11 @@ def test_offload_without_space_changes_nothing(tmp_path):
     orch.drain()
     assert orch.host.index.lookup_prefix([b"a", b"b", b"c"]) == 2
     assert orch.stats()["tiers"]["cpu"]["store_no_space"] == 1
+    # A chain whose head the tier holds, refused for its new tail: only the tail was refused.
+    orch.host.index.pin_for_load([b"a", b"b"])
+    t = orch.offload([b"a", b"b", b"c", b"d"], [0, 1, 2, 3])
+    assert t.no_space
+    assert orch.stats()["tiers"]["cpu"]["store_no_space"] == 1 + 2
 
 
 def test_failed_offload_leaves_nothing_readable(tmp_path):

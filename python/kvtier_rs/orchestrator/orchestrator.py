@@ -308,7 +308,10 @@ class TierOrchestrator:
         try:
             out = self.host.index.prepare_store(keys, priority=priority, duration_s=duration_s)
         except NoSpaceError:
-            self.counts["cpu_store_no_space_blocks"] += len(keys)
+            # The blocks it would have added: a chain's blocks the tier already holds (ready or
+            # being written) were not refused, and counting them overstated the refusals.
+            index = self.host.index
+            self.counts["cpu_store_no_space_blocks"] += sum(1 for k in dict.fromkeys(keys) if index.state(k) is None)
             return OffloadTicket(None, [], [], [], [], no_space=True)
         except IndexFailedError:
             # The CPU index disabled itself (an internal error): it stores nothing any more and
