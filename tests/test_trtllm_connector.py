@@ -817,3 +817,25 @@ def test_retention_config_is_mirrored_only_where_the_engine_honours_it(tmp_path,
     eng.run_request(Request(1, prompt(61, 12) + [1], retention=low))
     assert eng.worker.counts["offloaded_blocks"] == offloaded
     assert eng.sched.counts["below_min_priority_blocks"] == (0 if offloaded else 3)
+
+
+def test_a_finished_request_waits_for_its_own_saves_only(tmp_path, engines):
+    """A request is reported finished once its own device -> host copies are over. Before, it
+    waited until none of the blocks it had offloaded was being written in the CPU tier, so one of
+    them taken again by unrelated work (a disk promotion's reservation, another request's store
+    after an eviction) held its GPU blocks until that work was done."""
+    eng = make(tmp_path)
+    engines.append(eng)
+    req = Request(1, prompt(3, 12) + [1, 2])
+    eng.step([req])
+    eng.step(finish=[1])
+    orch = eng.worker.tiers.orchestrator
+    orch.drain()  # its copies are done
+    index = orch.host.index
+    held = [key for key, state, _, _ in index.entries() if state == "ready"]
+    assert held, "the request offloaded nothing"
+    # Unrelated work takes one of its blocks again: it is being written, for someone else.
+    index.remove([held[0]])
+    index.prepare_store([held[0]])
+    assert eng.poll_finished() == [1]
+    index.complete_store([held[0]], False)

@@ -334,6 +334,12 @@ class TierOrchestrator:
         ticket.job_id = job
         return ticket
 
+    def store_finished(self, job_id: int | None) -> bool:
+        """Whether an offload's device -> host copy job (`OffloadTicket.job_id`) is over, finished
+        or failed, as of the last `poll()`: the engine may then free the blocks it copied from.
+        A ticket without a job (nothing was copied) is over."""
+        return job_id is None or job_id not in self._stores
+
     def renew(self, keys: Sequence[Key], *, priority: int = 35, duration_s: float | None = None) -> None:
         """Give the blocks of `keys` that a tier already holds (CPU or disk) this priority and
         duration, as if just stored with them: a later claim overrides an earlier one

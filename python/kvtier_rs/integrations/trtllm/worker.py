@@ -95,7 +95,7 @@ class WorkerCore:
         # to other requests since. Waited for, never reported (see _retire_pending_loads).
         self._stale_loads: dict[Any, Any] = {}
         self._loads_done = True
-        self._save_keys: dict[int, set[bytes]] = {}  # request id -> keys offloaded for it
+        self._save_jobs: dict[int, set[int]] = {}  # request id -> its offloads' copy jobs
         self._saving: set[int] = set()  # finished requests whose saves we must report
         self._known: set[int] = set()  # request ids seen in any SaveSpec
         # Bounded: it was a list appended to for every load and never trimmed.
@@ -332,7 +332,8 @@ class WorkerCore:
                     self.counts["offload_no_space"] += j - i
                 self.counts["offload_refused"] += len(t.refused)
                 self.counts["offloaded_blocks"] += len(t.stored)
-                self._save_keys.setdefault(spec.request_id, set()).update(t.stored)
+                if t.job_id is not None:
+                    self._save_jobs.setdefault(spec.request_id, set()).add(t.job_id)
                 i = j
         self._clear_connector_meta()
 
@@ -358,17 +359,17 @@ class WorkerCore:
         # engine's forward error handler, would end the executor loop).
         self._retire_pending_loads()
         self._collect(orch.poll())  # completes finished stores in the CPU tier
-        index = orch.host.index
         done = []
         for rid in sorted(self._saving):
-            keys = self._save_keys.get(rid, set())
-            # A block leaves "writing" only after its device->host copy finished (or failed):
-            # then the engine's block is no longer read and may be freed.
-            if not any((st := index.state(k)) is not None and st[0] == "writing" for k in keys):
+            # Once its own copy jobs are over the engine's blocks are no longer read and may be
+            # freed. (Not "none of its blocks is being written": a block can be written again
+            # for unrelated work, a disk promotion or another request's store, and the request
+            # waited for that too.)
+            if all(orch.store_finished(job) for job in self._save_jobs.get(rid, ())):
                 done.append(rid)
         for rid in done:
             self._saving.discard(rid)
-            self._save_keys.pop(rid, None)
+            self._save_jobs.pop(rid, None)
             self._known.discard(rid)
         return done, []
 
