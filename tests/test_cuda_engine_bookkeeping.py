@@ -56,10 +56,12 @@ class StandInRuntime:
         self.copy_seconds = 0.0
         self.busy_until: dict[int, float] = {}
         self.recorded_at: dict[int, float] = {}
-        # CUDA's current device is per thread (0 until set); streams and events belong to the
-        # device that was current when they were created.
+        # CUDA's current device is per thread: the device of its current context (none until
+        # set; cudaGetDevice then says 0). Streams and events belong to the device that was
+        # current when they were created. A device's primary context exists once a thread set it.
         self.current: dict[int, int] = {}
         self.device_of: dict[int, int] = {}
+        self.contexts: set[int] = set()
 
     def _device(self) -> int:
         return self.current.get(threading.get_ident(), 0)
@@ -69,6 +71,18 @@ class StandInRuntime:
 
     def cudaSetDevice(self, device):
         self.current[threading.get_ident()] = device
+        self.contexts.add(device)  # since CUDA 12, setting a device initializes its context
+        return (OK,)
+
+    # Driver API: a context is named here by its device; None is no context.
+    def cuCtxGetCurrent(self):
+        return OK, self.current.get(threading.get_ident())
+
+    def cuCtxSetCurrent(self, ctx):
+        if ctx is None:
+            self.current.pop(threading.get_ident(), None)
+        else:
+            self.current[threading.get_ident()] = ctx
         return (OK,)
 
     def cudaGetDevice(self):
@@ -175,6 +189,7 @@ class StandInRuntime:
 def runtime(monkeypatch) -> StandInRuntime:
     stand_in = StandInRuntime()
     monkeypatch.setattr(cuda_engine, "_runtime", lambda: stand_in)
+    monkeypatch.setattr(cuda_engine, "_driver", lambda: stand_in)
     return stand_in
 
 
@@ -436,6 +451,28 @@ def test_the_engine_leaves_the_callers_current_device_as_it_found_it(runtime):
     eng.close()
     assert runtime.current[me] == 0, "close() left device 1 current"
     assert runtime.misuse == []
+
+
+def test_a_thread_that_never_chose_a_device_is_left_without_one(runtime):
+    """A helper thread with no current context (cudaGetDevice says 0) drives an engine for
+    device 1: afterwards it still has none, and device 0's context was never created (giving
+    back "device 0" created it: hundreds of MB on a GPU the process may not use)."""
+    pool = host_pool()
+    eng = engine(pool, cuda_layout(device=1))
+    errors: list[str] = []
+
+    def helper():
+        me = threading.get_ident()
+        for call in (lambda: eng.wait([eng.store([0], [0])]), eng.poll):
+            call()
+            if me in runtime.current:
+                errors.append(f"left device {runtime.current[me]}'s context current")
+
+    t = threading.Thread(target=helper)
+    t.start()
+    t.join(10)
+    eng.close()
+    assert errors == [] and 0 not in runtime.contexts, (errors, runtime.contexts)
 
 
 def test_a_job_ordered_after_a_busy_stream_says_when_its_copies_started(runtime):

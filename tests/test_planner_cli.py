@@ -380,6 +380,10 @@ def test_opt_is_left_out_and_said_on_a_trace_whose_ids_are_not_prefix_chained(tm
     assert f"note: {note}" in capsys.readouterr().out
     err = cli_fails(capsys, "plan", trace, "--policies", "opt", "--capacities", "2")
     assert "--policies: opt (Belady) is no bound on this trace" in err
+    err = cli_fails(capsys, "plan", trace, "--policies", "opt,opt", "--capacities", "2")
+    assert "--policies: opt (Belady) is no bound on this trace" in err, "a repeat of opt is opt"
+    rep = plan_json(capsys, trace, "--policies", "lru,opt,opt", "--capacities", "2", "--warmup", "0")
+    assert {r["policy"] for r in rep["results"]} == {"lru"}
     chained = plan_json(capsys, str(_block_trace(tmp_path, "chained.jsonl", [([1, 2], 8), ([1, 3], 8)])))
     assert "opt" in {r["policy"] for r in chained["results"]} and chained["trace"]["notes"] == []
 
@@ -543,6 +547,18 @@ def test_synth_that_fails_midway_leaves_no_half_written_trace(tmp_path, capsys, 
     fresh = tmp_path / "sub" / name
     assert main(["trace", "synth", "--out", str(fresh), "--requests", "30"]) == 0
     assert read_trace(fresh).n_requests == 30
+
+
+def test_synth_through_a_link_writes_the_file_it_names(tmp_path, capsys):
+    """--out naming a symlink to a trace file: the file is the output, and the link stays (the
+    whole-or-nothing write replaced the link itself with a new file, leaving its target as it was)."""
+    target = tmp_path / "traces" / "t.jsonl"
+    target.parent.mkdir()
+    target.write_text("old\n")
+    link = tmp_path / "latest.jsonl"
+    link.symlink_to(target)
+    assert main(["trace", "synth", "--out", str(link), "--requests", "20"]) == 0
+    assert link.is_symlink() and read_trace(target).n_requests == 20
 
 
 def test_a_figure_that_cannot_be_written_is_a_one_line_error(synth_trace, tmp_path, capsys):

@@ -438,3 +438,32 @@ def test_a_second_close_returns_only_once_the_first_has_finished_the_jobs():
     second.join(10)
     assert second_done.is_set()
     assert [r.success for r in eng.wait([job], timeout=10)] == [True]
+
+
+def test_a_close_interrupted_while_waiting_for_a_submission_leaves_the_next_close_to_finish():
+    """Ctrl-C in a close() that waits for a store/load still handing its job over: that close()
+    did not shut the engine down, so the next one must (it hung for good, waiting for the first
+    one to finish, and the copy thread was never stopped)."""
+    x = torch.zeros(8, 64)
+    eng = CpuTransferEngine(BlockLayout.per_layer([x]), kv.HostPool(4 * 4096, 4096))
+    with eng._lock:
+        eng._submitting = 1  # a submission between the closed check and its hand-over
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    wait = eng._progress.wait
+    eng._progress.wait = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        eng.close()
+    eng._progress.wait = wait
+    with pytest.raises(kv.ClosedError):
+        eng.store([0], [0])  # still refusing new jobs
+    with eng._lock:
+        eng._submitting = 0
+        eng._progress.notify_all()
+    second = threading.Thread(target=eng.close, daemon=True)
+    second.start()
+    second.join(10)
+    assert not second.is_alive(), "the second close() never returned"
+    assert not eng._thread.is_alive(), "the engine was never shut down"

@@ -140,7 +140,8 @@ SERIES: tuple[Series, ...] = (
     Series(
         "kvtier_promotions_in_flight",
         "gauge",
-        "Requests with a promotion from the tier in flight (back-pressure acts on this).",
+        "Promotions from the tier in flight: requests' loads, and disk reads no request waits for any "
+        "more until they land (back-pressure acts on this).",
         ("tier",),
         _by(TIERS),
     ),

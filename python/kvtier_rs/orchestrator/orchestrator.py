@@ -135,10 +135,9 @@ class _Copies:
     refused loads that would have paid."""
 
     keys: list[Key] = field(default_factory=list)
-    jobs: dict[int, tuple[int, float]] = field(default_factory=dict)  # job id -> (group, submitted)
+    jobs: dict[int, int] = field(default_factory=dict)  # job id -> its region group
     done_groups: set[int] = field(default_factory=set)
     failed: bool = False
-    started: float = 0.0  # perf_counter before the first job was submitted
     copies_started: float = math.inf  # earliest start of the jobs' copies (TransferResult.started_at)
     finished: float = 0.0  # latest completion among the jobs that landed (or failed)
     bytes: int = 0  # copied by the jobs that landed
@@ -152,6 +151,9 @@ class _Load:
     result: LoadResult
     keys: list[Key]  # blocks after the GPU hits
     started: float  # when it was reserved (the disk read starts then)
+    # When its disk read started: at reserve, or earlier for a read taken over from a released
+    # reservation; kept if the read is orphaned again, so stall detection sees its true age.
+    read_started: float = 0.0
     cpu: _Copies = field(default_factory=_Copies)
     disk: _Copies = field(default_factory=_Copies)
     disk_read: int | None = None
@@ -512,7 +514,7 @@ class TierOrchestrator:
         if ld.disk_read is not None:
             # The read runs on; a reservation of the same chain before it lands takes it over.
             self._read_owner.pop(ld.disk_read, None)
-            self._orphan_reads[tuple(ld.disk.keys)] = (ld.disk_read, ld.started)
+            self._orphan_reads[tuple(ld.disk.keys)] = (ld.disk_read, ld.read_started)
         self.counts["load_released_blocks"] += ld.reserved
         del self._loads[request_id]
 
@@ -580,6 +582,7 @@ class TierOrchestrator:
             # flight (a request asked again), is taken over: its slots are held, its read runs on.
             orphan = self._orphan_reads.pop(tuple(ld.disk.keys), None)
             job = self.stager.promote(ld.disk.keys) if orphan is None else orphan[0]
+            ld.read_started = ld.started if orphan is None else orphan[1]
             if job is None:
                 ld.result.unreserved = len(ld.disk.keys)  # no CPU slot to stage through: recomputed
                 ld.disk.keys = []
@@ -623,10 +626,7 @@ class TierOrchestrator:
     def _submit_copies(self, ld: _Load, part: _Copies, slots: list[int], gpu_ids: list[int]) -> bool:
         """Submit a part's copies (its keys pinned). False when the engine refused the first one
         (closed, say): the pins are dropped and the part's blocks are recomputed."""
-        part.started = time.perf_counter()
         for gi, group in enumerate(ld.groups or [None]):
-            # Taken before the call: an inline engine copies (and finishes the job) inside it.
-            submitted = time.perf_counter()
             try:
                 # The disk part's copies start later (when its read lands), ordered after the
                 # compute stream as it is then: later work, so still after the earlier readers.
@@ -640,7 +640,7 @@ class TierOrchestrator:
                     return True
                 self.host.index.unpin(part.keys)
                 return False
-            part.jobs[job] = (gi, submitted)
+            part.jobs[job] = gi
             self._job_owner[job] = ld.result.request_id
         return True
 
@@ -742,7 +742,7 @@ class TierOrchestrator:
         assert ld.disk_read is not None
         job, ld.disk_read = ld.disk_read, None
         self._read_owner.pop(job, None)
-        self._orphan_reads[tuple(ld.disk.keys)] = (job, ld.started)
+        self._orphan_reads[tuple(ld.disk.keys)] = (job, ld.read_started)
         self.counts["disk_read_timeout_blocks"] += len(ld.disk.keys)
         ld.disk.keys = []
         self._maybe_finish(ld)
@@ -783,7 +783,7 @@ class TierOrchestrator:
             return
         self.counts["h2d_bytes"] += r.bytes
         part, tier = (ld.cpu, "cpu") if r.job_id in ld.cpu.jobs else (ld.disk, "disk")
-        group, _ = part.jobs.pop(r.job_id)
+        group = part.jobs.pop(r.job_id)
         part.finished = max(part.finished, r.finished_at)
         part.copies_started = min(part.copies_started, r.started_at)
         if r.success:

@@ -171,7 +171,7 @@ def run_plan(opts: PlanOptions) -> dict[str, Any]:
         caps = default_capacities(trace.n_keys, list(tiers.values()))
 
     warm = opts.warmup
-    policies = list(opts.policies)
+    policies = list(dict.fromkeys(opts.policies))  # each once: a repeat is the same replay
     trace_notes = []
     if "opt" in policies and not trace.prefix_chained:
         # Belady is a bound only where every block id always follows the same id (ids that

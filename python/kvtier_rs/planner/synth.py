@@ -203,10 +203,14 @@ def write_trace(records: list[dict], path: str | Path) -> None:
     import tempfile
 
     p = Path(path)
+    if p.is_symlink() and p.is_file():
+        # A link to a regular file: that file is the trace (replacing the link itself would leave
+        # it as it was). A link to anything else (/dev/stdout) is written in place below.
+        p = p.resolve()
     if p.parent and not p.parent.exists():
         p.parent.mkdir(parents=True, exist_ok=True)
     opener = open
-    if p.suffix == ".gz":
+    if Path(path).suffix == ".gz":  # the name given, also when it is a link
         import gzip
 
         opener = gzip.open  # type: ignore[assignment]

@@ -76,6 +76,9 @@ class TransferEngine(ABC):
         self._closed = False
         #: close() has finished (jobs drained, resources released): a second close() waits for it.
         self._shut_down = False
+        #: a close() is draining the jobs; a second close() waits for it (and takes over if it
+        #: was interrupted before shutting the engine down).
+        self._closing = False
         #: store/load calls between the closed check and their job's hand-over (see close()).
         self._submitting = 0
 
@@ -251,27 +254,36 @@ class TransferEngine(ABC):
         not finish is reported failed, so `wait` always returns. Idempotent. Engines extend
         `_shutdown`, not this, so that all of them share these guarantees."""
         with self._lock:
-            if self._closed:
-                # Another close() may still be draining the jobs: returning now would let this
-                # caller free the pool or the KV memory under copies still running.
-                while not self._shut_down:
-                    self._progress.wait()
+            # Another close() may still be draining the jobs: returning now would let this
+            # caller free the pool or the KV memory under copies still running. If that one is
+            # interrupted before it shuts the engine down (Ctrl-C), this one takes over.
+            while self._closing:
+                self._progress.wait()
+            if self._shut_down:
                 return
             self._closed = True
-            # A store/load that passed the closed check is still handing its job over (e.g.
-            # onto the CPU engine's queue, or copying inline): shutting down under it would
-            # strand that job.
-            while self._submitting:
-                self._progress.wait()
+            self._closing = True
+        shutting_down = False
         try:
+            with self._lock:
+                # A store/load that passed the closed check is still handing its job over (e.g.
+                # onto the CPU engine's queue, or copying inline): shutting down under it would
+                # strand that job.
+                while self._submitting:
+                    self._progress.wait()
+            shutting_down = True
             self._shutdown()
         finally:
+            if shutting_down:
+                with self._lock:
+                    stranded = list(self._in_flight.values())
+                for job in stranded:
+                    self._finish(job, f"closed: the {self.name} transfer engine was closed before this job finished")
             with self._lock:
-                stranded = list(self._in_flight.values())
-            for job in stranded:
-                self._finish(job, f"closed: the {self.name} transfer engine was closed before this job finished")
-            with self._lock:
-                self._shut_down = True
+                # Interrupted while waiting for a submission: not shut down, and the next close()
+                # does it (new jobs stay refused meanwhile).
+                self._shut_down = shutting_down
+                self._closing = False
                 self._progress.notify_all()
 
     def _shutdown(self) -> None:  # noqa: B027 - optional hook

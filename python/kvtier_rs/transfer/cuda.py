@@ -16,7 +16,7 @@
 - The current device is per thread in CUDA: every entry point that makes CUDA calls first makes
   the layout's device current on the calling thread (an engine built on one thread and polled or
   fed from another would otherwise create its events on that thread's device, and fail), and
-  gives the thread back its own device before it returns.
+  gives the thread back its own current context (or none) before it returns.
 - A runtime that refuses cudaMemcpyBatchAsync once (a driver without it, or pointers it does not
   take) is not asked again: every later job goes straight to cudaMemcpyAsync/2D.
 - A job is timed to when its copies completed on the device, not to the poll that noticed it
@@ -46,6 +46,15 @@ def _runtime() -> Any:
     except ImportError as e:  # pragma: no cover - cuda-python is a dependency of the dev env
         raise KvTierError("the CUDA transfer engine needs cuda-python (pip install cuda-python)") from e
     return cudart
+
+
+def _driver() -> Any:
+    """cuda-python's driver API: only for the thread's current context (see `_on_device`)."""
+    try:
+        from cuda.bindings import driver
+    except ImportError as e:  # pragma: no cover - cuda-python is a dependency of the dev env
+        raise KvTierError("the CUDA transfer engine needs cuda-python (pip install cuda-python)") from e
+    return driver
 
 
 def check(cudart: Any, call: str, result: Any) -> Any:
@@ -193,6 +202,7 @@ class CudaTransferEngine(TransferEngine):
             )
         super().__init__(layout, pool)
         rt = self._rt = _runtime()
+        self._drv = _driver()
         self._device = layout.device.index or 0
         with self._on_device():
             _PINS.acquire(rt, pool.ptr, pool.nbytes)
@@ -231,18 +241,31 @@ class CudaTransferEngine(TransferEngine):
     @contextmanager
     def _on_device(self) -> Iterator[None]:
         """Make the layout's device current on the calling thread while the block runs (CUDA's
-        current device is per thread), then give the thread back the device it had: a caller
-        working on another device (one process, several GPUs) would otherwise find its
-        `device="cuda"` allocations and torch's current stream moved to this engine's device.
-        Cheap when it already is current (one cudaGetDevice)."""
+        current device is per thread), then give the thread back what it had: a caller working
+        on another device (one process, several GPUs) would otherwise find its `device="cuda"`
+        allocations and torch's current stream moved to this engine's device. Cheap when the
+        device already is current (one cudaGetDevice).
+
+        What is given back is the thread's current context, not a device number: a thread that
+        never chose a device reads device 0 from cudaGetDevice, and setting device 0 back would
+        create device 0's primary context (hundreds of MB) in a process that may not use it, or
+        fail where device 0 is reserved for another process."""
         rt = self._rt
         prev = check(rt, "cudaGetDevice", rt.cudaGetDevice())
-        if prev != self._device:
-            check(rt, "cudaSetDevice", rt.cudaSetDevice(self._device))
+        if prev == self._device:
+            yield
+            return
+        try:
+            err, ctx = self._drv.cuCtxGetCurrent()
+        except Exception:  # noqa: BLE001 - a driver API we cannot reach: give the device back instead
+            err, ctx = 1, None
+        check(rt, "cudaSetDevice", rt.cudaSetDevice(self._device))
         try:
             yield
         finally:
-            if prev != self._device:
+            if int(err) == 0:
+                self._drv.cuCtxSetCurrent(ctx)  # a null context: the thread had none
+            else:
                 rt.cudaSetDevice(prev)
 
     # ---- copies ---------------------------------------------------------------------------
