@@ -824,11 +824,14 @@ def test_a_finished_request_waits_for_its_own_saves_only(tmp_path, engines):
     waited until none of the blocks it had offloaded was being written in the CPU tier, so one of
     them taken again by unrelated work (a disk promotion's reservation, another request's store
     after an eviction) held its GPU blocks until that work was done."""
-    eng = make(tmp_path)
+    GatedEngine.gate.clear()  # its copies wait, so it is still saving when the step ends
+    eng = make(tmp_path, engine_factory=GatedEngine)
     engines.append(eng)
     req = Request(1, prompt(3, 12) + [1, 2])
     eng.step([req])
     eng.step(finish=[1])
+    assert 1 in eng.saving
+    GatedEngine.gate.set()
     orch = eng.worker.tiers.orchestrator
     orch.drain()  # its copies are done
     index = orch.host.index
