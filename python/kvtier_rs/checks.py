@@ -35,11 +35,12 @@ def integer(value: object, name: str, what: str = "must be an integer") -> int:
     return out
 
 
-def check_count(name: str, value: object) -> int:
-    """A setting that must be a positive int (bools and integral floats such as 2.0 refused:
-    a float here is almost always a unit mix-up)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise InvalidArgumentError(f"invalid argument `{name}`: must be a positive int, got {show(value)}")
+def check_count(name: str, value: object, *, minimum: int = 1) -> int:
+    """A setting that must be an int of at least `minimum`, by default a positive one (bools
+    and integral floats such as 2.0 refused: a float here is almost always a unit mix-up)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        what = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise InvalidArgumentError(f"invalid argument `{name}`: must be {what}, got {show(value)}")
     return int(value)
 
 

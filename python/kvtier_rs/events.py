@@ -35,21 +35,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvtier_rs._core import InvalidArgumentError
-from kvtier_rs.checks import show
+from kvtier_rs.checks import check_count
 from kvtier_rs.keys import Key, key_list
 
 EVENT_KINDS = ("stored", "removed", "promoted")
 EVENT_TIERS = ("cpu", "disk")
-
-
-def _check_count(name: str, value: object, *, none_ok: bool = True) -> None:
-    """A cursor or an event count: an int >= 0 (None where `none_ok`). Every consumer call
-    checks its arguments alike: since() took any max_events (-1 answered nothing, "2" was a
-    TypeError), missed_since() took any seq (-5 answered 6 missed), and bools passed as ints."""
-    if value is None and none_ok:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidArgumentError(f"invalid argument `{name}`: must be an int >= 0, got {show(value)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +88,7 @@ class EventStream:
     # ---- consuming -----------------------------------------------------------------------
     def drain(self, max_events: int | None = None) -> list[BlockEvent]:
         """Take up to `max_events` oldest events (all when None), in sequence order."""
-        _check_count("max_events", max_events)
+        max_events = _max_events(max_events)
         with self._lock:
             n = len(self._ring) if max_events is None else min(max_events, len(self._ring))
             return [self._ring.popleft() for _ in range(n)]
@@ -106,8 +96,8 @@ class EventStream:
     def since(self, seq: int, max_events: int | None = None) -> list[BlockEvent]:
         """Events with a sequence number above `seq` still in the ring, oldest first, without
         taking them."""
-        _check_count("seq", seq, none_ok=False)
-        _check_count("max_events", max_events)
+        seq = check_count("seq", seq, minimum=0)
+        max_events = _max_events(max_events)
         with self._lock:
             if not self._ring or seq >= self._last_seq:
                 return []
@@ -118,7 +108,7 @@ class EventStream:
 
     def missed_since(self, seq: int) -> int:
         """How many events after `seq` are no longer in the ring (dropped or drained)."""
-        _check_count("seq", seq, none_ok=False)
+        seq = check_count("seq", seq, minimum=0)
         with self._lock:
             first = self._ring[0].seq if self._ring else self._last_seq + 1
             return max(0, first - seq - 1)
@@ -144,3 +134,10 @@ class EventStream:
                 "capacity": self.capacity,
                 "last_seq": self._last_seq,
             }
+
+
+def _max_events(value: int | None) -> int | None:
+    """A consumer's `max_events`: None (all) or an int >= 0. Every consumer call checks its
+    cursor and count alike: since() took any max_events (-1 answered nothing, "2" was a
+    TypeError), missed_since() took any seq (-5 answered 6 missed), and bools passed as ints."""
+    return None if value is None else check_count("max_events", value, minimum=0)

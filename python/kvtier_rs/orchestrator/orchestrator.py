@@ -30,7 +30,7 @@ import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvtier_rs._core import (
     ClosedError,
@@ -146,6 +146,13 @@ class _Copies:
     stall_recorded: bool = False
 
 
+class _OrphanRead(NamedTuple):
+    """A disk read still in flight that no load owns any more (see `_orphan_reads`)."""
+
+    job: int
+    started: float  # when the read started (perf_counter)
+
+
 @dataclass
 class _Load:
     result: LoadResult
@@ -255,7 +262,7 @@ class TierOrchestrator:
         # Reads still in flight that no load owns (its reservation was released, or its load gave
         # up on it): chain -> (job, when the read started). Still promotions in flight: each
         # holds CPU staging slots and the disk's queue (back-pressure and stalls count them).
-        self._orphan_reads: dict[tuple[Key, ...], tuple[int, float]] = {}
+        self._orphan_reads: dict[tuple[Key, ...], _OrphanRead] = {}
         self._done: list[LoadResult] = []
         self.counts: Counter[str] = Counter()
         self.latency = {
@@ -514,7 +521,7 @@ class TierOrchestrator:
         if ld.disk_read is not None:
             # The read runs on; a reservation of the same chain before it lands takes it over.
             self._read_owner.pop(ld.disk_read, None)
-            self._orphan_reads[tuple(ld.disk.keys)] = (ld.disk_read, ld.read_started)
+            self._orphan_reads[tuple(ld.disk.keys)] = _OrphanRead(ld.disk_read, ld.read_started)
         self.counts["load_released_blocks"] += ld.reserved
         del self._loads[request_id]
 
@@ -581,8 +588,8 @@ class TierOrchestrator:
             # The same chain's read, started for a reservation that was given back and still in
             # flight (a request asked again), is taken over: its slots are held, its read runs on.
             orphan = self._orphan_reads.pop(tuple(ld.disk.keys), None)
-            job = self.stager.promote(ld.disk.keys) if orphan is None else orphan[0]
-            ld.read_started = ld.started if orphan is None else orphan[1]
+            job = self.stager.promote(ld.disk.keys) if orphan is None else orphan.job
+            ld.read_started = ld.started if orphan is None else orphan.started
             if job is None:
                 ld.result.unreserved = len(ld.disk.keys)  # no CPU slot to stage through: recomputed
                 ld.disk.keys = []
@@ -711,10 +718,10 @@ class TierOrchestrator:
         # are what fill the cap (one load at a time never would).
         # Counted before the loads below, whose reads given up on here are counted as theirs.
         disk_guard = self.guards.get("disk")
-        for _, started in list(self._orphan_reads.values()):
+        for orphan in list(self._orphan_reads.values()):
             in_flight["disk"] += 1
-            if disk_guard is not None and now - started > disk_guard.threshold_s:
-                stalled["disk"].append(now - started)
+            if disk_guard is not None and now - orphan.started > disk_guard.threshold_s:
+                stalled["disk"].append(now - orphan.started)
         for ld in list(self._loads.values()):
             waited = now - (ld.bound_at if ld.bound else ld.started)
             for tier, part, busy in (
@@ -742,7 +749,7 @@ class TierOrchestrator:
         assert ld.disk_read is not None
         job, ld.disk_read = ld.disk_read, None
         self._read_owner.pop(job, None)
-        self._orphan_reads[tuple(ld.disk.keys)] = (job, ld.read_started)
+        self._orphan_reads[tuple(ld.disk.keys)] = _OrphanRead(job, ld.read_started)
         self.counts["disk_read_timeout_blocks"] += len(ld.disk.keys)
         ld.disk.keys = []
         self._maybe_finish(ld)
@@ -821,7 +828,8 @@ class TierOrchestrator:
         if self.cost is not None:
             self.cost.observe("disk", p.bytes, p.seconds)
         request_id = self._read_owner.pop(p.job_id, None)
-        if request_id is None and self._orphan_reads.get(tuple(p.keys), (None,))[0] == p.job_id:
+        orphan = self._orphan_reads.get(tuple(p.keys))
+        if request_id is None and orphan is not None and orphan.job == p.job_id:
             del self._orphan_reads[tuple(p.keys)]  # landed in the CPU tier, owned by no load
         ld = self._loads.get(request_id)
         if ld is None:

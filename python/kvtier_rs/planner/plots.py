@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
 from typing import Any
 
 from kvtier_rs.planner.errors import PlanError
+from kvtier_rs.planner.files import replaced_atomically
 
 
 def check_plot_dir(out_dir: str | Path) -> None:
@@ -99,17 +99,14 @@ def write_plots(rep: dict[str, Any], out_dir: str | Path) -> list[str]:
 
 
 def _save(plt: Any, fig: Any, path: Path) -> None:
-    """Write one figure whole or not at all, or refuse naming --plot and the file.
-    check_plot_dir vets DIR before the replay, not the figures' own paths: one taken by a
-    directory, or a file that cannot be replaced, made savefig raise a traceback after the
-    whole replay; and a write failing midway (a full disk) left a truncated PNG."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    """Write one figure whole or not at all (`replaced_atomically`), or refuse naming --plot and
+    the file. check_plot_dir vets DIR before the replay, not the figures' own paths: one taken by
+    a directory, or a file that cannot be replaced, made savefig raise a traceback after the
+    whole replay."""
     try:
-        fig.savefig(tmp, dpi=120, format="png")
-        os.replace(tmp, path)
+        with replaced_atomically(path) as tmp:
+            fig.savefig(tmp, dpi=120, format="png")
     except OSError as e:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
         raise PlanError(f"--plot: cannot write {path}: {e.strerror or e}") from None
     finally:
         plt.close(fig)

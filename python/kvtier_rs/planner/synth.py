@@ -17,7 +17,6 @@ Arrivals of new work are Poisson, or bursty (rate alternating between bursts and
 
 from __future__ import annotations
 
-import contextlib
 import heapq
 import itertools
 import json
@@ -27,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtier_rs.planner.errors import PlanError
+from kvtier_rs.planner.files import replaced_atomically
 
 KINDS = ("system", "rag", "chat", "unique")
 
@@ -196,12 +196,7 @@ def _emit(records, keys, when, segs, rng, cfg, queue, tiebreak, sess, fresh) -> 
 
 
 def write_trace(records: list[dict], path: str | Path) -> None:
-    """Write `records` to `path` whole or not at all: into a temporary file beside it, moved
-    into place once complete. Written in place, a failure midway (a full disk) left a trace
-    ending inside a record, and the trace that was there before destroyed."""
-    import os
-    import tempfile
-
+    """Write `records` to `path` whole or not at all (`replaced_atomically`)."""
     p = Path(path)
     if p.is_symlink() and p.is_file():
         # A link to a regular file: that file is the trace (replacing the link itself would leave
@@ -214,29 +209,15 @@ def write_trace(records: list[dict], path: str | Path) -> None:
         import gzip
 
         opener = gzip.open  # type: ignore[assignment]
+
+    def write(target: Path) -> None:
+        with opener(target, "wt", encoding="utf-8") as f:
+            for r in records:
+                f.write(json.dumps(r, separators=(",", ":")) + "\n")
+
     if p.exists() and not p.is_file():
         # /dev/stdout, a FIFO: written in place (replacing it would replace the device node or link).
-        with opener(p, "wt", encoding="utf-8") as f:
-            for r in records:
-                f.write(json.dumps(r, separators=(",", ":")) + "\n")
+        write(p)
         return
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
-    os.close(fd)
-    try:
-        with opener(tmp, "wt", encoding="utf-8") as f:
-            for r in records:
-                f.write(json.dumps(r, separators=(",", ":")) + "\n")
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it 0600; a trace is an ordinary file
-        os.replace(tmp, p)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
-def _umask() -> int:
-    import os
-
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    with replaced_atomically(p) as tmp:
+        write(tmp)

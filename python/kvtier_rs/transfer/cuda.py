@@ -390,10 +390,10 @@ class CudaTransferEngine(TransferEngine):
         rt = self._rt
         with self._lock:
             if self._clock is None or time.perf_counter() - self._clock.host_s >= _CLOCK_REF_S:
-                err, ev = rt.cudaEventCreateWithFlags(rt.cudaEventDefault)
-                if int(err) != 0:
+                ev = self._timing_event(self._clock_stream)
+                if ev is None:
                     return None
-                if int(rt.cudaEventRecord(ev, self._clock_stream)[0]) != 0 or int(rt.cudaEventSynchronize(ev)[0]) != 0:
+                if int(rt.cudaEventSynchronize(ev)[0]) != 0:
                     rt.cudaEventDestroy(ev)
                     return None
                 old, self._clock = self._clock, _ClockRef(ev, time.perf_counter())
