@@ -25,6 +25,11 @@ from kvtier_rs.transfer import BlockLayout
 rt = pytest.importorskip("cuda.bindings.runtime", reason="SKIPPED LOUDLY: cuda-python is not installed")
 OK = rt.cudaError_t.cudaSuccess
 
+#: How far two readings of one instant may differ through float rounding alone: perf_counter
+#: values (seconds since boot) plus device times keep about 1e-13 s at a day's uptime; 1 us is
+#: far below every effect a test here checks (10 ms or more), and far above the rounding.
+CLOCK_TOLERANCE_S = 1e-6
+
 
 class StandInRuntime:
     """The calls CudaTransferEngine makes, with bookkeeping instead of a device."""
@@ -50,9 +55,12 @@ class StandInRuntime:
         self.on_query = None  # called once, inside the first cudaEventQuery
         self.copies = 0
         self.batch_calls = 0
-        # A device clock: each copy keeps its stream busy for `copy_seconds` (from when it is
-        # queued, or from the end of the stream's previous copy); an event completes, by this
-        # clock, when its stream's queued copies are done (on perf_counter's scale).
+        # A device clock of its own, which only a test moves (`device_now`, seconds): each copy
+        # keeps its stream busy for `copy_seconds` from when it is queued (device_now) or from
+        # the end of the stream's previous copy; an event completes, by this clock, when its
+        # stream's queued copies are done. Host time plays no part, so a busy machine cannot
+        # change what the engine reads from the events.
+        self.device_now = 0.0
         self.copy_seconds = 0.0
         self.busy_until: dict[int, float] = {}
         self.recorded_at: dict[int, float] = {}
@@ -139,7 +147,7 @@ class StandInRuntime:
             return (rt.cudaError_t.cudaErrorInvalidResourceHandle,)
         err = self._live("cudaEventRecord", ev)
         if err == OK:
-            self.recorded_at[ev] = max(time.perf_counter(), self.busy_until.get(stream, 0.0))
+            self.recorded_at[ev] = max(self.device_now, self.busy_until.get(stream, 0.0))
         return (err,)
 
     def cudaEventElapsedTime(self, start, end):
@@ -172,7 +180,7 @@ class StandInRuntime:
     def cudaMemcpyAsync(self, *args):
         self.copies += 1
         stream = args[-1]
-        self.busy_until[stream] = max(time.perf_counter(), self.busy_until.get(stream, 0.0)) + self.copy_seconds
+        self.busy_until[stream] = max(self.device_now, self.busy_until.get(stream, 0.0)) + self.copy_seconds
         self.log.append(("copy", stream))
         if self.copies == self.fail_copy_number:
             return (rt.cudaError_t.cudaErrorInvalidValue,)
@@ -290,9 +298,20 @@ def test_a_job_is_finished_and_its_event_destroyed_once_when_polls_race(runtime)
     with engine(pool) as eng:
         job = eng.store([0], [0])
         seen = []
-        # Another thread polls while this one is between its query and taking the job.
+        # Another thread polls while this one is between its query and taking the job: it is
+        # seen to have started collecting (however slow this machine), then given 0.2 s, in
+        # which an engine that did not hold it off would let it take the job first.
         other = threading.Thread(target=lambda: seen.extend(eng.poll()))
-        runtime.on_query = lambda: (other.start(), other.join(timeout=0.2))
+        collecting = threading.Event()
+        collect = eng._collect_events
+
+        def observed_collect():
+            if threading.current_thread() is other:
+                collecting.set()
+            collect()
+
+        eng._collect_events = observed_collect
+        runtime.on_query = lambda: (other.start(), collecting.wait(60), other.join(timeout=0.2))
         seen.extend(eng.poll())
         other.join()
         assert [r.job_id for r in seen] == [job]
@@ -309,7 +328,7 @@ def test_an_engine_fed_and_polled_from_another_thread_works_on_its_own_device(ru
         results = []
         worker = threading.Thread(target=lambda: results.extend(eng.wait([eng.store([0], [0]), eng.load([1], [1])])))
         worker.start()
-        worker.join(10)
+        worker.join(60)
         assert [r.success for r in results] == [True, True], [r.error for r in results]
         assert runtime.misuse == []
 
@@ -325,16 +344,22 @@ def test_a_refused_batch_call_is_not_retried_for_every_job(runtime):
 
 def test_a_job_is_timed_to_its_copies_completion_not_to_the_poll_that_notices_it(runtime):
     """An engine polled once a step must not time its own step: a load whose two copies take
-    10 ms each on the device, noticed 200 ms later, took 20 ms (and a store queued behind it on
-    its own stream is timed on its own)."""
+    10 ms each on the device, noticed 200 ms or more later, took 20 ms on the device, and its
+    completion is placed before the poll, not at it."""
     pool = host_pool()
     with engine(pool) as eng:
         runtime.copy_seconds = 0.01
+        called = time.perf_counter()
         load = eng.load([0], [1])
-        time.sleep(0.2)
+        returned = time.perf_counter()
+        time.sleep(0.2)  # a lower bound: a busy machine only makes the poll later
         [r] = eng.poll()
         assert r.job_id == load and r.success
-        assert 0.02 <= r.seconds < 0.2, r.seconds
+        assert r.finished_at - r.started_at == pytest.approx(0.02, abs=CLOCK_TOLERANCE_S)
+        # The clock reference was taken before load() returned, and the copies ended 20 ms of
+        # device time after it: that is before the poll, which came 200 ms after the return.
+        assert r.finished_at <= returned + 0.02 + CLOCK_TOLERANCE_S, r.finished_at - returned
+        assert 0.02 - CLOCK_TOLERANCE_S <= r.seconds <= returned - called + 0.02 + CLOCK_TOLERANCE_S, r.seconds
         # Jobs are timed against clock references that outlive them, and nothing is left.
         assert job_events(runtime, eng) == set() and runtime.misuse == []
     assert runtime.events == set(), "the clock reference outlived the engine"
@@ -345,9 +370,9 @@ def test_a_clock_reference_the_runtime_refuses_times_jobs_to_the_poll(runtime, m
     monkeypatch.setattr(runtime, "cudaEventSynchronize", lambda ev: (rt.cudaError_t.cudaErrorUnknown,))
     with engine(pool) as eng:
         job = eng.store([0], [0])
-        time.sleep(0.05)
+        time.sleep(0.05)  # a lower bound on the job's time to the poll
         [r] = eng.wait([job])
-        assert r.success and r.seconds >= 0.05
+        assert r.success and r.seconds >= 0.05 - CLOCK_TOLERANCE_S
         assert eng._clock is None and runtime.events == set()
 
 
@@ -370,7 +395,7 @@ def test_wait_never_synchronizes_an_event_a_concurrent_poll_or_close_destroyed(r
         runtime.events_done = True
         t = threading.Thread(target=lambda: seen.extend(eng.poll()) if other == "poll" else eng.close())
         t.start()
-        t.join(10)
+        t.join(60)
         return real_sync(ev)
 
     runtime.cudaEventSynchronize = sync
@@ -470,26 +495,29 @@ def test_a_thread_that_never_chose_a_device_is_left_without_one(runtime):
 
     t = threading.Thread(target=helper)
     t.start()
-    t.join(10)
+    t.join(60)
     eng.close()
     assert errors == [] and 0 not in runtime.contexts, (errors, runtime.contexts)
 
 
 def test_a_job_ordered_after_a_busy_stream_says_when_its_copies_started(runtime):
     """The copies of a load ordered after the compute stream start once the step queued there is
-    done (100 ms here): the job's time from submission holds that wait, and `started_at` says when
-    its own copies (two of 10 ms) began, which is what a bandwidth is measured over."""
+    done (100 ms of device time here): the job's time from submission holds that wait, and
+    `started_at` says when its own copies (two of 10 ms) began, which is what a bandwidth is
+    measured over."""
     compute = 999  # a stream of the engine's caller
     pool = host_pool()
     with engine(pool) as eng:
         runtime.copy_seconds = 0.01
+        runtime.busy_until[compute] = runtime.device_now + 0.1
         t0 = time.perf_counter()
-        runtime.busy_until[compute] = t0 + 0.1
         load = eng.load([0], [1], after_stream=compute)
-        time.sleep(0.3)
+        time.sleep(0.3)  # a lower bound: the copies end 120 ms of device time after submission
         [r] = eng.poll()
         assert r.job_id == load and r.success
-        assert r.seconds >= 0.1 and r.started_at - t0 >= 0.1, (r.seconds, r.started_at - t0)
-        assert 0.02 <= r.finished_at - r.started_at < 0.05, r.finished_at - r.started_at
+        # The clock reference is taken after t0, so its host time is t0 or later.
+        assert r.started_at - t0 >= 0.1 - CLOCK_TOLERANCE_S, r.started_at - t0
+        assert r.seconds >= 0.12 - CLOCK_TOLERANCE_S, r.seconds
+        assert r.finished_at - r.started_at == pytest.approx(0.02, abs=CLOCK_TOLERANCE_S)
         assert job_events(runtime, eng) == set() and runtime.misuse == [], "the start event outlived its job"
     assert runtime.events == set()

@@ -24,6 +24,9 @@ from kvtier_rs.orchestrator import CostModel, GuardRule, LatencyRecorder, SloGua
 from kvtier_rs.transfer import BlockLayout, CpuTransferEngine
 
 NAN, INF = float("nan"), float("inf")
+#: Slack for float rounding in differences of perf_counter readings (seconds since boot): far
+#: below any duration a test here tells apart, far above the rounding at any uptime.
+CLOCK_TOLERANCE_S = 1e-6
 
 
 class FakeClock:
@@ -416,39 +419,52 @@ def test_a_load_split_into_region_groups_is_one_observation_of_all_its_bytes(lay
     # The burst took `layers` job times back to back, as one job of the same bytes would report;
     # per-job folding saw job k as k+1 job times for 1/layers of the bytes.
     burst = layers * QueuedEngine.per_job
-    assert burst - 1e-9 <= seconds <= burst + res.seconds  # (a + d) - a may round below d
+    # (a + d) - a may round below d, by up to an ulp of a per job at a large perf_counter value
+    # (the machine's uptime): 1 us is far above that and far below one job time (1 ms).
+    assert burst - CLOCK_TOLERANCE_S <= seconds <= burst + res.seconds + CLOCK_TOLERANCE_S
     assert spy.bandwidth["cpu"] == pytest.approx(0.8 * 10e9 + 0.2 * nbytes / seconds)
     # A load of the same bytes as one job reads the same bandwidth as the per-layer burst.
     spy.calls.clear()
     orch.load(keys, list(range(16, 24)), request_id="whole")
     orch.drain()
     ((_, whole_bytes, whole_s),) = spy.calls
-    assert whole_bytes == nbytes and whole_s >= QueuedEngine.per_job - 1e-9
+    assert whole_bytes == nbytes and whole_s >= QueuedEngine.per_job - CLOCK_TOLERANCE_S
 
 
-def test_the_cost_model_measures_a_load_from_when_its_copies_started():
+def test_the_cost_model_measures_a_load_from_when_its_copies_started(monkeypatch):
     """A load queued behind other work (here a store whose copy holds the CPU engine's copy
-    thread for 0.2 s; on a GPU, the step its copies are ordered after) waits before its copies
+    thread for 0.25 s; on a GPU, the step its copies are ordered after) waits before its copies
     start. That wait is the engine's latency, not the hop's bandwidth: counted from the
     submission, a busy engine read as a slow hop and the cost model refused loads that paid."""
+    # A clock that moves only when the held store says so: the copies themselves take no time
+    # on it, however slow this machine is, so the wait (0.25 s) and the hop (0 s) are exact.
+    now = [100.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
 
     class HeldStores(CpuTransferEngine):
-        hold_s = 0.0
+        gate: threading.Event | None = None
+
+        def _submit(self, job, block_ids, slots, after_stream):
+            job.submitted = time.perf_counter()  # on the test's clock, like every other time here
+            super()._submit(job, block_ids, slots, after_stream)
 
         def copy_now(self, direction, block_ids, slots, sub_blocks=None, regions=None):
-            if direction == "d2h":
-                time.sleep(self.hold_s)
+            if direction == "d2h" and self.gate is not None:
+                # Held until the load is queued behind it, then 0.25 s pass on the clock.
+                assert self.gate.wait(60)
+                now[0] += 0.25
             super().copy_now(direction, block_ids, slots, sub_blocks, regions)
 
     spy = SpyCost(prefill_tokens_per_s=1.0, tokens_per_block=16, block_bytes=4096)
     orch = orchestrator(engine_cls=HeldStores, cost=spy)
     orch.offload([b"a", b"b"], [0, 1])
     orch.drain()
-    orch.engine.hold_s = 0.2
+    orch.engine.gate = threading.Event()
     orch.offload([b"c"], [2])  # its copy holds the copy thread
     orch.load([b"a", b"b"], [8, 9], request_id="r")  # queued behind it
+    orch.engine.gate.set()
     (res,) = orch.drain()
-    assert res.loaded_cpu == 2 and res.seconds >= 0.2, "the load waited for the store"
+    assert res.loaded_cpu == 2 and res.seconds >= 0.25, "the load waited for the store"
     ((hop, _, seconds),) = spy.calls
     assert hop == "cpu" and seconds < 0.1, f"the cost model measured the wait: {seconds:.3f} s"
 
@@ -540,10 +556,12 @@ def test_a_load_that_hangs_trips_the_guard_and_its_late_completion_is_not_counte
 
         def copy_now(self, direction, block_ids, slots, sub_blocks=None, regions=None):
             if direction == "h2d":
-                assert self.gate.wait(30)
+                assert self.gate.wait(120)  # opened by the test after its waits below
             super().copy_now(direction, block_ids, slots, sub_blocks, regions)
 
-    rule = GuardRule(p99_ms=20, min_samples=2)  # two slow samples trip it
+    # Two slow samples trip it; a window and a bypass longer than any run, so a slow machine
+    # cannot age a sample out between the checks.
+    rule = GuardRule(p99_ms=20, window_s=3600, recover_s=3600, min_samples=2)
     orch = orchestrator(engine_cls=HeldEngine, guards={"cpu": rule})
     orch.engine.gate = threading.Event()
     orch.offload([b"a", b"b"], [0, 1])
@@ -551,7 +569,7 @@ def test_a_load_that_hangs_trips_the_guard_and_its_late_completion_is_not_counte
     guard = orch.guards["cpu"]
     try:
         orch.load([b"a"], [2], request_id="hung")
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # the stall comes 20 ms after bind; this only stops a hang
         while guard.state()["samples"] == 0 and time.monotonic() < deadline:
             orch.poll()
             time.sleep(0.005)
@@ -569,7 +587,7 @@ def test_a_load_that_hangs_trips_the_guard_and_its_late_completion_is_not_counte
     orch.engine.gate.clear()
     try:
         orch.load([b"b"], [3], request_id="hung-2")
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while guard.allows() and time.monotonic() < deadline:
             orch.poll()
             time.sleep(0.005)
@@ -654,7 +672,7 @@ def test_a_disk_read_given_up_on_is_still_measured_by_the_cost_model(tmp_path, m
     orch.stager.disk = HeldReads(orch.stager.disk)
     spy.calls.clear()
     orch.load([b"a"], [1], request_id="r")
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # the read completes whatever the load; this only stops a hang
     while not orch.stager.disk.held and time.monotonic() < deadline:  # the read has completed
         assert orch.poll() == []
         time.sleep(0.001)

@@ -6,6 +6,7 @@ drives the tiers."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -33,7 +34,7 @@ Sample = tuple[str, frozenset]
 
 def scrape(url: str) -> tuple[dict[str, str], dict[Sample, float]]:
     """(family name -> type, (sample name, labels) -> value) from one HTTP scrape."""
-    with urllib.request.urlopen(url, timeout=10) as r:
+    with urllib.request.urlopen(url, timeout=60) as r:  # a bound only against a hung exporter
         assert r.status == 200
         text = r.read().decode()
     types, values = {}, {}
@@ -214,7 +215,8 @@ def d(delta, name, **labels) -> float:
 def test_series_move_as_the_tiers_are_driven(tmp_path):
     events = EventStream(capacity=4)
     # A disk guard that never trips (threshold 1000 s): its p99 gauge follows disk promotions.
-    guards = {"disk": GuardRule(p99_ms=1e6, min_samples=1)}
+    # Its window outlasts the test, so a slow machine cannot age the samples out before a scrape.
+    guards = {"disk": GuardRule(p99_ms=1e6, window_s=3600, min_samples=1)}
     t = Tiers(tmp_path, "main", cpu_blocks=8, disk_blocks=8, events=events, guards=guards)
     o, bb = t.orch, t.block_bytes
     moved: set[str] = set()
@@ -400,8 +402,9 @@ REFUSALS = ["cost", "backpressure", "guard", "admission", "no_space", "disk_admi
 def test_refusal_series(tmp_path, case):
     kw: dict = {}
     if case == "cost":
-        # Recomputing is nearly free: no load is ever worth it.
-        kw["cost"] = CostModel(prefill_tokens_per_s=1e15, tokens_per_block=1, block_bytes=65536)
+        # Recomputing is nearly free: no load is ever worth it, and no probe lets one through
+        # however long the test takes between its plans.
+        kw["cost"] = CostModel(prefill_tokens_per_s=1e15, tokens_per_block=1, block_bytes=65536, probe_every_s=math.inf)
     elif case == "backpressure":
         kw["max_promotions_in_flight"] = {"cpu": 1, "disk": 1}
     elif case == "guard":
@@ -511,8 +514,10 @@ def test_index_failure_series(tmp_path):
 
 
 def test_a_plan_is_counted_once_whether_or_not_it_is_loaded(tmp_path):
-    # Recomputing is nearly free: every CPU hit is refused by the cost model.
-    t = Tiers(tmp_path, "plans", cost=CostModel(prefill_tokens_per_s=1e15, tokens_per_block=1, block_bytes=65536))
+    # Recomputing is nearly free: every CPU hit is refused by the cost model, and no probe lets
+    # one through however long the test takes between its plans.
+    cost = CostModel(prefill_tokens_per_s=1e15, tokens_per_block=1, block_bytes=65536, probe_every_s=math.inf)
+    t = Tiers(tmp_path, "plans", cost=cost)
     o = t.orch
     a = keys("a", 2)
     t.offload(a)

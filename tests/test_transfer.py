@@ -330,14 +330,14 @@ class GateEngine(CpuTransferEngine):
 
     def copy_now(self, *args, **kwargs):
         self.entered.set()
-        if not self.gate.wait(10):
+        if not self.gate.wait(120):  # opened by the test; a bound only against a hang
             raise RuntimeError("gate never opened")
         super().copy_now(*args, **kwargs)
 
 
 def wait_until(cond) -> None:
     """Poll `cond` (a state change in another thread); a bound only so a bug cannot hang the suite."""
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while not cond():
         assert time.monotonic() < deadline, "condition never became true"
         time.sleep(0.001)
@@ -372,7 +372,7 @@ def test_jobs_submitted_before_close_finish_and_later_ones_are_refused(inline):
     else:
         # The first job is copying on the engine's thread, the second queued behind it.
         jobs += [eng.store([1], [0]), eng.store([2], [1])]
-    assert eng.entered.wait(10)
+    assert eng.entered.wait(60)
     closer = threading.Thread(target=eng.close)
     closer.start()
     wait_until(lambda: eng._closed)
@@ -424,20 +424,31 @@ def test_a_second_close_returns_only_once_the_first_has_finished_the_jobs():
     x = torch.arange(8 * 64, dtype=torch.float32).reshape(8, 64)
     eng = GateEngine(BlockLayout.per_layer([x]), kv.HostPool(4 * 4096, 4096))
     job = eng.store([1], [0])
-    assert eng.entered.wait(10)
+    assert eng.entered.wait(60)
     first = threading.Thread(target=eng.close)
     first.start()
     wait_until(lambda: eng._closed)
     second_done = threading.Event()
     second = threading.Thread(target=lambda: (eng.close(), second_done.set()))
+    # The second close() is seen to wait for the first (rather than given a fixed time to
+    # return, which a slow machine could outlast without it having got that far).
+    second_waits = threading.Event()
+    wait = eng._progress.wait
+
+    def observed_wait(*args, **kwargs):
+        if threading.current_thread() is second:
+            second_waits.set()
+        return wait(*args, **kwargs)
+
+    eng._progress.wait = observed_wait
     second.start()
-    time.sleep(0.1)
+    wait_until(lambda: second_waits.is_set() or second_done.is_set())
     assert not second_done.is_set(), "close() returned while a job was still copying"
     eng.gate.set()
-    first.join(10)
-    second.join(10)
+    first.join(60)
+    second.join(60)
     assert second_done.is_set()
-    assert [r.success for r in eng.wait([job], timeout=10)] == [True]
+    assert [r.success for r in eng.wait([job], timeout=60)] == [True]
 
 
 def test_a_close_interrupted_while_waiting_for_a_submission_leaves_the_next_close_to_finish():
@@ -464,6 +475,6 @@ def test_a_close_interrupted_while_waiting_for_a_submission_leaves_the_next_clos
         eng._progress.notify_all()
     second = threading.Thread(target=eng.close, daemon=True)
     second.start()
-    second.join(10)
+    second.join(60)
     assert not second.is_alive(), "the second close() never returned"
     assert not eng._thread.is_alive(), "the engine was never shut down"
