@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import pickle
 import re
 import sys
@@ -15,7 +16,8 @@ import pytest
 import torch
 from trtllm_support.driver import Engine, Request, Retention, TokenRange, llm_args, standin_engine_hash
 
-from kvtier_rs._core import InvalidArgumentError, KvTierError
+from kvtier_rs import host_tier
+from kvtier_rs._core import BlockIndex, InvalidArgumentError, KvTierError
 from kvtier_rs.integrations import trtllm
 from kvtier_rs.integrations.trtllm import identity
 from kvtier_rs.integrations.trtllm.config import parse_options
@@ -23,6 +25,16 @@ from kvtier_rs.integrations.trtllm.metadata import KvtierConnectorMetadata, Load
 from kvtier_rs.transfer import CpuTransferEngine
 
 TPB = 4
+# How long a test waits for what must happen (a copy to land, a thread to get somewhere): far
+# beyond any stall of a loaded machine, and only spent when the product is broken.
+WAIT_S = 60.0
+
+
+def wait_for(done, what):
+    deadline = time.monotonic() + WAIT_S
+    while not done():
+        assert time.monotonic() < deadline, f"{what} within {WAIT_S} s"
+        time.sleep(0.002)
 
 
 def make(
@@ -233,21 +245,28 @@ def test_block_below_min_priority_is_not_offloaded(tmp_path, engines):
     assert eng.matched[2] == 8  # the two priority-80 blocks, not the priority-10 ones
 
 
-def test_priorities_order_eviction_and_durations_expire(tmp_path, engines):
-    eng = make(tmp_path, cpu_blocks=4)
+def test_priorities_order_eviction_and_durations_expire(tmp_path, engines, monkeypatch):
+    # The CPU index runs on a manual clock: the 300 ms lapse when the test moves the clock on,
+    # never while a slow machine is still running the first half.
+    with monkeypatch.context() as m:
+        m.setattr(host_tier, "BlockIndex", functools.partial(BlockIndex, manual_clock=True))
+        eng = make(tmp_path, cpu_blocks=4)
     engines.append(eng)
     keep = prompt(6, 8)
     ret = Retention([TokenRange(0, None, 90, datetime.timedelta(milliseconds=300))])
     eng.run_request(Request(1, keep + [1], retention=ret))
     for i in range(3):  # default-priority chains churn the rest of the tier
         eng.run_request(Request(10 + i, prompt(60 + i, 8) + [1]))
-    r = Request(2, keep + [2])
+    # The same claim again: a default-priority one would renew the blocks to 35 (a later claim
+    # overrides), and what follows would pass whether or not durations lapse.
+    r = Request(2, keep + [2], retention=ret)
     eng.step([r])
     assert eng.matched[2] == 8, "priority-90 blocks must outlive default-priority ones"
     eng.step(finish=[2])
     eng.worker.tiers.orchestrator.drain()
     eng.poll_finished()
-    time.sleep(0.35)  # the duration lapses: the blocks fall back to 35 and age out like the rest
+    # The duration lapses: the blocks fall back to 35 and age out like the rest.
+    eng.worker.tiers.orchestrator.host.index.advance_clock(0.35)
     for i in range(3):
         eng.run_request(Request(20 + i, prompt(80 + i, 8) + [1]))
     r = Request(3, keep + [3])
@@ -355,7 +374,7 @@ class GatedEngine(CpuTransferEngine):
     gate = threading.Event()
 
     def copy_now(self, direction, *args, **kwargs):
-        if direction == "d2h" and not self.gate.wait(10):
+        if direction == "d2h" and not self.gate.wait(WAIT_S):
             raise RuntimeError("gate never opened")
         super().copy_now(direction, *args, **kwargs)
 
@@ -372,10 +391,7 @@ def test_request_with_save_in_flight_is_not_reported_early(tmp_path, engines):
         assert eng.poll_finished() == []
     assert eng.worker.counts["offloaded_blocks"] == 3
     GatedEngine.gate.set()
-    for _ in range(500):
-        if eng.poll_finished() == [1]:
-            break
-        time.sleep(0.002)
+    wait_for(lambda: eng.poll_finished() == [1], "request 1 reported finished")
     assert 1 not in eng.saving
     assert eng.worker.tiers.orchestrator.stats()["tiers"]["cpu"]["stored"] == 3  # the copies succeeded
 
@@ -396,18 +412,33 @@ class LayerGatedEngine(CpuTransferEngine):
     gate = threading.Event()
 
     def copy_now(self, direction, block_ids, slots, sub_blocks=None, regions=None):
-        if direction == "h2d" and regions != [0] and not self.gate.wait(10):
+        if direction == "h2d" and regions != [0] and not self.gate.wait(WAIT_S):
             raise RuntimeError("gate never opened")
         super().copy_now(direction, block_ids, slots, sub_blocks, regions)
 
 
-def test_layer_zero_runs_while_later_layers_are_still_loading(tmp_path, engines):
+def test_layer_zero_runs_while_later_layers_are_still_loading(tmp_path, engines, monkeypatch):
     LayerGatedEngine.gate.set()
     eng = make(tmp_path, engine_factory=LayerGatedEngine)
     engines.append(eng)
     eng.run_request(Request(1, prompt(5, 12) + [1]))  # offloaded, then the GPU copy is freed
     LayerGatedEngine.gate.clear()
     errors: list[BaseException] = []
+    first = len(eng.layer_calls)
+    orch = eng.worker.tiers.orchestrator
+    real_poll, layer1_polls = orch.poll, []
+    blocked = threading.Event()
+
+    def poll():
+        # A second poll once layer 1's wait began: its first check found layer 1 missing, so the
+        # wait is holding layer 1 back (not a sleep that a slow thread may outlast).
+        if ("wait", 1) in eng.layer_calls[first:]:
+            layer1_polls.append(None)
+            if len(layer1_polls) >= 2:
+                blocked.set()
+        return real_poll()
+
+    monkeypatch.setattr(orch, "poll", poll)
 
     def second_request():
         try:
@@ -415,19 +446,16 @@ def test_layer_zero_runs_while_later_layers_are_still_loading(tmp_path, engines)
         except BaseException as e:  # noqa: BLE001 - surfaced below
             errors.append(e)
 
-    first = len(eng.layer_calls)
     t = threading.Thread(target=second_request)
     t.start()
-    deadline = time.monotonic() + 10
-    while ("save", 0) not in eng.layer_calls[first:] and time.monotonic() < deadline:
-        time.sleep(0.002)
-    time.sleep(0.05)  # give layer 1 every chance to (wrongly) run before its copy
+    # Until layer 1's wait blocks, or the step ends (layer 1 ran early, on KV not copied yet).
+    wait_for(lambda: blocked.is_set() or not t.is_alive(), "layer 1's wait blocked or the step ended")
     # Layer 0 ran (its attention checked every loaded token's KV) while layers 1.. still copy.
     recent = eng.layer_calls[first:]
-    assert recent == [("wait", 0), ("save", 0), ("wait", 1)], recent
+    assert recent == [("wait", 0), ("save", 0), ("wait", 1)], (recent, errors)
     assert eng.matched[2] == 12
     LayerGatedEngine.gate.set()
-    t.join(10)
+    t.join(WAIT_S)
     assert not t.is_alive() and not errors, errors
     assert eng.layer_calls[first:][-1] == ("save", eng.layers - 1)
 
@@ -734,7 +762,7 @@ class StaleLoadEngine(CpuTransferEngine):
 
     def copy_now(self, direction, block_ids, slots, sub_blocks=None, regions=None):
         if direction == "h2d" and regions != [0]:
-            if not self.gate.wait(10):
+            if not self.gate.wait(WAIT_S):
                 raise RuntimeError("gate never opened")
             if StaleLoadEngine.fail:
                 raise RuntimeError("injected copy failure")
@@ -756,20 +784,40 @@ def _load_left_in_flight(tmp_path, engines, seed, *, fail):
     return eng
 
 
-def test_the_next_step_waits_for_a_load_left_in_flight_by_a_failed_step(tmp_path, engines):
+def test_the_next_step_waits_for_a_load_left_in_flight_by_a_failed_step(tmp_path, engines, monkeypatch):
     # The load's request failed with its step and its blocks went back to the engine, which may
     # give them to this step's requests: the late copies must land before this step runs. Before,
     # start_load_kv raised 'previous step's loads are unfinished' (outside the engine's forward
     # error handler: the executor loop ended).
     eng = _load_left_in_flight(tmp_path, engines, 41, fail=False)
-    opener = threading.Timer(0.2, StaleLoadEngine.gate.set)
-    opener.start()
+    worker, orch = eng.worker, eng.worker.tiers.orchestrator
+    real_poll, real_start = orch.poll, worker.start_load_kv
+    starting, at_return = [], []
+
+    def poll():
+        # The late copies are let through only after a poll of start_load_kv's: they cannot have
+        # landed before it began waiting, however the threads are scheduled.
+        out = real_poll()
+        if starting:
+            StaleLoadEngine.gate.set()
+        return out
+
+    def start_load_kv(stream):
+        starting.append(None)
+        try:
+            real_start(stream)
+        finally:
+            starting.clear()
+        at_return.append((worker.counts["stale_loads"], len(worker._stale_loads)))
+
     try:
-        eng.step([Request(3, prompt(42, 12) + [1])])
+        with monkeypatch.context() as m:
+            m.setattr(orch, "poll", poll)
+            m.setattr(worker, "start_load_kv", start_load_kv)
+            eng.step([Request(3, prompt(42, 12) + [1])])
     finally:
-        opener.cancel()
         StaleLoadEngine.gate.set()
-    assert opener.finished.is_set(), "start_load_kv returned only once the late copies had landed"
+    assert at_return == [(1, 0)], "start_load_kv returned only once the late copies had landed"
     assert eng.worker.counts["stale_loads"] == 1 and not eng.worker._stale_loads
     assert eng.worker.tiers.orchestrator.host.index.stats()["pinned_blocks"] == 0
     eng.step([Request(4, prompt(41, 12) + [4])])  # and loads work again
@@ -782,11 +830,12 @@ def test_a_load_of_a_failed_step_that_fails_later_is_not_raised_again(tmp_path, 
     # step's wait_for_layer_load did, failing requests that had nothing to do with it.
     eng = _load_left_in_flight(tmp_path, engines, 43, fail=True)
     StaleLoadEngine.gate.set()
-    for _ in range(2000):
+
+    def collected():
         eng.poll_finished()  # get_finished, as the engine calls it every iteration
-        if not eng.worker._pending_loads and not eng.worker._stale_loads:
-            break
-        time.sleep(0.002)
+        return not eng.worker._pending_loads and not eng.worker._stale_loads
+
+    wait_for(collected, "the failed step's load collected")
     assert eng.worker.counts["stale_loads"] == 1
     StaleLoadEngine.fail = False
     eng.step([Request(3, prompt(43, 12) + [3])])

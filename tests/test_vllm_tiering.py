@@ -58,15 +58,23 @@ def tier(llm):
     return t
 
 
+def generate_and_drain(llm, ids):
+    """generate, then wait for the request's cascades to the disk tier. vLLM keeps the primary
+    chunks a cascade reads pinned until it is reported: while one runs, the next request's
+    stores may find no room in the 4-chunk primary, and a chunk never stored is never cascaded."""
+    out = E.generate(llm, ids)
+    tier(llm).drain_jobs()
+    return out
+
+
 def test_negative_control_wrong_promoted_bytes_change_tokens(env, prompts, baseline, tmp_path):
     """The first scenario with a secondary tier that promotes wrong bytes: the comparison with
     the baseline must catch it, or the positive tests below would prove nothing."""
     llm = tiering_llm(env, tier_type="WrongBytesDiskTier", module="vllm_support.faulty", root=tmp_path)
     try:
         for name in "ABC":
-            assert E.generate(llm, prompts[name]) == (baseline[name], 0)
+            assert generate_and_drain(llm, prompts[name]) == (baseline[name], 0)
         t = tier(llm)
-        t.drain_jobs()
         assert t.disk.stats()["blocks_written"] == 9, t.disk.stats()
         E.drop_gpu_cache(llm)
         tokens, cached = E.generate(llm, prompts["A"])
@@ -80,9 +88,8 @@ def test_secondary_tier_serves_prefix_evicted_from_primary(env, prompts, baselin
     llm = tiering_llm(env)
     try:
         for name in "ABC":  # 9 chunks through a 4-chunk primary: A leaves the primary
-            assert E.generate(llm, prompts[name]) == (baseline[name], 0)
+            assert generate_and_drain(llm, prompts[name]) == (baseline[name], 0)
         t = tier(llm)
-        t.drain_jobs()
         assert t.disk.stats()["blocks_written"] == 9
         # In place: the disk tier's pool is vLLM's primary region itself (no staging copy).
         primary = np.frombuffer(t._primary_kv_view, dtype=np.uint8)  # vLLM's base class keeps it here
