@@ -1,11 +1,18 @@
 """Shared helpers for the disk-tier tests: deterministic payloads, a host pool, and
-write/read round trips through the asynchronous API."""
+write/read round trips through the asynchronous API; and a way to run a call while another
+thread waits for the GIL (the binding's GIL tests use it too)."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import functools
 import hashlib
+import itertools
+import operator
 import os
+import sys
+import threading
 import time
 
 import numpy as np
@@ -112,9 +119,9 @@ def tier_threads_and_fds() -> tuple[list[str], int]:
 
 
 def assert_back_to(before: tuple[list[str], int], what: str) -> None:
-    """Wait (at most 5 s) for the tier threads and fd count to be back at `before`: a joined
+    """Wait (at most 60 s) for the tier threads and fd count to be back at `before`: a joined
     thread may still be listed for a moment."""
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60
     while tier_threads_and_fds() != before and time.monotonic() < deadline:
         time.sleep(0.01)
     assert tier_threads_and_fds() == before, f"{what}: threads or fds leaked"
@@ -139,3 +146,36 @@ class HeldReads:
         if self.release:
             out, self.held = out + self.held, []
         return out
+
+
+_NEVER = object()
+
+
+def call_once_the_gil_is_asked_for(call, waiter: threading.Thread, in_call: list) -> None:
+    """Run `call()` once `waiter`, waiting for the GIL, has asked for it, with an item in
+    `in_call` from just before the call until it returns (left there if it raises) and no
+    bytecode run in between (C iterators only: the interpreter hands the GIL over only between
+    bytecodes, or where C code releases it). A thread that releases the GIL another has asked
+    for waits until that one has it (CPython's forced switch), so `waiter` gets it while
+    `in_call` holds the item exactly when the call releases the GIL, however late the OS
+    schedules it. `waiter` must already be in a loop that reads `in_call` and makes no call:
+    such a loop gives the GIL up only at its jump back, so it acts on the item before it can
+    lose the GIL again."""
+    cpu = functools.partial(time.clock_gettime, time.pthread_getcpuclockid(waiter.ident))
+    now, first = itertools.tee(iter(cpu, None))
+    # The waiter's CPU time since the first reading. While this thread holds the GIL the waiter
+    # can only be waiting for it, and it asks for it after each switch interval of that wait:
+    # 200 us of its CPU time is dozens of intervals (a few us each).
+    waited = map(operator.sub, now, itertools.accumulate(first, min))
+    steps = itertools.chain(
+        iter(functools.partial(in_call.append, True), None),  # append returns None: stops at once
+        itertools.takewhile(functools.partial(operator.gt, 200e-6), waited),
+        itertools.islice(iter(call, _NEVER), 1),  # call() once
+        iter(in_call.clear, None),
+    )
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # the waiter asks often, so its 200 us come quickly
+    try:
+        collections.deque(steps, maxlen=0)
+    finally:
+        sys.setswitchinterval(old)

@@ -48,10 +48,10 @@ fn threads_and_fds() -> (usize, usize) {
     (count("/proc/self/task"), count("/proc/self/fd"))
 }
 
-/// Waits (at most 5 s) for the process's threads and fds to be back at `before`: a joined
+/// Waits (at most 60 s) for the process's threads and fds to be back at `before`: a joined
 /// thread may still be listed for a moment after `join` returned.
 fn assert_back_to(before: (usize, usize), what: &str) {
-    let deadline = Instant::now() + Duration::from_secs(5);
+    let deadline = Instant::now() + Duration::from_secs(60);
     while threads_and_fds() != before && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(10));
     }

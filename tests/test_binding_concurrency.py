@@ -7,11 +7,14 @@ interpreter lets it, with the switch interval at its minimum."""
 
 from __future__ import annotations
 
+import functools
+import gc
 import sys
 import threading
 import time
 
 import pytest
+from _disk_util import call_once_the_gil_is_asked_for
 
 import kvtier_rs as kv
 
@@ -87,22 +90,19 @@ def test_a_long_prefix_walk_counts_the_keys_it_walked():
         assert examined in (n, n + 1) and examined >= n
 
 
-def pin_gone(ix: kv.BlockIndex) -> None:
-    """pin_one of a block present when the call starts, which the clear() removes first."""
-    with pytest.raises(kv.NotReadyError):
-        ix.pin_one(0)
+PINNED = 0  # pinned before the clear, which leaves it: pin_one pins it again
 
 
 @pytest.mark.parametrize(
-    "call",
+    "make_call",
     [
-        lambda ix, k: ix.prepare_store_one(k),
-        lambda ix, k: ix.touch_one(k),
-        lambda ix, k: ix.renew_one(k, priority=50),
-        lambda ix, k: ix.remove_one(k),
-        lambda ix, k: pin_gone(ix),
-        lambda ix, k: ix.complete_store_one(k, False),
-        lambda ix, k: ix.entries(),
+        lambda ix, k: functools.partial(ix.prepare_store_one, k),
+        lambda ix, k: functools.partial(ix.touch_one, k),
+        lambda ix, k: functools.partial(ix.renew_one, k, priority=50),
+        lambda ix, k: functools.partial(ix.remove_one, k),
+        lambda ix, k: functools.partial(ix.pin_one, PINNED),
+        lambda ix, k: functools.partial(ix.complete_store_one, k, False),
+        lambda ix, k: ix.entries,
     ],
     ids=[
         "prepare_store_one",
@@ -114,46 +114,47 @@ def pin_gone(ix: kv.BlockIndex) -> None:
         "entries",
     ],
 )
-def test_one_key_writers_wait_for_the_writers_lock_without_the_gil(call):
+def test_one_key_writers_wait_for_the_writers_lock_without_the_gil(make_call):
     """A clear() of a large index holds the writers' lock for a while (GIL released). A one-key
     writer arriving then waits for it; before, it waited holding the GIL, and no other Python
-    thread ran until it got the lock. Checked by progress, not time: a thread counting while the
-    writer waits must count."""
+    thread ran until it got the lock. Checked by progress, not time: a thread that asked for the
+    GIL before the call must run during it."""
     blocks = 200_000
     ix = kv.BlockIndex(blocks)
     for base in range(0, blocks, 50_000):
         out = ix.prepare_store(list(range(base, base + 50_000)))
         ix.complete_store(out.keys)
-    waiting = threading.Event()
-    done = threading.Event()
+    ix.pin_one(PINNED)
+    call = make_call(ix, blocks + 7)
+    in_call: list = []
+    running: list = []
+    done: list = []
     ticks = 0
 
     def ticker():
         nonlocal ticks
-        while not done.is_set():
-            if waiting.is_set():
+        running.append(True)
+        while not done:  # no call in the loop (see call_once_the_gil_is_asked_for)
+            if in_call:
                 ticks += 1
-            else:
-                time.sleep(0.0002)  # hands the GIL back at once while nothing is measured
 
     clearer = threading.Thread(target=ix.clear)
     counter = threading.Thread(target=ticker)
-    # A long switch interval: this thread keeps the GIL from `waiting.set()` into the call
-    # unless the call itself releases it (a short one would let the counter in before the call).
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(0.1)
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # a collection could run finalizers (bytecode) inside the call
     try:
         counter.start()
+        while not running:
+            time.sleep(0)
         clearer.start()
         while len(ix) == blocks:  # until clear() holds the lock and is removing blocks
             time.sleep(0)
-        waiting.set()
-        call(ix, blocks + 7)
-        waiting.clear()
+        call_once_the_gil_is_asked_for(call, counter, in_call)
         during = ticks
         clearer.join()
-        done.set()
-        counter.join()
     finally:
-        sys.setswitchinterval(old)
+        done.append(True)
+        counter.join()
+        if gc_was_enabled:
+            gc.enable()
     assert during > 0, "no other Python thread ran while the writer waited for the lock"

@@ -8,6 +8,7 @@ every block reported ok with its expected payload), and the tier keeps serving a
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import signal
 import subprocess
@@ -23,6 +24,7 @@ from _disk_util import (
     ENGINES,
     Host,
     assert_back_to,
+    call_once_the_gil_is_asked_for,
     make_tier,
     payload,
     read,
@@ -380,9 +382,13 @@ def test_concurrent_readers_and_writers(tmp_path, engine):
     errors: list[BaseException] = []
     served = [0] * n_threads
     stop = threading.Event()
+    # All four start together, so the readers read while the writers write however the OS
+    # schedules the threads' starts.
+    started = threading.Barrier(n_threads)
 
     def writer(t: int) -> None:
         try:
+            started.wait()
             host = hosts[t]
             for i in range(12):
                 keys = [(t, i, j) for j in range(4)]
@@ -397,8 +403,12 @@ def test_concurrent_readers_and_writers(tmp_path, engine):
 
     def reader(t: int) -> None:
         try:
+            started.wait()
             host = hosts[t]
-            while not stop.is_set():
+            # Until the writers are done, and at least until a hit (the last blocks written
+            # stay): a reader the OS kept waiting still reads something.
+            deadline = time.monotonic() + 60
+            while not stop.is_set() or (served[t] == 0 and time.monotonic() < deadline):
                 keys = [hash_key((w, i, j)) for w in (0, 1) for i in range(12) for j in range(1)]
                 for start in range(0, len(keys), 8):
                     chunk = keys[start : start + 8]
@@ -416,7 +426,7 @@ def test_concurrent_readers_and_writers(tmp_path, engine):
     for th in rs:
         th.join(timeout=120)
     assert not errors, errors[0]
-    assert sum(served) > 0, "readers never got a hit; the test exercised nothing"
+    assert all(served[t] > 0 for t in (2, 3)), "a reader never got a hit; the test exercised nothing"
     still_serving(tier, hosts[0])
     tier.close()
 
@@ -548,21 +558,37 @@ def test_an_io_uring_enter_fault_needs_the_io_uring_engine(tmp_path):
 def test_ctrl_c_interrupts_a_wait_for_a_job_that_is_not_done(tmp_path, how):
     """wait() and wait_idle() released the GIL for their whole length: Ctrl-C (SIGINT) could
     not interrupt them until the job finished. The job here stays in flight for seconds (the
-    ring retries a transient io_uring_enter error for 5 s, then fails it); the interrupt must
-    arrive while it does."""
+    ring retries a transient io_uring_enter error for 5 s, then fails it); the interrupt is sent
+    from inside the wait (by a thread that gets the GIL when the wait releases it)."""
     require_engine("io_uring")
     host = Host(4)
     with make_tier(tmp_path, "io_uring") as tier:
         tier._inject_fault("enter_eagain", 1_000_000)
         host.put(0, payload(1, host.block))
         job = tier.submit_write([1], host.pool, [0]).job_id
-        timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
-        timer.start()
+        in_call: list = []
+        running: list = []
+        abandoned: list = []
+
+        def interrupt() -> None:
+            running.append(True)
+            while not in_call:  # no call in the loop (see call_once_the_gil_is_asked_for)
+                if abandoned:
+                    return
+            os.kill(os.getpid(), signal.SIGINT)
+
+        sender = threading.Thread(target=interrupt)
+        sender.start()
         try:
+            while not running:
+                time.sleep(0)
             with pytest.raises(KeyboardInterrupt):
-                tier.wait(job) if how == "wait" else tier.wait_idle()
-            assert tier.running_jobs == 1, "interrupted while the job was still in flight"
+                call_once_the_gil_is_asked_for(
+                    functools.partial(tier.wait, job) if how == "wait" else tier.wait_idle, sender, in_call
+                )
         finally:
-            timer.cancel()
+            abandoned.append(True)
+            sender.join()
+        assert tier.running_jobs == 1, "interrupted while the job was still in flight"
         result = tier.wait(job, timeout=30)  # the job itself went on, and ends failed
         assert result is not None and result.failed_keys == [1]

@@ -376,9 +376,9 @@ fn empty_batches_finish_at_once() {
     let h = host(2);
     let t = DiskTier::open(config(&dir, 4, EngineChoice::Pool)).unwrap();
     let r = t.submit_read(&[], &[], h.clone()).unwrap();
-    assert!(t.wait(r, Some(Duration::from_secs(10))).unwrap().is_some());
+    assert!(t.wait(r, Some(Duration::from_secs(60))).unwrap().is_some());
     let w = t.submit_write(&[], &[], h.clone(), InsertHint::default()).unwrap();
-    assert!(t.wait(w.job_id, Some(Duration::from_secs(10))).unwrap().is_some());
+    assert!(t.wait(w.job_id, Some(Duration::from_secs(60))).unwrap().is_some());
 }
 
 /// A named counter of `t.stats()`.
@@ -420,27 +420,21 @@ fn clear_is_refused_while_jobs_run_and_after_close() {
     let h = host(8);
     let t = DiskTier::open(config(&dir, 16, EngineChoice::Pool)).unwrap();
     write_all(&t, &h, &[1, 2]);
-    // Hold a job open: a read whose completion we do not wait for can still be running.
-    let mut refused = false;
-    for _ in 0..50 {
-        let id = t.submit_read(&[k(1), k(2)], &[0, 1], h.clone()).unwrap();
-        match t.clear() {
-            Err(KvError::InvalidArgument { arg, reason }) => {
-                assert_eq!(arg, "clear");
-                assert!(reason.contains("still running; wait_idle() first"), "{reason}");
-                assert_eq!(t.len(), 2, "a refused clear changes nothing");
-                refused = true;
-            }
-            Ok(n) => assert_eq!(n, 2, "the read had finished already: the clear went through"),
-            Err(e) => panic!("{e}"),
+    // Hold a read open: its chains' first step (the fault check, on the I/O threads) waits for
+    // the fault lock held here, so the job is still running when clear() looks.
+    let held = t.shared.fault.lock();
+    let id = t.submit_read(&[k(1), k(2)], &[0, 1], h.clone()).unwrap();
+    match t.clear() {
+        Err(KvError::InvalidArgument { arg, reason }) => {
+            assert_eq!(arg, "clear");
+            assert!(reason.contains("still running; wait_idle() first"), "{reason}");
         }
-        t.wait(id, None).unwrap();
-        if refused {
-            break;
-        }
-        write_all(&t, &h, &[1, 2]);
+        other => panic!("a clear with a read running: {other:?}"),
     }
-    assert!(refused, "no clear met a running read in 50 tries");
+    assert_eq!(t.len(), 2, "a refused clear changes nothing");
+    drop(held);
+    assert!(t.wait(id, None).unwrap().unwrap().success());
+    assert_eq!(t.clear().unwrap(), 2, "with nothing running the clear goes through");
     t.close().unwrap();
     assert!(matches!(t.clear(), Err(KvError::Closed(_))));
 }
@@ -482,7 +476,7 @@ fn enospc_marks_the_tier_full_even_with_the_longest_retry() {
             t.inject_fault(Some(Fault::WriteErrno(libc::ENOSPC)), 1).unwrap();
             fill(&h, 0, 1);
             let ticket = t.submit_write(&[k(1)], &[0], h.clone(), InsertHint::default()).unwrap();
-            let r = t.wait(ticket.job_id, Some(Duration::from_secs(10))).unwrap();
+            let r = t.wait(ticket.job_id, Some(Duration::from_secs(60))).unwrap();
             assert!(r.is_some_and(|r| r.failed_keys == vec![k(1)]), "{engine:?} {retry:?}: the job never finished");
             assert!(t.is_full(), "{engine:?} {retry:?}: ENOSPC did not mark the tier full");
         }
@@ -595,7 +589,7 @@ fn a_transient_io_uring_enter_error_is_retried() {
         t.inject_fault(Some(Fault::EnterErrno(errno)), 3).unwrap();
         fill(&h, 1, 2);
         let ticket = t.submit_write(&[k(2)], &[1], h.clone(), InsertHint::default()).unwrap();
-        let w = t.wait(ticket.job_id, Some(Duration::from_secs(10))).unwrap();
+        let w = t.wait(ticket.job_id, Some(Duration::from_secs(60))).unwrap();
         assert!(w.is_some_and(|w| w.success()), "errno {errno}: the write did not finish, or failed");
         let r = read_all(&t, &h, &[1, 2]);
         assert!(r.success(), "errno {errno}");
@@ -620,18 +614,18 @@ fn a_failed_io_uring_enter_fails_every_job_instead_of_hanging_them() {
     // finishes (failed), none hangs.
     fill(&h, 1, 2);
     let ticket = t.submit_write(&[k(2)], &[1], h.clone(), InsertHint::default()).unwrap();
-    let w = t.wait(ticket.job_id, Some(Duration::from_secs(10))).unwrap().expect("the write never finished");
+    let w = t.wait(ticket.job_id, Some(Duration::from_secs(60))).unwrap().expect("the write never finished");
     assert_eq!(w.failed_keys, vec![k(2)]);
     assert_eq!(stat(&t, "engine_errno"), libc::EIO as u64);
     fill(&h, 2, 3);
     let read = t.submit_read(&[k(1)], &[2], h.clone()).unwrap();
-    let r = t.wait(read, Some(Duration::from_secs(10))).unwrap().expect("a later read never finished");
+    let r = t.wait(read, Some(Duration::from_secs(60))).unwrap().expect("a later read never finished");
     assert_eq!(r.failed_keys, vec![k(1)]);
     assert!(slot_bytes(&h, 2).iter().all(|&b| b == 0), "a failed read left bytes in the host slot");
     let ticket = t.submit_write(&[k(3)], &[2], h.clone(), InsertHint::default()).unwrap();
-    let w = t.wait(ticket.job_id, Some(Duration::from_secs(10))).unwrap().expect("a later write never finished");
+    let w = t.wait(ticket.job_id, Some(Duration::from_secs(60))).unwrap().expect("a later write never finished");
     assert_eq!(w.failed_keys, vec![k(3)]);
-    assert!(t.wait_idle(Some(Duration::from_secs(10))));
+    assert!(t.wait_idle(Some(Duration::from_secs(60))));
     t.close().unwrap();
     drop(t);
     // What was written before the failure is still on disk, intact.

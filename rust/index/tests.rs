@@ -1,4 +1,4 @@
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use super::*;
@@ -285,11 +285,12 @@ fn chained_reads_never_report_a_failed_store_as_ready() {
     // A stress test: the race windows are a few instructions wide.
     let ix = Arc::new(index(8, PolicyKind::Lru));
     let stop = Arc::new(AtomicBool::new(false));
+    let walking = Arc::new(AtomicUsize::new(0)); // readers that have seen a block
     let xs = keys(0..4);
     let fs = keys(100..104);
     let readers: Vec<_> = (0..2)
         .map(|_| {
-            let (ix, stop, xs, fs) = (ix.clone(), stop.clone(), xs.clone(), fs.clone());
+            let (ix, stop, walking, xs, fs) = (ix.clone(), stop.clone(), walking.clone(), xs.clone(), fs.clone());
             std::thread::spawn(move || {
                 let mut walked = 0u64;
                 while !stop.load(Ordering::Relaxed) {
@@ -305,6 +306,9 @@ fn chained_reads_never_report_a_failed_store_as_ready() {
                                 break;
                             }
                             walked += 1;
+                            if walked == 1 {
+                                walking.fetch_add(1, Ordering::SeqCst);
+                            }
                         }
                     }
                 }
@@ -313,13 +317,23 @@ fn chained_reads_never_report_a_failed_store_as_ready() {
         })
         .collect();
     let rounds = if cfg!(debug_assertions) { 20_000 } else { 100_000 };
-    for round in 0..rounds {
+    // At least `rounds` rounds, and on until both readers have seen a block while the writer
+    // runs (the OS may start them late), or one of them stopped (its panic is reported below).
+    // It stops after an odd round, which leaves xs stored.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    for round in 0.. {
         ix.prepare_store(&xs, InsertHint::default()).unwrap();
         ix.complete_store(&xs, true);
         ix.prepare_store(&fs, InsertHint::default()).unwrap();
         ix.complete_store(&fs, false);
         if round % 2 == 0 {
             ix.remove(&xs);
+        } else if round >= rounds
+            && (walking.load(Ordering::SeqCst) == 2
+                || readers.iter().any(|r| r.is_finished())
+                || std::time::Instant::now() > deadline)
+        {
+            break;
         }
     }
     stop.store(true, Ordering::Relaxed);
@@ -751,6 +765,22 @@ fn a_store_of_a_chain_already_present_changes_no_rank() {
     assert_eq!(ix.stats().touches, 0);
 }
 
+/// Waits (at most 60 s) until the thread whose id lands in `tid` has set it and then sleeps in
+/// the kernel: from there on, the only thing it can sleep on is the lock it goes on to take.
+fn wait_until_asleep(tid: &std::sync::atomic::AtomicI32) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let id = tid.load(Ordering::SeqCst);
+        // The state is the first field after the command name, which is in parentheses.
+        let stat = (id != 0).then(|| std::fs::read_to_string(format!("/proc/self/task/{id}/stat")).unwrap());
+        if stat.as_deref().and_then(|s| s.rsplit_once(") ")).is_some_and(|(_, rest)| rest.starts_with('S')) {
+            return;
+        }
+        assert!(std::time::Instant::now() < deadline, "the thread never went to sleep");
+        std::thread::yield_now();
+    }
+}
+
 #[test]
 fn a_store_that_waited_for_the_writers_lock_starts_its_duration_when_it_gets_it() {
     // The clock is read under the lock: a store that waited W keeps its level for the whole
@@ -758,11 +788,16 @@ fn a_store_that_waited_for_the_writers_lock_starts_its_duration_when_it_gets_it(
     let ix = Arc::new(manual(2, PolicyKind::Priority));
     store_with(&ix, &[k(1)], 50, None);
     let writers = ix.inner.lock();
+    let storer_tid = Arc::new(std::sync::atomic::AtomicI32::new(0));
     let storer = {
-        let ix = ix.clone();
-        std::thread::spawn(move || store_with(&ix, &[k(2)], 90, Some(100)))
+        let (ix, tid) = (ix.clone(), storer_tid.clone());
+        std::thread::spawn(move || {
+            // SAFETY: gettid has no preconditions.
+            tid.store(unsafe { libc::gettid() }, Ordering::SeqCst);
+            store_with(&ix, &[k(2)], 90, Some(100))
+        })
     };
-    std::thread::sleep(std::time::Duration::from_millis(50)); // the store is waiting for the lock
+    wait_until_asleep(&storer_tid); // the store is waiting for the lock
     ix.clock().advance(200).unwrap();
     drop(writers);
     storer.join().unwrap();
