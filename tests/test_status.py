@@ -220,3 +220,76 @@ def test_status_text_reports_missing_slots(tmp_path, capsys):
     os.truncate(root / "slab-000.kvt", 3 * stride())
     assert main(["status", "--dir", str(root)]) == 0
     assert "missing slots:   5 (past the end of slab files shorter" in capsys.readouterr().out
+
+
+def test_a_disk_root_reports_each_tier_directory_under_it(tmp_path, capsys):
+    # The vLLM adapter makes a tier directory per model under its disk root; `--dir` given that
+    # root reports each, and marks those of an earlier format (never read by this kvtier).
+    # Before: the root is not a tier directory, so status refused it.
+    current, dp1, earlier = "tiny_llama_f2_0123456789ab", "tiny_llama_dp1_f2_abcdef012345", "tiny_llama_0123456789ab"
+    host = Host(4)
+    with make_tier(tmp_path / current, "pool", blocks=4, num_files=1) as tier:
+        write(tier, host, [1, 2])
+    make_tier(tmp_path / dp1, "pool", blocks=8, num_files=2).close()
+    with make_tier(tmp_path / earlier, "pool", blocks=4, num_files=1) as tier:
+        write(tier, host, [3])
+    (tmp_path / "notes").mkdir()  # neither a tier nor reported
+    (tmp_path / "README").write_text("x")
+    before = {name: snapshot(tmp_path / name) for name in (current, dp1, earlier)}
+
+    assert main(["status", "--dir", str(tmp_path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["root"] == str(tmp_path)
+    by_name = {t["name"]: t for t in out["tiers"]}
+    assert list(by_name) == sorted([current, dp1, earlier])
+    assert {n: t["earlier_format"] for n, t in by_name.items()} == {current: False, dp1: False, earlier: True}
+    assert (by_name[current]["blocks"], by_name[dp1]["blocks"], by_name[earlier]["blocks"]) == (2, 0, 1)
+    assert by_name[dp1]["capacity_blocks"] == 8 and by_name[current]["path"] == str(tmp_path / current)
+    assert all(t["open_by"]["state"] in ("closed", "unknown") for t in out["tiers"])
+
+    assert main(["status", "--dir", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"disk root {tmp_path}: 3 tier directories\n")
+    assert f"earlier format (never read by this kvtier; remove to free the space): {earlier}\n" in text
+    for name in (current, dp1, earlier):
+        assert f"disk tier {tmp_path / name}\n" in text
+    assert text.count("format:          earlier") == 1
+    assert "notes" not in text and "README" not in text
+    # Read-only, as for one tier.
+    assert {name: snapshot(tmp_path / name) for name in (current, dp1, earlier)} == before
+    # A tier directory itself is reported as before (its JSON unchanged: no "tiers").
+    assert main(["status", "--dir", str(tmp_path / current), "--json"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert "tiers" not in one and one["blocks"] == 2
+    assert main(["status", "--dir", str(tmp_path / earlier)]) == 0
+    assert "format:          earlier" in capsys.readouterr().out
+
+
+def test_a_disk_root_with_an_unreadable_tier_reports_the_others(tmp_path, capsys):
+    good, bad = "m_f2_0123456789ab", "m_f2_abcdef012345"
+    make_tier(tmp_path / good, "pool", blocks=4, num_files=1).close()
+    make_tier(tmp_path / bad, "pool", blocks=4, num_files=2).close()
+    os.remove(tmp_path / bad / "slab-001.kvt")
+    assert main(["status", "--dir", str(tmp_path), "--json"]) == 2
+    captured = capsys.readouterr()
+    tiers = {t["name"]: t for t in json.loads(captured.out)["tiers"]}
+    assert tiers[good]["capacity_blocks"] == 4
+    assert "slab-001.kvt" in tiers[bad]["error"]
+    assert captured.err == "kvtier status: error: 1 of 2 tier directories could not be read\n"
+    assert main(["status", "--dir", str(tmp_path)]) == 2
+    assert "slab-001.kvt" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("content", ["empty", "no tiers"])
+def test_a_root_without_tier_directories_is_a_one_line_error(tmp_path, capsys, content):
+    if content == "no tiers":
+        (tmp_path / "m_f2_0123456789ab").mkdir()  # named like one, but holds no tier
+        (tmp_path / "file").write_text("x")
+    before = sorted(os.listdir(tmp_path))
+    assert main(["status", "--dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"kvtier status: error: --dir {tmp_path}: not a disk tier directory (no kvtier-disk.meta), "
+        "and no tier directory under it\n"
+    )
+    assert sorted(os.listdir(tmp_path)) == before

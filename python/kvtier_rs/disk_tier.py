@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from typing import Any
 
 from kvtier_rs._core import DiskTier
@@ -29,3 +30,16 @@ def open_disk_tier(path: str | os.PathLike[str], capacity_bytes: int, block_byte
     for note in disk.notes:
         log.warning("kvtier disk tier %s: %s", disk.path, note)
     return disk
+
+
+#: The host format in the name of a vLLM per-model tier directory, "<model>_f2_<digest>": a row
+#: of one shared host region holding every rank's part, written to disk only while sealed for its
+#: block. Directories of earlier releases ("<model>_<digest>") may hold blocks a scheduler wrote
+#: from private memory that no worker filled (zeros, with valid checksums): never opened.
+DIR_FORMAT = "f2"
+_PER_MODEL_DIR = re.compile(r".+_[0-9a-f]{12}")
+
+
+def earlier_format(name: str) -> bool:
+    """Whether `name` is a vLLM per-model tier directory of an earlier kvtier format."""
+    return _PER_MODEL_DIR.fullmatch(name) is not None and f"_{DIR_FORMAT}_" not in name

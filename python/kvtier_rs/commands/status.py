@@ -1,5 +1,10 @@
 """`kvtier status --dir ROOT`: what a disk tier directory holds, read-only.
 
+ROOT is a tier directory (it holds the tier's metadata file), or a directory of them, such as
+the disk root of kvtier's vLLM adapter, which makes one tier directory per model under it:
+then each is reported, and those named by an earlier kvtier format (never read by this one)
+are marked as such.
+
 Safe against a directory a serving process has open: the scan opens files read-only, takes no
 lock and writes nothing (see rust/disk/status.rs). Whether a process holds the tier open is read
 from /proc/locks (the tier's flock on its lock file) instead of by trying the lock, because even
@@ -12,11 +17,14 @@ import argparse
 import json
 import os
 import stat
+import sys
 from pathlib import Path
 
+from kvtier_rs.disk_tier import earlier_format
 from kvtier_rs.planner.errors import PlanError
 
 LOCK_NAME = "kvtier-disk.lock"  # rust/disk/slab.rs LOCK_NAME
+META_NAME = "kvtier-disk.meta"  # rust/disk/slab.rs META_NAME: a directory holding it is a tier
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -24,9 +32,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         "status",
         help="show what a disk tier directory holds (read-only)",
         description="Scan a disk tier directory's slot headers and print what it holds: blocks, bytes, "
-        "generations, damaged slots. Changes nothing; works while another process has the tier open.",
+        "generations, damaged slots; given a directory of tier directories, each of them. Changes nothing; "
+        "works while another process has the tier open.",
     )
-    p.add_argument("--dir", required=True, dest="dir", metavar="ROOT", help="the disk tier directory")
+    p.add_argument(
+        "--dir",
+        required=True,
+        dest="dir",
+        metavar="ROOT",
+        help="the disk tier directory, or a directory of them (such as the vLLM adapter's disk root)",
+    )
     p.add_argument("--verify", action="store_true", help="also read and checksum every payload (slower)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=run_status)
@@ -61,9 +76,32 @@ def lock_holder(root: Path) -> tuple[str, int | None]:
     return "closed", None
 
 
-def run_status(args: argparse.Namespace) -> int:
+def _tier_dirs(root: Path) -> list[Path]:
+    """The tier directories directly under `root`, by name."""
+    try:
+        entries = sorted(root.iterdir(), key=lambda p: p.name)
+    except OSError as e:
+        raise PlanError(f"--dir {root}: cannot read: {e.strerror}") from None
+    return [p for p in entries if _is_tier(p)]
+
+
+def _is_tier(path: Path) -> bool:
+    try:
+        return path.is_dir() and (path / META_NAME).exists()
+    except OSError:  # a directory this user cannot enter: not one to report
+        return False
+
+
+def _scan(path: Path, verify: bool) -> dict:
     from kvtier_rs._core import disk_status
 
+    s = dict(disk_status(path, verify=verify))
+    state, pid = lock_holder(path)
+    s["open_by"] = {"state": state, "pid": pid}
+    return s
+
+
+def run_status(args: argparse.Namespace) -> int:
     if not args.dir:
         # Path("") is ".": an empty --dir would scan the current directory instead.
         raise PlanError("--dir: empty path; give the disk tier directory")
@@ -76,14 +114,66 @@ def run_status(args: argparse.Namespace) -> int:
         raise PlanError(f"--dir {args.dir}: cannot read: {e.strerror}") from None
     if not stat.S_ISDIR(mode):
         raise PlanError(f"--dir {args.dir}: not a directory")
-    s = dict(disk_status(root, verify=args.verify))
-    state, pid = lock_holder(root)
-    s["open_by"] = {"state": state, "pid": pid}
+    try:
+        is_tier = (root / META_NAME).exists()
+    except OSError as e:
+        raise PlanError(f"--dir {args.dir}: cannot read: {e.strerror}") from None
+    if not is_tier:
+        tiers = _tier_dirs(root)
+        if not tiers:
+            raise PlanError(
+                f"--dir {args.dir}: not a disk tier directory (no {META_NAME}), and no tier directory under it"
+            )
+        return _run_root(args, root, tiers)
+    s = _scan(root, args.verify)
     if args.json:
         print(json.dumps(s, sort_keys=True))
         return 0
+    _print_tier(s, earlier_format(root.name))
+    return 0
+
+
+def _run_root(args: argparse.Namespace, root: Path, tiers: list[Path]) -> int:
+    """Report every tier directory under `root`; one that cannot be read is reported as such
+    (the others still are) and makes the exit status 2."""
+    from kvtier_rs._core import KvTierError
+
+    reports: list[dict] = []
+    for path in tiers:
+        try:
+            s = _scan(path, args.verify)
+        except KvTierError as e:
+            s = {"path": str(path), "error": str(e)}
+        s["name"] = path.name
+        s["earlier_format"] = earlier_format(path.name)
+        reports.append(s)
+    failed = sum("error" in s for s in reports)
+    if args.json:
+        print(json.dumps({"root": str(root), "tiers": reports}, sort_keys=True))
+    else:
+        earlier = [s["name"] for s in reports if s["earlier_format"]]
+        print(f"disk root {root}: {len(reports)} tier director{'y' if len(reports) == 1 else 'ies'}")
+        if earlier:
+            print(f"  earlier format (never read by this kvtier; remove to free the space): {', '.join(earlier)}")
+        for s in reports:
+            print()
+            if "error" in s:
+                print(f"disk tier {s['path']}")
+                print(f"  error:           {s['error']}")
+            else:
+                _print_tier(s, s["earlier_format"])
+    if failed:
+        print(f"kvtier status: error: {failed} of {len(reports)} tier directories could not be read", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _print_tier(s: dict, earlier: bool) -> None:
+    state, pid = s["open_by"]["state"], s["open_by"]["pid"]
     cap = s["capacity_blocks"]
     print(f"disk tier {s['path']}")
+    if earlier:
+        print("  format:          earlier (a vLLM per-model directory of an earlier kvtier): never read by this kvtier")
     held = f"open by pid {pid}" if state == "open" else ("not open" if state == "closed" else "unknown")
     print(f"  in use:          {held}")
     print(
@@ -103,4 +193,3 @@ def run_status(args: argparse.Namespace) -> int:
     print(f"  generations:     {s['min_generation']}..{s['max_generation']} (last written {s['last_generation']})")
     if state == "open" and s["damaged_slots"]:
         print("  note: the tier is open; a slot being written when scanned shows as damaged")
-    return 0

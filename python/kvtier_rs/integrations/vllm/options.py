@@ -1,16 +1,17 @@
 """kvtier's keys in vLLM's ``kv_connector_extra_config``: parsing and validation.
 
 Pure Python (no vLLM import), so that a bad value is reported with its key name before vLLM
-allocates anything, and so that it is testable without vLLM. Every error is an
-``InvalidArgumentError`` (a ``KvTierError``) whose message starts with
-``kv_connector_extra_config[<key>]``.
+allocates anything, and so that it is testable without vLLM (``kvtier vllm-config`` checks a
+whole config with it). Every error is an ``InvalidArgumentError`` (a ``KvTierError``) whose
+message starts with ``kv_connector_extra_config[<key>]``, or, for an entry of the tiering
+spec's ``secondary_tiers``, ``secondary_tiers[type=KvtierDiskTier][<key>]``.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from kvtier_rs._core import policy_names
@@ -163,6 +164,23 @@ class KvtierOptions:
         return self.disk_root is not None
 
 
+def check_vllm_bools(extra: Mapping[str, Any]) -> None:
+    """vLLM reads its boolean keys with bool(value), validating nothing: "false" (a string from a
+    config file or a command line) would turn offload_prompt_only or self-describing events
+    *on*. Refused here, naming the key, before vLLM acts on the opposite of what was asked."""
+    for k in _VLLM_BOOL_KEYS:
+        if k in extra and not isinstance(extra[k], bool):
+            raise _err(k, f"expected a bool (true or false), got {show(extra[k])}")
+
+
+def cpu_bytes_to_use(extra: Mapping[str, Any]) -> int:
+    """The required ``cpu_bytes_to_use``: bytes (an int) or a size string such as "32GiB"."""
+    value = extra.get("cpu_bytes_to_use")
+    if value in (None, "", 0):
+        raise _err("cpu_bytes_to_use", "required: total bytes of the CPU tier, e.g. 4294967296 or '4GiB'")
+    return _opts.size("cpu_bytes_to_use", value)
+
+
 def parse_options(extra: Mapping[str, Any]) -> KvtierOptions:
     """Validate ``extra`` (the connector's extra config) and return kvtier's options."""
     known = VLLM_KEYS | set(KVTIER_KEYS)
@@ -182,21 +200,14 @@ def parse_options(extra: Mapping[str, Any]) -> KvtierOptions:
             + "; vLLM keys: "
             + ", ".join(sorted(VLLM_KEYS)),
         )
-    # vLLM reads its boolean keys with bool(value), validating nothing: "false" (a string from a
-    # config file or a command line) would turn offload_prompt_only or self-describing events
-    # *on*. Refused here, naming the key, before vLLM acts on the opposite of what was asked.
-    for k in _VLLM_BOOL_KEYS:
-        if k in extra and not isinstance(extra[k], bool):
-            raise _err(k, f"expected a bool (true or false), got {show(extra[k])}")
+    check_vllm_bools(extra)
     if "cache_policy_module_path" in extra:
         raise _err(
             "cache_policy_module_path",
             "kvtier runs its policies in its Rust core; "
             "choose one of " + ", ".join(policy_names()) + " with eviction_policy",
         )
-    if "cpu_bytes_to_use" not in extra or extra["cpu_bytes_to_use"] in (None, "", 0):
-        raise _err("cpu_bytes_to_use", "required: total bytes of the CPU tier, e.g. 4294967296 or '4GiB'")
-    cpu_bytes = _opts.size("cpu_bytes_to_use", extra["cpu_bytes_to_use"])
+    cpu_bytes = cpu_bytes_to_use(extra)
     policy = _opts.policy("eviction_policy", extra.get("eviction_policy", "lru"))
     # vLLM's "store a chunk on its N-th offer" (N >= 2; 0 and 1 store every chunk) is kvtier's
     # uses:N admission, whose N the core takes up to 255.
@@ -252,4 +263,55 @@ def parse_options(extra: Mapping[str, Any]) -> KvtierOptions:
         disk_on_reset=_opts.choice("disk_on_reset", extra.get("disk_on_reset", "clear"), ("clear", "keep")),
         cost_model=_cost_model(extra.get("cost_model", "always_load")),
         guard=guard,
+    )
+
+
+# ---- KvtierDiskTier, an entry of secondary_tiers under vLLM's tiering spec ---------------------
+
+#: The type name of kvtier's disk tier in ``secondary_tiers``.
+DISK_TIER_TYPE = "KvtierDiskTier"
+#: The keys of a secondary_tiers entry that vLLM's SecondaryTierFactory takes out; it passes the
+#: rest to the tier's constructor as keywords.
+VLLM_TIER_KEYS = ("type", "module_path", "backpressure")
+#: The reader of a KvtierDiskTier entry.
+DISK_TIER_READER = OptionReader(f"secondary_tiers[type={DISK_TIER_TYPE}]")
+#: vLLM's ``Locality`` values (vllm.v1.kv_offload.base), to check a config without importing vLLM.
+LOCALITIES = ("LOCAL", "REMOTE")
+
+
+@dataclass(frozen=True)
+class DiskTierOptions:
+    root_dir: str
+    capacity_bytes: int
+    policy: str = "lru"
+    admission: str = "always"
+    io_engine: str = "auto"
+    queue_depth: int = 16
+    locality: str = "LOCAL"
+
+
+def parse_disk_tier(entry: Mapping[str, Any], *, localities: tuple[str, ...] = LOCALITIES) -> DiskTierOptions:
+    """Validate the keys of a KvtierDiskTier entry as the tier receives them (the entry less
+    ``VLLM_TIER_KEYS``); every error names its key. What only the open tier can check (a
+    capacity that holds no block, a directory it cannot open) is left to it."""
+    r = DISK_TIER_READER
+    known = sorted(f.name for f in fields(DiskTierOptions))
+    unknown = sorted((k for k in entry if k not in known), key=str)
+    if unknown:
+        theirs = ", ".join(VLLM_TIER_KEYS)
+        raise r.error(unknown[0], f"unknown key; {DISK_TIER_TYPE} keys: {', '.join(known)} (and vLLM's {theirs})")
+    if entry.get("root_dir") is None:
+        raise r.error("root_dir", "required: the disk tier's directory, got None")
+    root_dir = r.directory("root_dir", entry["root_dir"])
+    if entry.get("capacity_bytes") is None:
+        raise r.error("capacity_bytes", "required: the disk tier's size, e.g. '64GiB'")
+    locality = entry.get("locality")
+    return DiskTierOptions(
+        root_dir=root_dir,
+        capacity_bytes=r.size("capacity_bytes", entry["capacity_bytes"]),
+        policy=r.policy("policy", entry.get("policy", "lru")),
+        admission=r.admission("admission", entry.get("admission", "always")),
+        io_engine=r.disk_io_engine("io_engine", entry.get("io_engine", "auto")),
+        queue_depth=r.queue_depth("queue_depth", entry.get("queue_depth", 16)),
+        locality="LOCAL" if locality is None else r.choice("locality", locality, localities),
     )

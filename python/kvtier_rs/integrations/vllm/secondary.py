@@ -24,6 +24,7 @@ vLLM's CPU worker refuses (vLLM's CPU build), is kvtier's: the tiering mode then
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
@@ -38,6 +39,7 @@ from vllm.v1.kv_offload.base import (
     ReqContext,
     RequestOffloadingContext,
 )
+from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
@@ -46,15 +48,14 @@ from kvtier_rs._core import HostPool, IndexFailedError, InvalidArgumentError, Kv
 from kvtier_rs.disk_tier import open_disk_tier
 from kvtier_rs.integrations.vllm import metrics as m
 from kvtier_rs.integrations.vllm.disk_layer import tier_dir
+from kvtier_rs.integrations.vllm.options import DISK_TIER_READER, cpu_bytes_to_use, parse_disk_tier
 from kvtier_rs.integrations.vllm.worker import KvtierWorker
-from kvtier_rs.options import OptionReader
 
 _HIT = LookupResult.HIT
 _MISS = LookupResult.MISS
 
 
-_opts = OptionReader("secondary_tiers[type=KvtierDiskTier]")
-_tier_err = _opts.error
+_opts = DISK_TIER_READER
 
 
 class KvtierDiskTier(SecondaryTierManager):
@@ -74,40 +75,15 @@ class KvtierDiskTier(SecondaryTierManager):
         primary_kv_view: memoryview,
         tier_type: str,
         backpressure_detector: Any = None,
-        *,
-        root_dir: str | None = None,
-        capacity_bytes: int | str | None = None,
-        policy: str = "lru",
-        admission: str = "always",
-        io_engine: str = "auto",
-        queue_depth: int = 16,
-        locality: str | None = None,
-        **unknown: Any,
+        **options: Any,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         # vLLM passes the tier's config entries (less type, module_path and backpressure) as
         # keywords: every one is checked here, before anything is allocated.
-        if unknown:
-            raise _tier_err(
-                sorted(unknown, key=str)[0],
-                "unknown key; KvtierDiskTier keys: admission, capacity_bytes, io_engine, locality, "
-                "policy, queue_depth, root_dir (and vLLM's type, module_path, backpressure)",
-            )
-        if root_dir is None:
-            raise _tier_err("root_dir", "required: the disk tier's directory, got None")
-        root_dir = _opts.directory("root_dir", root_dir)
-        if capacity_bytes is None:
-            raise _tier_err("capacity_bytes", "required: the disk tier's size, e.g. '64GiB'")
-        cap = _opts.size("capacity_bytes", capacity_bytes)
-        policy = _opts.policy("policy", policy)
-        admission = _opts.admission("admission", admission)
-        io_engine = _opts.disk_io_engine("io_engine", io_engine)
-        queue_depth = _opts.queue_depth("queue_depth", queue_depth)
-        if locality is None or isinstance(locality, Locality):
-            self.locality = locality or Locality.LOCAL
-        else:
-            names = tuple(loc.value for loc in Locality)
-            self.locality = Locality(_opts.choice("locality", locality, names))
+        if isinstance(options.get("locality"), Locality):
+            options["locality"] = options["locality"].value
+        opts = parse_disk_tier(options, localities=tuple(loc.value for loc in Locality))
+        self.locality = Locality(opts.locality)
         row = self.block_size_bytes
         try:
             # Slot i of this pool is primary row i: the disk tier's I/O uses the rows in place.
@@ -118,7 +94,7 @@ class KvtierDiskTier(SecondaryTierManager):
                 "kvtier's disk tier needs page-aligned rows of a multiple of 4096 bytes, as vLLM's "
                 "shared offload region provides"
             ) from None
-        path = tier_dir(root_dir, offloading_spec.config, row)
+        path = tier_dir(opts.root_dir, offloading_spec.config, row)
         # What only the tier can check (a capacity holding no block of this size, a directory
         # it cannot open) is reported under the key the user wrote.
         with _opts.naming(
@@ -134,12 +110,12 @@ class KvtierDiskTier(SecondaryTierManager):
             try:
                 self.disk = open_disk_tier(
                     path,
-                    cap,
+                    opts.capacity_bytes,
                     row,
-                    policy=policy,
-                    admission=admission,
-                    engine=io_engine,
-                    queue_depth=queue_depth,
+                    policy=opts.policy,
+                    admission=opts.admission,
+                    engine=opts.io_engine,
+                    queue_depth=opts.queue_depth,
                 )
             except BaseException:
                 # The error's traceback keeps this half-built tier alive; without this its
@@ -247,7 +223,15 @@ class KvtierDiskTier(SecondaryTierManager):
 
 
 class KvtierTieringOffloadingSpec(TieringOffloadingSpec):
-    """vLLM's tiering spec, with kvtier's worker where vLLM's own refuses the platform."""
+    """vLLM's tiering spec, with kvtier's worker where vLLM's own refuses the platform, and
+    ``cpu_bytes_to_use`` read as KvtierOffloadingSpec reads it (bytes or a size string)."""
+
+    def __init__(self, config: OffloadingConfig) -> None:
+        # vLLM's CPU spec reads cpu_bytes_to_use with int(), failing on "32GiB" only once the
+        # engine is up: parse it here (naming the key) and hand vLLM the bytes.
+        extra = dict(config.extra_config)
+        extra["cpu_bytes_to_use"] = cpu_bytes_to_use(extra)
+        super().__init__(dataclasses.replace(config, extra_config=extra))
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if current_platform.is_cuda_alike() or current_platform.is_xpu():
