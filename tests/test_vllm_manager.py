@@ -24,6 +24,10 @@ from kvtier_rs.integrations.vllm import metrics as m  # noqa: E402
 from kvtier_rs.integrations.vllm.manager import KvtierOffloadingManager  # noqa: E402
 from kvtier_rs.integrations.vllm.options import parse_options  # noqa: E402
 
+# How long a test waits for disk work that must finish: far beyond any stall of a loaded
+# machine, and only spent when the product is broken.
+WAIT_S = 60.0
+
 
 def key(i: int, group: int = 0) -> bytes:
     """A vLLM-shaped OffloadKey: a 32-byte sha256 block hash plus a 4-byte group index."""
@@ -68,7 +72,7 @@ def disk_backed(tmp_path, *, events: bool = False, **extra):
     mg = KvtierOffloadingManager(cpu, enable_events=events, lower=layer)
     for keys in ([key(1)], [key(2), key(3)]):
         store(mg, keys)
-        disk.wait_idle(10)
+        assert disk.wait_idle(WAIT_S)
         mg.on_schedule_end(None)  # collects the write-through
     assert cpu.state(key(1)) is None and disk.contains([key(1)]) == [True]
     return mg, disk
@@ -216,7 +220,8 @@ def test_reset_cache_drops_everything_including_in_flight():
 
 def _served_from_disk(mg, k, c):
     """Whether a lookup of `k` (on disk only) is promoted and becomes a hit."""
-    for _ in range(200):
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
         r = mg.lookup(k, c)
         if r is LookupResult.HIT:
             return True
@@ -239,7 +244,7 @@ def test_reset_cache_forgets_the_disk_tier_too_and_for_good(tmp_path):
     assert not _served_from_disk(mg, key(1), ctx())
     # Written after the reset: these survive a restart, the old ones do not.
     store(mg, [key(7)])
-    disk.wait_idle(10)
+    assert disk.wait_idle(WAIT_S)
     mg.on_schedule_end(None)
     assert disk.contains([key(7)]) == [True]
     mg.shutdown()
@@ -304,7 +309,7 @@ def test_after_a_reset_no_promotion_lands_in_a_slot_a_flushed_store_still_writes
         out = mg.prepare_store([k], c)
         run(True, block, out.store_spec)
         mg.complete_store(out.keys_to_store, c)
-        disk.wait_idle(10)  # its write-through, collected by the next step
+        assert disk.wait_idle(WAIT_S)  # its write-through, collected by the next step
         mg.on_schedule_end(None)
         return kv[block].clone()
 
@@ -316,7 +321,7 @@ def test_after_a_reset_no_promotion_lands_in_a_slot_a_flushed_store_still_writes
 
     r = ctx("after")
     mg.lookup(kept, r)  # the next step's scheduling...
-    disk.wait_idle(10)
+    assert disk.wait_idle(WAIT_S)
     run(True, 2, flushed)  # ...then its execution, which starts with the flushed store
     mg.on_schedule_end(None)
     assert (serve(kept, 1, r) == 1).all(), "the chunk was served with another chunk's bytes"
@@ -328,8 +333,13 @@ def test_after_a_reset_no_promotion_lands_in_a_slot_a_flushed_store_still_writes
     mg.shutdown()
 
 
-def test_a_disk_tier_that_cannot_be_cleared_is_switched_off(tmp_path, caplog):
+def test_a_disk_tier_that_cannot_be_cleared_is_switched_off(tmp_path, caplog, monkeypatch):
+    import logging
+
     from kvtier_rs import KvTierError
+
+    # The adapter logs under vLLM's logger, which vLLM keeps from propagating to the root.
+    monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)
 
     mg, disk = disk_backed(tmp_path)
 
@@ -350,7 +360,7 @@ def test_a_disk_tier_that_cannot_be_cleared_is_switched_off(tmp_path, caplog):
     written = disk.stats()["blocks_written"]
     store(mg, [key(8)])
     mg.on_schedule_end(None)
-    disk.wait_idle(10)
+    assert disk.wait_idle(WAIT_S)
     assert disk.stats()["blocks_written"] == written, "nothing is written through any more"
     # Operators see it: the disk tier's switched_off gauge (the CPU tier's stays 0).
     values = mg.get_stats().data["data"]
@@ -581,6 +591,17 @@ def _offloading_config(extra, *, dp_index=0, dp_size=1, tp=1, pp=1, pcp=1, dcp=1
     )
 
 
+def scheduler_manager(spec):
+    """The spec's manager, built as vLLM builds it: after every worker rank mapped the engine's
+    host region (here this process maps it for each rank, and lets go once the manager holds it)."""
+    worker_maps = [spec.open_region(rank) for rank in range(spec.ranks)]
+    try:
+        return spec.get_manager()
+    finally:
+        for region in worker_maps:
+            region.close()
+
+
 @pytest.mark.parametrize(
     ("over", "key_name", "reason"),
     [
@@ -601,7 +622,7 @@ def test_what_only_the_tier_can_check_names_the_key_at_start_up(tmp_path, over, 
     extra.update({k: v.replace("FILE", str(tmp_path / "file")) if isinstance(v, str) else v for k, v in over.items()})
     cfg = _offloading_config(extra)
     with pytest.raises(InvalidArgumentError, match=rf"^kv_connector_extra_config\['{key_name}'\]: .*{reason}"):
-        KvtierOffloadingSpec(cfg).get_manager()
+        scheduler_manager(KvtierOffloadingSpec(cfg))
     # A failed start-up leaves no host memory behind for the engine id.
     assert engine_state(cfg.engine_id) is None
 
@@ -612,7 +633,9 @@ def test_data_parallel_replicas_get_a_disk_directory_each(tmp_path):
     from kvtier_rs.integrations.vllm.spec import KvtierOffloadingSpec
 
     extra = {"cpu_bytes_to_use": 4 * 32768, "disk_root": str(tmp_path), "disk_bytes_to_use": "1MiB"}
-    managers = [KvtierOffloadingSpec(_offloading_config(extra, dp_index=i, dp_size=2)).get_manager() for i in (0, 1)]
+    managers = [
+        scheduler_manager(KvtierOffloadingSpec(_offloading_config(extra, dp_index=i, dp_size=2))) for i in (0, 1)
+    ]
     try:
         dirs = sorted(p.name for p in tmp_path.iterdir())
         assert len(dirs) == 2
@@ -621,7 +644,7 @@ def test_data_parallel_replicas_get_a_disk_directory_each(tmp_path):
         for mgr in managers:
             mgr.shutdown()
     # A replica restarted with the same index reopens its own directory.
-    again = KvtierOffloadingSpec(_offloading_config(extra, dp_index=1, dp_size=2)).get_manager()
+    again = scheduler_manager(KvtierOffloadingSpec(_offloading_config(extra, dp_index=1, dp_size=2)))
     again.shutdown()
     assert sorted(p.name for p in tmp_path.iterdir()) == dirs
 
@@ -645,8 +668,8 @@ def test_disk_directories_differ_by_parallelism_and_layout():
     }
     dirs = {name: tier_dir("/r", cfg, 32768) for name, cfg in configs.items()}
     assert len(set(dirs.values())) == len(dirs), dirs
-    # Same scheme otherwise: <model>_<12 hex digits>, stable for one deployment.
-    assert re.fullmatch(r"tiny_llama_[0-9a-f]{12}", dirs["tp1"].name)
+    # Same scheme otherwise: <model>_<host format>_<12 hex digits>, stable for one deployment.
+    assert re.fullmatch(r"tiny_llama_f2_[0-9a-f]{12}", dirs["tp1"].name)
     assert tier_dir("/r", _offloading_config({}), 32768) == dirs["tp1"]
 
 
@@ -701,7 +724,7 @@ def test_a_directory_named_by_the_previous_digest_is_not_found(tmp_path):
     old = tmp_path / "tiny_llama_9c4e1767dc60"  # what the previous digest named this config
     pool = HostPool(32768, 32768)
     with DiskTier(str(old), 1 << 20, 32768, admission="always", engine="pool") as d:
-        d.wait(d.submit_write([key(1)], pool, [0]).job_id, 10)
+        assert d.wait(d.submit_write([key(1)], pool, [0]).job_id, WAIT_S) is not None
     mm = mmap.mmap(-1, 8 * 32768)
     view = memoryview(mm).cast("B", (8, 32768))
     t = _disk_tier_of(tmp_path, _offloading_config({}), view)
@@ -827,14 +850,14 @@ def test_a_promotion_collects_finished_write_throughs_before_giving_up(tmp_path)
         layer.write_through(list(out.keys))
 
     store([b"c"])
-    assert disk.wait_idle(10)
+    assert disk.wait_idle(WAIT_S)
     layer.poll()
     store([b"a", b"b"])  # evicts c from the CPU tier; a and b are pinned while written
     assert cpu.state(b"c") is None and disk.contains([b"c"]) == [True]
-    assert disk.wait_idle(10), "the write-throughs finished, nobody collected them"
+    assert disk.wait_idle(WAIT_S), "the write-throughs finished, nobody collected them"
     assert cpu.stats()["pinned_blocks"] == 2
     assert layer.lookup_and_promote(b"c", ReqContext(req_id="r")) == LookupResult.HIT_PENDING
-    assert disk.wait_idle(10)
+    assert disk.wait_idle(WAIT_S)
     layer.poll()
     assert cpu.state(b"c")[0] == "ready"
     layer.shutdown()
@@ -866,7 +889,7 @@ def test_a_disk_hit_is_reported_as_one_after_prepare_load(tmp_path):
     r = ctx("r")
     mg.on_new_request(r)
     assert mg.lookup(key(1), r) == LookupResult.HIT_PENDING
-    disk.wait_idle(10)
+    assert disk.wait_idle(WAIT_S)
     mg.on_schedule_end(None)
     assert mg.lookup(key(1), r) == LookupResult.HIT
     mg.prepare_load([key(1)], r)
@@ -888,7 +911,7 @@ def test_events_of_the_lower_tier_keep_their_place_in_the_stream(tmp_path):
     mg.on_new_request(r)
     assert mg.lookup(k, r) == LookupResult.HIT_PENDING
     mg.on_request_finished(r)  # aborted while the promotion runs
-    disk.wait_idle(10)
+    assert disk.wait_idle(WAIT_S)
     mg.on_schedule_end(None)  # the promotion lands
     out = mg.prepare_store([key(4), key(5)], ctx("s"))
     assert k in out.evicted_keys
@@ -918,7 +941,7 @@ def test_a_promotion_never_evicts_a_chunk_that_answered_hit_to_the_same_request(
     # window[3] goes to disk only; then, least recent first, the chunks in the CPU tier.
     for k in (window[3], *full, other, window[0], window[1]):
         store(mg, [k])
-        disk.wait_idle(10)
+        assert disk.wait_idle(WAIT_S)
         mg.on_schedule_end(None)  # collects the write-through: nothing stays pinned
     assert cpu.state(window[3]) is None and disk.contains([window[3]]) == [True]
 
@@ -948,7 +971,7 @@ def test_a_request_s_hits_are_held_once_however_many_chunks_it_promotes(tmp_path
     tail, other, head = [key(i) for i in range(3)], [key(i) for i in range(10, 13)], [key(i) for i in range(20, 25)]
     for k in (*tail, *other, *head):  # the tail leaves the CPU tier (least recent)
         store(mg, [k])
-        disk.wait_idle(10)
+        assert disk.wait_idle(WAIT_S)
         mg.on_schedule_end(None)
     assert [cpu.state(k) for k in tail] == [None] * 3
     r = ctx("long")
@@ -976,3 +999,25 @@ def test_a_request_that_excludes_storage_is_not_served_from_disk(tmp_path):
     mg.on_new_request(anyone)
     assert mg.lookup(key(1), anyone) == LookupResult.HIT_PENDING
     mg.shutdown()
+
+
+def test_a_directory_of_an_earlier_format_is_never_opened_and_is_named_in_the_log(tmp_path, caplog, monkeypatch):
+    # Directories named without a host format were written by releases whose scheduler could
+    # persist memory no worker filled (zeros with valid checksums): never read again.
+    import logging
+
+    from kvtier_rs.integrations.vllm.spec import KvtierOffloadingSpec
+
+    monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)
+    old = tmp_path / "tiny_llama_0123456789ab"
+    old.mkdir()
+    (old / "kvtier-disk.meta").write_text("left by an earlier release\n")
+    extra = {"cpu_bytes_to_use": 4 * 32768, "disk_root": str(tmp_path), "disk_bytes_to_use": "1MiB"}
+    mgr = scheduler_manager(KvtierOffloadingSpec(_offloading_config(extra)))
+    try:
+        new = sorted(p.name for p in tmp_path.iterdir() if p != old)
+        assert len(new) == 1 and "_f2_" in new[0]
+        assert "ignoring disk-tier directory tiny_llama_0123456789ab" in caplog.text, caplog.text
+        assert (old / "kvtier-disk.meta").read_text() == "left by an earlier release\n", "left alone"
+    finally:
+        mgr.shutdown()

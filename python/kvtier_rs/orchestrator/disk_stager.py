@@ -9,10 +9,15 @@ finished. Both directions keep host slots safe while the disk touches them:
   is verified; a failed or corrupt read drops the slot, so the block is a miss, never wrong data.
 A slow disk cannot pin CPU slots without bound: write-throughs beyond `max_write_backlog` blocks
 in flight are dropped and counted.
+
+With `seals` (the seal table of a host region shared with the engine's workers), a slot is
+written to disk only while it is sealed for the block being written, and a promoted slot is
+sealed once its read verified: bytes no worker stored for that block are never persisted.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +36,9 @@ from kvtier_rs.host_tier import HostTier
 from kvtier_rs.keys import Key, key_list
 from kvtier_rs.orchestrator.completions import handle_each
 from kvtier_rs.orchestrator.latency import LatencyRecorder
+from kvtier_rs.shared_region import SlotSeals, seals_of
 
+_log = logging.getLogger(__name__)
 _PAGE = 4096  # the disk tier's I/O unit (and the size of a slot's header page)
 
 
@@ -55,6 +62,7 @@ class StagerCounters:
     writes_dropped_evicted: int = 0
     writes_dropped_index_failed: int = 0  # the disk tier's index disabled itself (internal error)
     writes_not_started: int = 0  # the disk tier was closed, or refused the submission (I/O error)
+    writes_dropped_unsealed: int = 0  # the host slot was not sealed for the block (see `seals`)
     promotions_submitted: int = 0
     promotion_blocks_ok: int = 0
     promotion_blocks_failed: int = 0  # checksum/key mismatch, short read, I/O error
@@ -66,7 +74,13 @@ class StagerCounters:
 
 class DiskStager:
     def __init__(
-        self, host: HostTier, disk: Any, *, max_write_backlog: int = 1024, events: EventStream | None = None
+        self,
+        host: HostTier,
+        disk: Any,
+        *,
+        max_write_backlog: int = 1024,
+        events: EventStream | None = None,
+        seals: SlotSeals | None = None,
     ) -> None:
         if disk.block_bytes < host.block_bytes:
             raise InvalidArgumentError(
@@ -87,8 +101,9 @@ class DiskStager:
         self.max_write_backlog = max_write_backlog
         self.counters = StagerCounters()
         self.events = events
+        self.seals = seals
         self._writes: dict[int, list[Key]] = {}
-        self._reads: dict[int, list[Key]] = {}
+        self._reads: dict[int, tuple[list[Key], list[int]]] = {}
         # Promotions handled by a poll that then raised (an internal error in another job's
         # handling): returned by the next poll, never lost.
         self._carried: list[PromotionDone] = []
@@ -119,6 +134,10 @@ class DiskStager:
             # copy from.
             self.counters.writes_dropped_evicted += len(keys)
             return 0
+        if self.seals is not None:
+            keys, slots = self._sealed_only(keys, list(slots))
+            if not keys:
+                return 0
         try:
             ticket = self.disk.submit_write(keys, self.host.pool, slots, priority=priority, duration_s=duration_s)
         except IndexFailedError:
@@ -161,6 +180,26 @@ class DiskStager:
             self.disk.try_take(ticket.job_id)
         return len(written)
 
+    def _sealed_only(self, keys: list[Key], slots: list[int]) -> tuple[list[Key], list[int]]:
+        """The pinned blocks whose slots are sealed for them; the others are unpinned and
+        counted. A slot that is not means that the bytes in this process's view of it were not
+        stored for that block: writing them would persist another block's KV, or zeros."""
+        assert self.seals is not None
+        ok = self.seals.matches(slots, seals_of(keys))
+        if ok.all():
+            return keys, slots
+        bad = [k for k, good in zip(keys, ok, strict=True) if not good]
+        self.host.index.unpin(bad)
+        self.counters.writes_dropped_unsealed += len(bad)
+        if self.counters.writes_dropped_unsealed == len(bad):
+            _log.error(
+                "kvtier: %d block(s) not written to disk: their host slots are not sealed for them (the "
+                "workers' host memory is not this process's?); counted in writes_dropped_unsealed",
+                len(bad),
+            )
+        keep = [i for i, good in enumerate(ok) if good]
+        return [keys[i] for i in keep], [slots[i] for i in keep]
+
     def promote(self, keys: Sequence[Key]) -> int | None:
         """Start reading `keys` (a chain held by the disk tier) into new CPU slots. Returns the
         read job id, or None when the CPU tier has no room (the caller recomputes)."""
@@ -180,6 +219,8 @@ class DiskStager:
             # not a clean disk-only run. Give the reserved slots back and let the caller re-plan.
             self.host.index.complete_store(out.keys, False)
             return None
+        if self.seals is not None:
+            self.seals.clear(out.slots)  # sealed again once the read has verified
         try:
             job = self.disk.submit_read(keys, self.host.pool, out.slots)
         except KvTierError:
@@ -188,7 +229,7 @@ class DiskStager:
             self.host.index.complete_store(out.keys, False)
             self.counters.promotions_not_started += 1
             return None
-        self._reads[job] = keys
+        self._reads[job] = (keys, list(out.slots))
         self.counters.promotions_submitted += 1
         return job
 
@@ -219,18 +260,19 @@ class DiskStager:
             if self.events is not None:
                 self.events.publish("stored", "disk", r.ok_keys)
             return
-        keys = self._reads.pop(r.job_id, None)
-        if keys is None:
+        read = self._reads.pop(r.job_id, None)
+        if read is None:
             return
+        keys, slots = read
         # Whatever happens below, the promotion is reported (a load waits on it); if the CPU
         # index's bookkeeping raised midway, as one that made nothing readable.
         usable = 0
         try:
-            usable = self._publish_read(r, keys)
+            usable = self._publish_read(r, keys, slots)
         finally:
             done.append(PromotionDone(r.job_id, keys, usable, r.seconds, r.bytes))
 
-    def _publish_read(self, r: Any, keys: list[Key]) -> int:
+    def _publish_read(self, r: Any, keys: list[Key], slots: list[int]) -> int:
         """Make a promotion's verified prefix readable in the CPU tier and drop the rest; returns
         the prefix."""
         ok = set(r.ok_keys)
@@ -240,6 +282,9 @@ class DiskStager:
         # Only the verified prefix becomes readable; everything after the first bad block is
         # dropped too (a chain with a hole cannot be used past the hole).
         if prefix:
+            if self.seals is not None:
+                # A disk block is a whole row (every rank's part), verified against its checksum.
+                self.seals.seal(slots[:prefix], seals_of(keys[:prefix]))
             self.host.index.complete_store(keys[:prefix], True)
             if self.host.index.failure is not None:
                 prefix = 0  # the CPU index failed meanwhile: nothing became readable

@@ -34,13 +34,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping i
 from vllm.v1.kv_offload.base import LookupResult, Medium, OffloadingEvent
 
 from kvtier_rs._core import BlockIndex, DiskTier, HostPool, IndexFailedError, KvTierError
-from kvtier_rs.disk_tier import open_disk_tier
+from kvtier_rs.disk_tier import DIR_FORMAT, earlier_format, open_disk_tier
 from kvtier_rs.events import EventStream
 from kvtier_rs.integrations.vllm import metrics as m
 from kvtier_rs.integrations.vllm.options import KvtierOptions
 from kvtier_rs.orchestrator.disk_stager import DiskStager
+from kvtier_rs.shared_region import SlotSeals
 
-log = logging.getLogger(__name__)
+# Under vLLM's logger, so that the lines reach vLLM's own log handler and format.
+log = logging.getLogger("vllm." + __name__)
 
 _PENDING = LookupResult.HIT_PENDING
 _MISS = LookupResult.MISS
@@ -72,6 +74,24 @@ class _Reserved:
         self.keys: set[bytes] = set()
         self.finished = False
         self.generation = generation
+
+
+def _log_earlier_formats(path: Path) -> None:
+    """Say so when the root holds directories of an earlier format: they are left alone (never
+    read, never cleared: they may be another engine's), and their space is the user's."""
+    try:
+        earlier = sorted(p.name for p in path.parent.iterdir() if p.is_dir() and earlier_format(p.name))
+    except OSError:
+        return
+    if earlier:
+        log.warning(
+            "kvtier: ignoring disk-tier director%s %s under %s: written by an earlier kvtier format, never "
+            "read by this one; remove %s to free the space",
+            "y" if len(earlier) == 1 else "ies",
+            ", ".join(earlier),
+            path.parent,
+            "it" if len(earlier) == 1 else "them",
+        )
 
 
 def tier_dir(root: str, config: Any, chunk_bytes: int) -> Path:
@@ -106,7 +126,7 @@ def tier_dir(root: str, config: Any, chunk_bytes: int) -> Path:
     # own directory (one tier per directory, locked), stable across restarts by replica index.
     if par.data_parallel_size > 1:
         name += f"_dp{par.data_parallel_index}"
-    return Path(root) / f"{name}_{digest}"
+    return Path(root) / f"{name}_{DIR_FORMAT}_{digest}"
 
 
 @dataclass(frozen=True)
@@ -132,6 +152,7 @@ class DiskLayer:
         tokens_per_chunk: int,
         *,
         max_write_backlog: int = 1024,
+        seals: SlotSeals | None = None,
     ) -> None:
         self.disk = disk
         self.host = host
@@ -143,7 +164,11 @@ class DiskLayer:
         # into the bookkeeping of promoted chunks. Drained every poll, so it never fills.
         self._stream = EventStream()
         self.stager = DiskStager(
-            _HostSide(cpu_index, host, host.slot_bytes), disk, max_write_backlog=max_write_backlog, events=self._stream
+            _HostSide(cpu_index, host, host.slot_bytes),
+            disk,
+            max_write_backlog=max_write_backlog,
+            events=self._stream,
+            seals=seals,
         )
         self.cost = options.cost_model.build(tokens_per_chunk, host.slot_bytes)
         # promotion job id -> the reservation of the request whose lookup started it
@@ -168,10 +193,12 @@ class DiskLayer:
         host: HostPool,
         cpu_index: BlockIndex,
         tokens_per_chunk: int,
+        seals: SlotSeals | None = None,
     ) -> DiskLayer:
         from kvtier_rs.integrations.vllm.options import DISK_TIER_KEYS, READER
 
         path = tier_dir(options.disk_root, config, host.slot_bytes)
+        _log_earlier_formats(path)
         # What only the tier can check (a capacity holding no slot of this chunk size, a
         # directory it cannot open) is reported under the key the user wrote.
         with READER.naming(DISK_TIER_KEYS, path_key="disk_root"):
@@ -184,7 +211,18 @@ class DiskLayer:
                 engine=options.disk_io_engine,
                 queue_depth=options.disk_queue_depth,
             )
-        return cls(disk, host, cpu_index, options, tokens_per_chunk)
+        layer = cls(disk, host, cpu_index, options, tokens_per_chunk, seals=seals)
+        log.info(
+            "kvtier: disk tier: %s, %d blocks of %d bytes, policy %s, I/O engine %s (%s), %d block(s) recovered",
+            path,
+            disk.capacity_blocks,
+            disk.block_bytes,
+            disk.policy,
+            disk.engine,
+            disk.io_mode,
+            disk.stats().get("resident_blocks", 0),
+        )
+        return layer
 
     # ---- called by the manager ------------------------------------------------------------------
 

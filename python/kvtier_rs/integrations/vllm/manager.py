@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
+import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
@@ -36,12 +37,14 @@ from vllm.v1.kv_offload.base import (
     PrepareStoreOutput,
     ReqContext,
     RequestOffloadingContext,
+    get_offload_group_idx,
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier_rs._core import BlockIndex, IndexFailedError, InvalidArgumentError, NoSpaceError, NotReadyError
 from kvtier_rs.integrations.vllm import metrics as m
+from kvtier_rs.shared_region import SlotSeals, seals_of
 
 _HIT = LookupResult.HIT
 _MISS = LookupResult.MISS
@@ -51,23 +54,77 @@ _LOCAL = Locality.LOCAL
 # A key no index holds (keys are 32-byte hashes + 4-byte group): checks that the index's lookup
 # results are vLLM's members before binding the fast path.
 _PROBE_KEY = b"kvtier-lookup-probe"
+# Policies whose touch only refreshes recency. ARC and S3-FIFO count a touch as a repeat use
+# (ARC moves the chunk to its frequent list), which a request's own store is not.
+_RECENCY_ONLY_TOUCH = frozenset({"lru", "fifo", "priority"})
 # Longest a quiet engine goes without a metrics report (see KvtierOffloadingManager.get_stats).
 STATS_INTERVAL_S = 1.0
 
 
+class KvtierHostSpec(CPULoadStoreSpec):
+    """CPU chunk slots (host rows) and, per slot, the seal of the chunk it is loaded or stored
+    for: the worker seals the rows a store wrote, and refuses to load a row sealed for another
+    chunk (see ``kvtier_rs.shared_region``). Picklable: it travels to worker processes."""
+
+    def __init__(self, block_ids: list[int], seals: Any) -> None:
+        super().__init__(block_ids)
+        self.seals = np.asarray(seals, dtype=np.uint64)
+        if len(self.seals) != len(self.block_ids):
+            raise ValueError(f"{len(self.block_ids)} slots, {len(self.seals)} seals")
+
+
 class _RequestKeys:
-    """Keys a request loaded or stored, in prefix order: replayed to the policy when it ends.
+    """Keys a request loaded or stored, per KV-cache group in the order first seen, and which
+    of them it reused (loaded, or found ready) or only stored: replayed to the policy when it
+    ends.
 
     vLLM 0.32 never calls ``touch``; like its own CPU manager, recency comes from the request's
     accesses, applied once when the request finishes (one batch call instead of one per key).
     """
 
-    __slots__ = ("owner", "keys", "generation")
+    __slots__ = ("owner", "generation", "groups", "seen", "inserted", "reused")
 
     def __init__(self, owner: object, generation: int) -> None:
         self.owner = owner
         self.generation = generation
-        self.keys: list[OffloadKey] = []
+        self.groups: dict[int, list[OffloadKey]] = {}
+        self.seen: set[OffloadKey] = set()
+        self.inserted: set[OffloadKey] = set()
+        self.reused: set[OffloadKey] = set()
+
+    def clear(self) -> None:
+        self.groups = {}
+        self.seen = set()
+        self.inserted = set()
+        self.reused = set()
+
+    def record(self, keys: Iterable[OffloadKey]) -> None:
+        seen = self.seen
+        for k in keys:
+            if k not in seen:
+                seen.add(k)
+                self.groups.setdefault(get_offload_group_idx(k), []).append(k)
+
+    def prefix_order(self, req_context: ReqContext) -> list[OffloadKey]:
+        """The recorded keys head to tail, as vLLM's CPU manager orders them: each group by the
+        end-token positions the scheduler recorded (call order if one of its keys has none),
+        groups by index, and all groups interleaved by position when every key has one."""
+        position = req_context.get_offload_key_position
+        positions: dict[OffloadKey, int] = {}
+        ordered: list[OffloadKey] = []
+        all_positioned = True
+        for g in sorted(self.groups):
+            keys = self.groups[g]
+            pos = {k: p for k in keys if (p := position(k)) is not None}
+            if len(pos) == len(keys):
+                keys = sorted(keys, key=pos.__getitem__)
+            else:
+                all_positioned = False
+            positions.update(pos)
+            ordered.extend(keys)
+        if all_positioned and len(self.groups) > 1:
+            ordered.sort(key=positions.__getitem__)  # stable: ties keep group order
+        return ordered
 
 
 def _pin_ready(index: BlockIndex, keys: list[OffloadKey]) -> list[OffloadKey]:
@@ -90,6 +147,9 @@ class KvtierOffloadingManager(OffloadingManager):
     ``lower``: an optional lower tier (kvtier's disk tier, see ``disk_layer``). Chunks that become
     ready in the CPU tier are written through to it; a CPU miss that it holds is promoted back
     into a CPU slot (lookup answers HIT_PENDING, then HIT once the read is done).
+
+    ``seals``: the host region's seal table: a slot handed out for a store is unsealed first,
+    and every spec names the seal of each chunk, which the workers write and check.
     """
 
     def __init__(
@@ -98,11 +158,15 @@ class KvtierOffloadingManager(OffloadingManager):
         *,
         enable_events: bool = False,
         lower: Any = None,
+        seals: SlotSeals | None = None,
     ) -> None:
         self._cpu = cpu_index
+        self._seals = seals
         # Bound builtins, looked up once: lookup() is the scheduler's hottest call.
         self._state = cpu_index.state
         self._lower = lower
+        # Whether a request's stored-only chunks are touched when it ends (see on_request_finished).
+        self._touch_stored = cpu_index.policy in _RECENCY_ONLY_TOUCH
         # One Rust call per lookup, returning vLLM's own LookupResult members (HIT for ready,
         # HIT_PENDING while written, MISS when absent). Without a lower tier to consult on a
         # miss, that call *is* lookup: binding it on the instance removes the Python frame.
@@ -148,6 +212,7 @@ class KvtierOffloadingManager(OffloadingManager):
         # counters, which move on the Rust fast path, reach the metrics that late at most.
         self._dirty = True
         self._last_report = 0.0
+        self._reported = False  # the first report carries every counter at zero
         #: Called once by ``shutdown`` (the spec uses it to release the engine's host memory).
         self.on_shutdown: Callable[[], None] | None = None
 
@@ -237,8 +302,16 @@ class KvtierOffloadingManager(OffloadingManager):
             c.loads_cpu += len(keys) - len(from_lower)
         else:
             c.loads_cpu += len(keys)
-        self._request_keys(req_context).keys.extend(keys)
-        return CPULoadStoreSpec(slots)
+        st = self._request_keys(req_context)
+        st.record(keys)
+        # Reading back a chunk this request stored (after a preemption) is not a reuse.
+        st.reused.update(k for k in keys if k not in st.inserted)
+        return self._spec(slots, keys)
+
+    def _spec(self, slots: list[int], keys: list[OffloadKey]) -> CPULoadStoreSpec:
+        if self._seals is None:
+            return CPULoadStoreSpec(slots)
+        return KvtierHostSpec(slots, seals_of(keys))
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self._dirty = True
@@ -278,10 +351,26 @@ class KvtierOffloadingManager(OffloadingManager):
                 # Removal events go before the store event, as in vLLM's own manager.
                 self._emit(OffloadingEvent(keys=list(evicted), medium=Medium.CPU, removed=True))
         st = self._request_keys(req_context)
-        st.keys.extend(keys)
+        # Recorded as vLLM's manager does: the chunks placed now (stored only, unless the
+        # request reuses them later) and those offered again while ready (a reuse). Chunks still
+        # being written for another request, or refused by admission, are not this one's.
+        skipped = out.skipped
+        if skipped:
+            ready = [k for k, ok in zip(skipped, self._cpu.contains(skipped), strict=True) if ok]
+            mine = set(to_store).union(ready)
+            st.record(k for k in keys if k in mine)
+            st.reused.update(k for k in ready if k not in st.inserted)
+        else:
+            st.record(to_store)
+        st.inserted.update(to_store)
         if to_store:
             self._alloc_sizes.append(len(to_store))
-        return PrepareStoreOutput(keys_to_store=to_store, store_spec=CPULoadStoreSpec(out.slots), evicted_keys=evicted)
+            if self._seals is not None:
+                # The slots held other chunks: unsealed until the workers seal the new ones.
+                self._seals.clear(out.slots)
+        return PrepareStoreOutput(
+            keys_to_store=to_store, store_spec=self._spec(out.slots, to_store), evicted_keys=evicted
+        )
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         keys = list(keys)
@@ -307,11 +396,19 @@ class KvtierOffloadingManager(OffloadingManager):
         if self._lower is not None:
             self._lower.release(None, req_context)
         st = req_context.get_state(_RequestKeys)
-        if st is None or st.owner is not self or st.generation != self._generation or not st.keys:
+        if st is None or st.owner is not self or st.generation != self._generation or not st.groups:
             return
-        # Head of the prefix ends up most recent (the index applies touches tail-first).
-        self._cpu.touch(st.keys)
-        st.keys = []
+        keys = st.prefix_order(req_context)
+        if not self._touch_stored:
+            # A chunk the request only stored keeps the rank its store gave it: a touch would
+            # count it as reused.
+            reused = st.reused
+            keys = [k for k in keys if k in reused]
+        # Passed head first: the index applies touches tail-first, so each prefix's head ends
+        # up the most recent and is evicted last.
+        if keys:
+            self._cpu.touch(keys)
+        st.clear()
 
     def _emit(self, event: OffloadingEvent) -> None:
         """Queue one of the manager's own events (events on). The lower tier's events so far go
@@ -379,6 +476,9 @@ class KvtierOffloadingManager(OffloadingManager):
         self._dirty = False
         self._last_report = now_t
         stats = OffloadingConnectorStats()
+        if not self._reported:
+            self._reported = True
+            m.emit_zeros(stats, ("cpu", "disk") if self._lower is not None else ("cpu",))
         now = dict(self._cpu.stats())
         m.emit_index_stats(stats, "cpu", now, self._last_index_stats)
         self._last_index_stats = now

@@ -89,6 +89,17 @@ def metric_definitions() -> dict[str, Any]:
     return d
 
 
+def emit_zeros(stats: Any, tiers: tuple[str, ...]) -> None:
+    """Every counter at zero: vLLM creates a series the first time a value reaches it, so a
+    first report with all of them makes dashboards and alerts see kvtier's series before the
+    first hit, store or failure."""
+    for name in INDEX_COUNTERS:
+        for tier in tiers:
+            stats.increase_counter(PREFIX + name, 0, labelvalues=(tier,))
+    for name in MANAGER_COUNTERS:
+        stats.increase_counter(PREFIX + name, 0)
+
+
 def emit_index_stats(stats: Any, tier: str, now: dict[str, int], before: dict[str, int]) -> None:
     for name in INDEX_COUNTERS:
         delta = now.get(name, 0) - before.get(name, 0)

@@ -1,17 +1,23 @@
 """``KvtierOffloadingSpec``: kvtier as vLLM's offloading backend (CPU tier + optional disk tier).
 
-vLLM builds two spec objects, one per role: the worker-role spec (``get_worker``, created first,
-from ``register_kv_caches``) and the scheduler-role spec (``get_manager``). kvtier's scheduler side
-owns the tiers (the index, the host memory and the disk tier, whose I/O reads and writes host
-slots), and the worker copies between the engine's KV cache and the same host memory. Both sides
-find that memory in a process-wide registry keyed by the engine id, which is why this spec needs
-the worker in the scheduler's process: ``world_size == 1`` (vLLM's UniProcExecutor, which is what
-``vllm serve`` and ``LLM`` use without tensor/pipeline parallelism). For TP > 1 use kvtier's disk
-tier under vLLM's own tiering spec (``KvtierDiskTier``), whose CPU tier lives in shared memory.
+vLLM builds two spec objects, one per role: the worker-role spec (``get_worker``, in each worker
+process, created first, from ``register_kv_caches``) and the scheduler-role spec (``get_manager``,
+in the engine-core process, once every worker has registered its KV caches). kvtier's scheduler
+side owns the tiers (the index and the disk tier, whose I/O reads and writes host slots); the
+workers copy between the engine's KV cache and the same host memory.
+
+That memory is one ``SharedHostRegion`` per engine, a file in /dev/shm that the scheduler and
+every worker rank map (``vllm serve`` runs its workers in their own processes, and tensor or
+pipeline parallelism runs one per rank). A row is one chunk of every rank (rank r's part at
+``r * worker_kv_bytes_per_block * blocks_per_chunk``), so the disk tier writes and promotes whole
+chunks. Rows carry seals (see ``kvtier_rs.shared_region``): a worker seals the rows it stored,
+the disk tier seals the rows it promoted, and no row is loaded, or written to disk, for a key it
+is not sealed for. The scheduler refuses to start unless every rank mapped the region.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -19,21 +25,30 @@ from typing import Any
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, OffloadingSpec, OffloadingWorker
 from vllm.v1.kv_offload.config import OffloadingConfig
 
-from kvtier_rs._core import BlockIndex, HostPool, InvalidArgumentError
+from kvtier_rs._core import BlockIndex, HostPool, InvalidArgumentError, KvTierError
 from kvtier_rs.integrations.vllm import metrics as m
 from kvtier_rs.integrations.vllm.manager import KvtierOffloadingManager
 from kvtier_rs.integrations.vllm.options import READER, KvtierOptions, parse_options
 from kvtier_rs.integrations.vllm.worker import KvtierWorker, chunk_bytes
+from kvtier_rs.shared_region import SharedHostRegion, region_name
+
+# Under vLLM's logger, so that the lines reach vLLM's own log handler and format.
+log = logging.getLogger("vllm." + __name__)
 
 
 @dataclass
 class _EngineState:
-    """What the two spec objects of one engine share."""
+    """What this process holds of one engine: its map of the shared host region, and the
+    manager or the worker (or both, with vLLM's in-process executor) built on it."""
 
-    pool: HostPool
-    slot_bytes: int
+    region: SharedHostRegion
     manager: KvtierOffloadingManager | None = None
     worker: KvtierWorker | None = None
+
+    @property
+    def pool(self) -> HostPool:
+        assert self.region.pool is not None, "the region was closed"
+        return self.region.pool
 
 
 _lock = threading.Lock()
@@ -41,7 +56,8 @@ _engines: dict[str, _EngineState] = {}
 
 
 def engine_state(engine_id: str) -> _EngineState | None:
-    """The shared state of a live engine (tests and status tools read kvtier's counters here)."""
+    """The state of a live engine in this process (tests and status tools read kvtier's
+    counters here, where the scheduler runs in-process)."""
     return _engines.get(engine_id)
 
 
@@ -64,41 +80,44 @@ class KvtierOffloadingSpec(OffloadingSpec):
         super().__init__(config)
         self.options: KvtierOptions = parse_options(self.extra_config)
         par = config.parallel
-        if par.world_size != 1:
-            raise InvalidArgumentError(
-                f"KvtierOffloadingSpec runs with world_size 1 (got {par.world_size}: tp={par.tp_size}, "
-                f"pp={par.pp_size}); with tensor or pipeline parallelism use spec_name "
-                "'TieringOffloadingSpec' with secondary_tiers=[{'type': 'KvtierDiskTier', "
-                "'module_path': 'kvtier_rs.integrations.vllm', ...}]"
-            )
         if config.canonical_layout:
             raise InvalidArgumentError(
                 "kv_connector_extra_config['canonical_layout']: not supported by kvtier yet; kvtier "
-                "stores each worker's direct pages (world_size 1)"
+                "stores each worker's direct pages"
+            )
+        if config.replicated_layout and par.world_size > 1:
+            raise InvalidArgumentError(
+                f"KvtierOffloadingSpec: vLLM's replicated layout (one KV copy for {par.world_size} workers, "
+                "as for MLA) is not supported by kvtier yet; kvtier stores each worker's pages in turn"
             )
         self.engine_id = config.engine_id
+        self.ranks = int(par.world_size)
+        #: Bytes of one rank's part of a chunk; a host row holds every rank's part in turn.
         self.chunk_bytes = int(config.worker_kv_bytes_per_block) * int(self.blocks_per_chunk)
+        self.row_bytes = HostPool.stride_for(self.chunk_bytes * self.ranks)
 
-    def _state(self, chunk_bytes: int) -> _EngineState:
-        """Get or create the engine's shared host memory (whichever role comes first)."""
+    def open_region(self, rank: int | None) -> SharedHostRegion:
+        """This process's map of the engine's host region, for worker `rank` or for the
+        scheduler (None); the engine's first process creates it."""
+        with READER.naming({"total_bytes": "cpu_bytes_to_use"}):
+            return SharedHostRegion(
+                region_name(self.engine_id),
+                rows=self.options.cpu_bytes // self.row_bytes,
+                row_bytes=self.row_bytes,
+                ranks=self.ranks,
+                rank_bytes=self.chunk_bytes,
+                rank=rank,
+            )
+
+    def _state(self, rank: int | None) -> _EngineState:
+        """Get or map the engine's host region in this process (whichever role comes first)."""
         with _lock:
             st = _engines.get(self.engine_id)
             if st is None:
-                stride = HostPool.stride_for(chunk_bytes)
-                if self.options.cpu_bytes < stride:
-                    raise InvalidArgumentError(
-                        f"kv_connector_extra_config['cpu_bytes_to_use']: {self.options.cpu_bytes} bytes "
-                        f"cannot hold one chunk of {chunk_bytes} bytes"
-                    )
-                with READER.naming({"total_bytes": "cpu_bytes_to_use"}):
-                    pool = HostPool(self.options.cpu_bytes, chunk_bytes)
-                st = _EngineState(pool=pool, slot_bytes=chunk_bytes)
+                st = _EngineState(region=self.open_region(rank))
                 _engines[self.engine_id] = st
-            elif st.slot_bytes < chunk_bytes:
-                raise RuntimeError(
-                    f"kvtier: engine {self.engine_id!r} has host slots of {st.slot_bytes} bytes, "
-                    f"a chunk needs {chunk_bytes}"
-                )
+            elif rank is not None:
+                st.region.attach(rank)
             return st
 
     def _release(self) -> None:
@@ -106,45 +125,72 @@ class KvtierOffloadingSpec(OffloadingSpec):
             st = _engines.get(self.engine_id)
             if st is not None and st.manager is None and st.worker is None:
                 del _engines[self.engine_id]
+                st.region.close()
 
     def get_manager(self) -> OffloadingManager:
-        st = self._state(self.chunk_bytes)
+        st = self._state(None)
         if st.manager is None:
             o = self.options
-            index = BlockIndex(
-                st.pool.num_slots,
-                policy=o.cpu_policy,
-                admission=o.cpu_admission,
-                tier="cpu",
-                block_bytes=st.slot_bytes,
-            )
             lower = None
-            if o.disk_enabled:
-                from kvtier_rs.integrations.vllm.disk_layer import DiskLayer
+            try:
+                # vLLM builds the scheduler once every worker has registered its KV caches: a
+                # rank missing now runs where this process cannot see its memory.
+                st.region.require_attached("KvtierOffloadingSpec")
+                st.region.unlink()  # every process that needs the name has mapped it
+                index = BlockIndex(
+                    st.pool.num_slots,
+                    policy=o.cpu_policy,
+                    admission=o.cpu_admission,
+                    tier="cpu",
+                    block_bytes=st.pool.slot_bytes,
+                )
+                if o.disk_enabled:
+                    from kvtier_rs.integrations.vllm.disk_layer import DiskLayer
 
-                try:
                     lower = DiskLayer.open(
                         o,
                         self.config,
                         host=st.pool,
                         cpu_index=index,
                         tokens_per_chunk=self.tokens_per_block[0] * self.blocks_per_chunk,
+                        seals=st.region.seals,
                     )
-                except BaseException:
-                    self._release()  # the host memory goes too, unless the worker holds it
-                    raise
+            except BaseException:
+                self._release()  # the host memory goes too, unless the worker holds it
+                raise
             st.manager = KvtierOffloadingManager(
-                index, enable_events=self.kv_events_config.enable_kv_cache_events, lower=lower
+                index, enable_events=self.kv_events_config.enable_kv_cache_events, lower=lower, seals=st.region.seals
             )
             st.manager.on_shutdown = self._manager_closed
+            log.info(
+                "kvtier: CPU tier: %d chunks of %d bytes (%d rank(s)), policy %s, shared memory %s",
+                st.pool.num_slots,
+                st.pool.slot_bytes,
+                self.ranks,
+                o.cpu_policy,
+                st.region.path,
+            )
         return st.manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         need = chunk_bytes(kv_caches, self.blocks_per_chunk)
-        st = self._state(max(need, self.chunk_bytes))
+        if need > self.chunk_bytes:
+            raise KvTierError(
+                f"kvtier worker: the KV caches need {need} bytes per chunk, more than vLLM's "
+                f"worker_kv_bytes_per_block x blocks_per_chunk ({self.chunk_bytes})"
+            )
+        rank = int(self.config.parallel.rank)
+        st = self._state(rank)
         if st.worker is None:
             try:
-                st.worker = self.worker_cls(kv_caches, st.pool, self.blocks_per_chunk)
+                st.worker = self.worker_cls(
+                    kv_caches,
+                    st.pool,
+                    self.blocks_per_chunk,
+                    slot_offset=rank * self.chunk_bytes,
+                    seals=st.region.seals,
+                    rank=rank,
+                )
             except BaseException:
                 self._release()  # the host memory goes too, unless the manager holds it
                 raise

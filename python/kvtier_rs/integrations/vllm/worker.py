@@ -34,11 +34,13 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
-from kvtier_rs._core import HostPool
+from kvtier_rs._core import HostPool, KvTierError
+from kvtier_rs.shared_region import SlotSeals
 from kvtier_rs.transfer import BlockLayout, Region, TransferEngine, auto
 from kvtier_rs.transfer.base import TransferResult as EngineResult
 
-log = logging.getLogger(__name__)
+# Under vLLM's logger, so that the lines reach vLLM's own log handler and format.
+log = logging.getLogger("vllm." + __name__)
 
 
 def chunk_bytes(kv_caches: CanonicalKVCaches, blocks_per_chunk: int) -> int:
@@ -92,6 +94,9 @@ class _Pending:
     parts: set[tuple[int, int]]  # (group, engine job id)
     nbytes: int = 0
     errors: list[str] = field(default_factory=list)
+    # A store's host rows and the seals of the chunks written there, sealed once it succeeded.
+    rows: np.ndarray | None = None
+    seals: np.ndarray | None = None
 
 
 def _compute_stream(layout: BlockLayout) -> object:
@@ -104,16 +109,30 @@ def _compute_stream(layout: BlockLayout) -> object:
 class KvtierWorker(OffloadingWorker):
     """Copies between engine KV blocks and the slots of a kvtier ``HostPool``.
 
-    ``pool``: the host memory, one slot per chunk (a pool kvtier allocated, or
+    ``pool``: the host memory, one slot per chunk (kvtier's shared host region, or
     ``HostPool.wrap`` over vLLM's shared CPU region). ``slot_offset``: where this worker's
-    part of a slot starts (``rank * cpu_page_size`` in vLLM's shared region; 0 otherwise).
+    part of a slot starts (``rank * bytes of a rank's chunk``).
+
+    ``seals``: the region's seal table, with specs that carry the seal of each chunk
+    (``KvtierHostSpec``, from kvtier's manager): a store seals this rank's part of its rows once
+    its copies succeeded, and a load refuses rows not sealed for the chunks it is asked for.
+    None under vLLM's own manager (tiering mode), whose specs carry no seals.
     """
 
     def __init__(
-        self, kv_caches: CanonicalKVCaches, pool: HostPool, blocks_per_chunk: int, *, slot_offset: int = 0
+        self,
+        kv_caches: CanonicalKVCaches,
+        pool: HostPool,
+        blocks_per_chunk: int,
+        *,
+        slot_offset: int = 0,
+        seals: SlotSeals | None = None,
+        rank: int = 0,
     ) -> None:
         self.bpc = int(blocks_per_chunk)
         self.pool = pool
+        self.seals = seals
+        self.rank = int(rank)
         self.layouts = group_layouts(kv_caches, self.bpc, slot_offset)
         # One engine per group (each group has its own block ids); they share the pool. On
         # vLLM's CPU platform the copies run inline on the worker thread: the model's compute
@@ -147,8 +166,30 @@ class KvtierWorker(OffloadingWorker):
         if b0 != len(block_ids) or c0 != len(chunk_slots):
             raise ValueError(f"spec mismatch: {len(block_ids)} blocks / {len(chunk_slots)} chunks, decoded {b0} / {c0}")
 
+    def _check_seals(self, host_spec: LoadStoreSpec) -> None:
+        """Refuse to load rows that do not hold the chunks the scheduler names: the scheduler's
+        host memory would then not be this worker's (a process layout kvtier cannot serve),
+        and loading would put another chunk's KV, or none, under the request's tokens."""
+        seals = getattr(host_spec, "seals", None)
+        if self.seals is None or seals is None:
+            return
+        rows = np.asarray(host_spec.block_ids, dtype=np.int64)
+        ok = self.seals.matches(rows, seals, self.rank)
+        if not ok.all():
+            bad = rows[~ok][:8].tolist()
+            raise KvTierError(
+                f"kvtier worker (rank {self.rank}): host rows {bad} do not hold the chunks the scheduler asked "
+                "to load (their seals differ); the scheduler and this worker do not share the CPU tier's "
+                "memory. Refusing to serve them"
+            )
+
     def _submit(self, job_id: int, gpu: GPULoadStoreSpec, host_spec: LoadStoreSpec, to_host: bool) -> None:
+        if not to_host:
+            self._check_seals(host_spec)
         job = _Pending(time.perf_counter(), set())
+        if to_host and self.seals is not None and getattr(host_spec, "seals", None) is not None:
+            job.rows = np.asarray(host_spec.block_ids, dtype=np.int64)
+            job.seals = np.asarray(host_spec.seals, dtype=np.uint64)
         self._pending[job_id] = job
         for g, blocks, slots, subs in self._positions(gpu, host_spec.block_ids):
             eng = self.engines[g]
@@ -187,6 +228,10 @@ class KvtierWorker(OffloadingWorker):
         if job.errors:
             # vLLM 0.32 treats a failed transfer as fatal (it asserts); say why first.
             log.error("kvtier: transfer job %d failed: %s", job_id, "; ".join(job.errors))
+        elif job.rows is not None and self.seals is not None:
+            # Sealed before vLLM hears of the job: the scheduler reads a row (for a load or a
+            # disk write) only after the job is reported done.
+            self.seals.seal(job.rows, job.seals, self.rank)
         self._finished.append(TransferResult(job_id, not job.errors, job.nbytes, time.perf_counter() - job.started))
 
     # ---- OffloadingWorker -------------------------------------------------------------------

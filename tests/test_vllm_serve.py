@@ -1,0 +1,178 @@
+"""kvtier under `vllm serve`, as users run it: vLLM's OpenAI server in its default multiprocess
+mode (the model worker in a process of its own), driven over HTTP by the OpenAI client, greedy
+outputs compared token by token with a server without offloading.
+
+The tests of this module run in order and share one disk directory: CPU-tier hits and disk-tier
+hits from one server, then disk hits after a SIGTERM restart and after SIGKILL of the whole
+process tree, then vLLM's tiering spec with kvtier's disk tier, and a negative control whose
+worker loads wrong bytes (the comparison must catch it). kvtier's counters are read from the
+server's own Prometheus exposition, scraped over HTTP.
+"""
+
+from __future__ import annotations
+
+import pytest
+from vllm_support import engine as E
+from vllm_support.server import Server, metric
+
+E.require_vllm()  # fail, never skip: CI installs vLLM
+
+PROMPT_LEN = E.PROMPT_LEN
+SERVED = E.SERVED  # 3 full chunks of each prompt can come from an offload tier
+CHUNK = E.BLOCK_BYTES
+K = "vllm:kv_offload_kvtier_"
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vllm-serve")
+    return {"tmp": tmp, "model": E.tiny_model(tmp_path_factory.getbasetemp()), "disk": tmp / "disk"}
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return {name: E.prompt(seed, PROMPT_LEN) for seed, name in enumerate("ABCDE", start=11)}
+
+
+def start(env, name, kv_transfer_config=None, **kw) -> Server:
+    return Server(env["model"], env["tmp"] / name, kv_transfer_config=kv_transfer_config, **kw).wait_ready()
+
+
+def kvtier_config(env, **extra):
+    cfg = {
+        "spec_name": "KvtierOffloadingSpec",
+        "spec_module_path": "kvtier_rs.integrations.vllm",
+        # Four chunks: a prompt's three fit, the next prompt's stores evict them.
+        "cpu_bytes_to_use": 4 * CHUNK,
+        "disk_root": str(env["disk"]),
+        "disk_bytes_to_use": 64 * 4096 * 8,
+    }
+    cfg.update(extra)
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": cfg}
+
+
+@pytest.fixture(scope="module")
+def baseline(env, prompts):
+    """Greedy tokens of each prompt from a server without offloading."""
+    srv = start(env, "baseline")
+    try:
+        out = {}
+        for name, ids in prompts.items():
+            tokens, cached = srv.complete(ids)
+            assert cached == 0, "the baseline must compute every prompt token"
+            out[name] = tokens
+        return out
+    finally:
+        srv.stop()
+
+
+def served_by(srv: Server, ids: list[int]):
+    """Drop the GPU prefix cache, then send the prompt: whatever prefix it does not compute now
+    comes from kvtier."""
+    srv.reset_gpu_prefix_cache()
+    before = srv.metrics()
+    tokens, cached = srv.complete(ids)
+    after = srv.metrics()
+    moved = {n: metric(after, K + n + "_total") - metric(before, K + n + "_total") for n in ("loads_cpu", "loads_disk")}
+    return tokens, cached, moved
+
+
+def test_cpu_and_disk_tier_hits_match_the_baseline(env, prompts, baseline):
+    srv = start(env, "kvtier", kvtier_config(env))
+    try:
+        for i, name in enumerate("ABCD", start=1):
+            tokens, _ = srv.complete(prompts[name])
+            assert tokens == baseline[name], name
+            if i == 1:
+                # Every kvtier series is exported from the first report on, at zero until it moves.
+                names = {n for n, _ in srv.metrics()}
+                for n in ("loads_disk_total", "promotion_failures_total", "stores_failed_total"):
+                    assert K + n in names, sorted(x for x in names if "kvtier" in x)
+            # A request's chunks stay pinned until their disk writes are done: wait for them, so
+            # that which chunks the next stores evict does not hang on the disk's speed.
+            srv.wait_for_metric(K + "stores_completed_total", 3 * i, tier="disk")
+        # D's chunks are the CPU tier's newest: served from host memory.
+        before = metric(srv.metrics(), "vllm:kv_offload_load_bytes_total")
+        tokens, cached, moved = served_by(srv, prompts["D"])
+        assert tokens == baseline["D"]
+        assert cached == SERVED and moved["loads_cpu"] == 3 and moved["loads_disk"] == 0, (cached, moved)
+        # vLLM's own offload series count kvtier's loads too (dashboards built on them work).
+        loaded = metric(srv.metrics(), "vllm:kv_offload_load_bytes_total") - before
+        assert loaded == 3 * CHUNK, loaded
+        # Most of A's left the CPU tier for later stores (a finished request's head is kept
+        # longest): they are promoted from disk.
+        tokens, cached, moved = served_by(srv, prompts["A"])
+        assert tokens == baseline["A"]
+        assert cached == SERVED and moved["loads_disk"] >= 2 and sum(moved.values()) == 3, (cached, moved)
+    finally:
+        srv.stop()
+
+
+def test_disk_hits_after_a_sigterm_restart_match_the_baseline(env, prompts, baseline):
+    srv = start(env, "kvtier-restarted", kvtier_config(env))
+    try:
+        for name in "BC":
+            tokens, cached, moved = served_by(srv, prompts[name])
+            assert tokens == baseline[name], name
+            assert cached == SERVED and moved["loads_disk"] == 3, (name, cached, moved)
+    finally:
+        srv.kill()  # the next test restarts after a crash
+
+
+def test_disk_hits_after_sigkill_of_the_process_tree_match_the_baseline(env, prompts, baseline):
+    srv = start(env, "kvtier-after-kill", kvtier_config(env))
+    try:
+        tokens, cached, moved = served_by(srv, prompts["D"])
+        assert tokens == baseline["D"]
+        assert cached == SERVED and moved["loads_disk"] == 3, (cached, moved)
+        # A new prompt is computed, stored and served as before.
+        tokens, _ = srv.complete(prompts["E"])
+        assert tokens == baseline["E"]
+    finally:
+        srv.stop()
+
+
+def test_tiering_spec_with_kvtiers_disk_tier_matches_the_baseline(env, prompts, baseline):
+    cfg = {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "spec_name": "KvtierTieringOffloadingSpec",
+            "spec_module_path": "kvtier_rs.integrations.vllm",
+            "cpu_bytes_to_use": 4 * 4096 * -(-CHUNK // 4096),
+            "secondary_tiers": [
+                {
+                    "type": "KvtierDiskTier",
+                    "module_path": "kvtier_rs.integrations.vllm",
+                    "root_dir": str(env["tmp"] / "tiering-disk"),
+                    "capacity_bytes": "4MiB",
+                }
+            ],
+        },
+    }
+    srv = start(env, "tiering", cfg)
+    try:
+        for name in "ABCD":
+            tokens, _ = srv.complete(prompts[name])
+            assert tokens == baseline[name], name
+        # A was evicted from vLLM's CPU tier by B..D: its prefix comes back from kvtier's disk.
+        srv.reset_gpu_prefix_cache()
+        tokens, cached = srv.complete(prompts["A"])
+        assert tokens == baseline["A"]
+        assert cached == SERVED, cached
+    finally:
+        srv.stop()
+
+
+def test_negative_control_a_worker_that_loads_wrong_bytes_changes_the_tokens(env, prompts, baseline):
+    cfg = kvtier_config(env, spec_name="WrongBytesSpec", spec_module_path="vllm_support.faulty")
+    del cfg["kv_connector_extra_config"]["disk_root"], cfg["kv_connector_extra_config"]["disk_bytes_to_use"]
+    srv = start(env, "wrong-bytes", cfg)
+    try:
+        tokens, _ = srv.complete(prompts["A"])
+        assert tokens == baseline["A"], "computed without a hit, the control matches"
+        tokens, cached, moved = served_by(srv, prompts["A"])
+        assert cached == SERVED and moved["loads_cpu"] == 3, (cached, moved)
+        assert tokens != baseline["A"], "wrong KV loaded over HTTP must change the greedy tokens"
+    finally:
+        srv.stop()
