@@ -24,6 +24,8 @@ from kvtier_rs.integrations.vllm import metrics as m  # noqa: E402
 from kvtier_rs.integrations.vllm.manager import KvtierOffloadingManager  # noqa: E402
 from kvtier_rs.integrations.vllm.options import parse_options  # noqa: E402
 
+_offloading_config = E.spec_config
+
 # How long a test waits for disk work that must finish: far beyond any stall of a loaded
 # machine, and only spent when the product is broken.
 WAIT_S = 60.0
@@ -563,32 +565,6 @@ def test_keys_of_other_vllm_specs_are_refused_naming_the_spec_that_reads_them(ke
         InvalidArgumentError, match=rf"\['{key_name}'\]: read only by vLLM's {spec}.*KvtierOffloadingSpec"
     ):
         parse_options({"cpu_bytes_to_use": 1 << 20, key_name: 1})
-
-
-def _offloading_config(extra, *, dp_index=0, dp_size=1, tp=1, pp=1, pcp=1, dcp=1, replicated=False, canonical=False):
-    import uuid
-
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
-
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(32, ("l0", "l1"), 0),),
-        worker_kv_bytes_per_block=32768,
-        enable_kv_cache_events=False,
-        extra_config=extra,
-        engine_id=uuid.uuid4().hex,
-        model=OffloadingModelConfig("tiny/llama", "float32"),
-        cache=OffloadingCacheConfig(32, 1),
-        parallel=OffloadingParallelConfig(0, tp * pp * pcp, tp, pp, pcp, dcp, dp_index, dp_size, None, False),
-        kv_cache_layout="LBHNC",
-        replicated_layout=replicated,
-        canonical_layout=canonical,
-    )
 
 
 def scheduler_manager(spec):

@@ -26,11 +26,7 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def baseline(env, prompts):
-    llm = E.make_llm(env["model"])
-    try:
-        return {name: E.generate(llm, ids)[0] for name, ids in prompts.items()}
-    finally:
-        E.shutdown(llm)
+    return E.baseline_tokens(env["model"], prompts)
 
 
 def tiering_llm(env, primary_chunks=4, tier_type="KvtierDiskTier", module="kvtier_rs.integrations.vllm", root=None):

@@ -18,28 +18,7 @@ ROW = 32768  # worker_kv_bytes_per_block below, one block per chunk: a page-alig
 SPEC = {"spec_name": "KvtierTieringOffloadingSpec", "spec_module_path": "kvtier_rs.integrations.vllm"}
 
 
-def _offloading_config(extra):
-    import uuid
-
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
-
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(32, ("l0", "l1"), 0),),
-        worker_kv_bytes_per_block=ROW,
-        enable_kv_cache_events=False,
-        extra_config=extra,
-        engine_id=uuid.uuid4().hex,
-        model=OffloadingModelConfig("tiny/llama", "float32"),
-        cache=OffloadingCacheConfig(32, 1),
-        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, False),
-        kv_cache_layout="LBHNC",
-    )
+_offloading_config = E.spec_config
 
 
 def _spec(extra):

@@ -54,6 +54,15 @@ def tiny_model(cache_dir: Path) -> str:
     return str(build_tiny_llama(cache_dir / "tiny-llama"))
 
 
+def baseline_tokens(model: str, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Greedy tokens of each prompt from an engine without any connector."""
+    llm = make_llm(model)
+    try:
+        return {name: generate(llm, ids)[0] for name, ids in prompts.items()}
+    finally:
+        shutdown(llm)
+
+
 def kvtier_config(**extra: Any) -> Any:
     from vllm.config import KVTransferConfig
 
@@ -137,3 +146,31 @@ def corrupt_payloads(root: Path) -> int:
                     n += 1
                 pos = mm.find(b"KVTSLOT1", pos + 1)
     return n
+
+
+def spec_config(extra, *, dp_index=0, dp_size=1, tp=1, pp=1, pcp=1, dcp=1, replicated=False, canonical=False):
+    """A vLLM OffloadingConfig of the tiny model's geometry (32768-byte blocks, one per chunk), as
+    vLLM hands it to an offloading spec: for specs built without an engine."""
+    import uuid
+
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(32, ("l0", "l1"), 0),),
+        worker_kv_bytes_per_block=32768,
+        enable_kv_cache_events=False,
+        extra_config=extra,
+        engine_id=uuid.uuid4().hex,
+        model=OffloadingModelConfig("tiny/llama", "float32"),
+        cache=OffloadingCacheConfig(32, 1),
+        parallel=OffloadingParallelConfig(0, tp * pp * pcp, tp, pp, pcp, dcp, dp_index, dp_size, None, False),
+        kv_cache_layout="LBHNC",
+        replicated_layout=replicated,
+        canonical_layout=canonical,
+    )
