@@ -4,7 +4,8 @@ outputs compared token by token with a server without offloading.
 
 The tests of this module run in order and share one disk directory: CPU-tier hits and disk-tier
 hits from one server, then disk hits after a SIGTERM restart and after SIGKILL of the whole
-process tree, then vLLM's tiering spec with kvtier's disk tier, and a negative control whose
+process tree; then tensor parallelism (two worker processes), vLLM's tiering spec with
+kvtier's disk tier, and a negative control whose
 worker loads wrong bytes (the comparison must catch it). kvtier's counters are read from the
 server's own Prometheus exposition, scraped over HTTP.
 """
@@ -128,6 +129,33 @@ def test_disk_hits_after_sigkill_of_the_process_tree_match_the_baseline(env, pro
         # A new prompt is computed, stored and served as before.
         tokens, _ = srv.complete(prompts["E"])
         assert tokens == baseline["E"]
+    finally:
+        srv.stop()
+
+
+def test_tensor_parallel_2_serves_cpu_and_disk_hits_right(env, prompts):
+    """TP=2: two worker processes, each rank's part of a chunk in one shared row; the disk tier
+    writes and promotes whole rows. Compared with the same server's own first, computed pass
+    (TP=2 sums attention over ranks, so its floats need not be TP=1's)."""
+    srv = start(
+        env,
+        "tp2",
+        kvtier_config(env, disk_root=str(env["tmp"] / "tp2-disk")),
+        extra_args=["--tensor-parallel-size", "2"],
+        # vLLM's CPU build binds each rank's threads to a NUMA node, and this machine has one.
+        extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+    )
+    try:
+        computed = {}
+        for i, name in enumerate("ABCD", start=1):
+            computed[name], cached = srv.complete(prompts[name])
+            assert cached == 0, name
+            srv.wait_for_metric(K + "stores_completed_total", 3 * i, tier="disk")
+        tokens, cached, moved = served_by(srv, prompts["D"])
+        assert tokens == computed["D"] and cached == SERVED and moved["loads_cpu"] == 3, (cached, moved)
+        tokens, cached, moved = served_by(srv, prompts["A"])
+        assert tokens == computed["A"], "a TP=2 disk hit changed the tokens"
+        assert cached == SERVED and moved["loads_disk"] >= 2 and sum(moved.values()) == 3, (cached, moved)
     finally:
         srv.stop()
 

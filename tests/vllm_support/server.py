@@ -49,6 +49,7 @@ class Server:
         kv_transfer_config: dict[str, Any] | None = None,
         gpu_blocks: int = 16,
         extra_args: list[str] | None = None,
+        extra_env: dict[str, str] | None = None,
     ) -> None:
         self.model = model
         self.workdir = workdir
@@ -99,6 +100,7 @@ class Server:
             # The tests' own modules (the negative control's spec) are importable by the engine.
             PYTHONPATH=os.pathsep.join(p for p in (str(TESTS_DIR), env.get("PYTHONPATH", "")) if p),
         )
+        env.update(extra_env or {})
         self.log_path = workdir / f"server-{self.port}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         # Its own session: SIGKILL of the group reaches the engine core and the worker too.
