@@ -30,7 +30,7 @@ unlinks it when it closes.
 
 from __future__ import annotations
 
-import errno
+import contextlib
 import hashlib
 import logging
 import mmap
@@ -118,7 +118,7 @@ def _alive(pid: int) -> int:
     except ProcessLookupError:
         return 0
     except PermissionError:
-        pass  # alive, another user's
+        return pid  # alive, another user's
     return pid
 
 
@@ -278,10 +278,10 @@ class SharedHostRegion:
         try:
             os.unlink(self.path)
         except FileNotFoundError:
-            pass
+            self._creator = False  # gone already
+            return
         except OSError as e:
-            if e.errno != errno.ENOENT:
-                log.warning("kvtier: could not remove %s: %s", self.path, e)
+            log.warning("kvtier: could not remove %s: %s", self.path, e)
         self._creator = False
 
     def close(self) -> None:
@@ -290,14 +290,12 @@ class SharedHostRegion:
             self.unlink()
         self.pool = None
         self.seals = SlotSeals(np.zeros((0, self.ranks), dtype=np.uint64))
-        try:
+        # A pool or array over the memory may still be alive somewhere: the mapping then goes
+        # with the last of them (or with the process).
+        with contextlib.suppress(BufferError):
             self._seal_view.release()
             self._rows_view.release()
             self._mm.close()
-        except BufferError:
-            # A pool or array over the memory is still alive somewhere: the mapping goes with
-            # the last of them (or with the process).
-            pass
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

@@ -9,6 +9,7 @@ start (PackageNotFoundError); ``python -m vllm.entrypoints.openai.api_server`` s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -115,11 +116,9 @@ class Server:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
+            with contextlib.suppress(httpx.TransportError):  # not listening yet
                 if self.client.get("/health", timeout=5).status_code == 200:
                     return self
-            except httpx.TransportError:
-                pass
             time.sleep(0.5)
         raise RuntimeError(f"vllm serve not ready after {START_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
 
@@ -188,10 +187,8 @@ class Server:
     def kill(self) -> None:
         """SIGKILL to every process of the server (the API server, the engine core, the
         worker), as a crash or an OOM kill of the container would."""
-        try:
+        with contextlib.suppress(ProcessLookupError):  # the whole group exited already
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         self.proc.wait(timeout=60)
         self._reap_group()
         self.client.close()
