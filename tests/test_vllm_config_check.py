@@ -85,6 +85,12 @@ def test_kvtier_offloading_spec_settings(capsys):
     }
 
 
+def test_kvtier_connector_is_accepted_with_its_module_path(capsys):
+    cfg = {**OFFLOADING, "kv_connector": "KvtierConnector", "kv_connector_module_path": MODULE}
+    rc, out, err = run(capsys, json.dumps(cfg))
+    assert (rc, err) == (0, "") and out.startswith(f"ok: KvtierOffloadingSpec ({MODULE})")
+
+
 def test_tiering_spec_settings(capsys):
     cfg = with_extra(TIERING, secondary_tiers=[{**DISK_TIER, "policy": "s3fifo", "backpressure": {}}, {"type": "fs"}])
     rc, out, err = run(capsys, "--json", json.dumps(cfg))
@@ -204,16 +210,20 @@ OFFLOADING_CASES = [
     ),
     (
         {**OFFLOADING, "kv_connector": "LMCacheConnectorV1"},
-        "kv_transfer_config['kv_connector']: kvtier runs under vLLM's OffloadingConnector",
+        "kv_transfer_config['kv_connector']: kvtier runs under KvtierConnector or vLLM's OffloadingConnector",
     ),
     ({k: v for k, v in OFFLOADING.items() if k != "kv_role"}, "kv_transfer_config['kv_role']: required"),
     ({**OFFLOADING, "kv_connector_module_path": "x"}, "kv_transfer_config['kv_connector_module_path']: must be unset"),
     (
-        OFFLOADING["kv_connector_extra_config"],
-        "kv_transfer_config['kv_connector']: kvtier runs under vLLM's OffloadingConnector, got nothing; "
-        "kvtier's keys go in kv_connector_extra_config",
+        {**OFFLOADING, "kv_connector": "KvtierConnector"},
+        "kv_transfer_config['kv_connector_module_path']: KvtierConnector is loaded from 'kvtier_rs.integrations.vllm'",
     ),
-    ([OFFLOADING], "expected a JSON object"),
+    (
+        OFFLOADING["kv_connector_extra_config"],
+        "kv_transfer_config['kv_connector']: kvtier runs under KvtierConnector or vLLM's OffloadingConnector, "
+        "got nothing; kvtier's keys go in kv_connector_extra_config",
+    ),
+    ([OFFLOADING], "kv_transfer_config: expected a JSON object"),
 ]
 
 

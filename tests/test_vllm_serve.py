@@ -39,7 +39,9 @@ def start(env, name, kv_transfer_config=None, **kw) -> Server:
     return Server(env["model"], env["tmp"] / name, kv_transfer_config=kv_transfer_config, **kw).wait_ready()
 
 
-def kvtier_config(env, **extra):
+def kvtier_config(env, connector="KvtierConnector", **extra):
+    """kvtier under its own connector (vLLM's OffloadingConnector with every series from
+    start-up), or with connector="OffloadingConnector" under vLLM's."""
     cfg = {
         "spec_name": "KvtierOffloadingSpec",
         "spec_module_path": "kvtier_rs.integrations.vllm",
@@ -49,7 +51,14 @@ def kvtier_config(env, **extra):
         "disk_bytes_to_use": 64 * 4096 * 8,
     }
     cfg.update(extra)
-    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": cfg}
+    top = {"kv_connector": connector, "kv_role": "kv_both", "kv_connector_extra_config": cfg}
+    if connector == "KvtierConnector":
+        top["kv_connector_module_path"] = "kvtier_rs.integrations.vllm"
+    return top
+
+
+def offload_series(srv: Server) -> set[str]:
+    return {n for n, _ in srv.metrics() if n.startswith("vllm:kv_offload_")}
 
 
 @pytest.fixture(scope="module")
@@ -81,14 +90,23 @@ def served_by(srv: Server, ids: list[int]):
 def test_cpu_and_disk_tier_hits_match_the_baseline(env, prompts, baseline):
     srv = start(env, "kvtier", kvtier_config(env))
     try:
+        # Before any request: kvtier's series of both tiers and vLLM's own offload series are
+        # exported, at zero.
+        samples = srv.metrics()
+        for n, labels in [
+            ("loads_disk_total", {}),
+            ("promotion_failures_total", {}),
+            ("stores_completed_total", {"tier": "cpu"}),
+            ("stores_completed_total", {"tier": "disk"}),
+            ("resident_blocks", {"tier": "disk"}),
+        ]:
+            present = any(x == K + n and set(labels.items()) <= set(ls) for x, ls in samples)
+            assert present, (n, labels, sorted(offload_series(srv)))
+            assert metric(samples, K + n, **labels) == 0
+        assert "vllm:kv_offload_load_bytes_total" in offload_series(srv)
         for i, name in enumerate("ABCD", start=1):
             tokens, _ = srv.complete(prompts[name])
             assert tokens == baseline[name], name
-            if i == 1:
-                # Every kvtier series is exported from the first report on, at zero until it moves.
-                names = {n for n, _ in srv.metrics()}
-                for n in ("loads_disk_total", "promotion_failures_total", "stores_failed_total"):
-                    assert K + n in names, sorted(x for x in names if "kvtier" in x)
             # A request's chunks stay pinned until their disk writes are done: wait for them, so
             # that which chunks the next stores evict does not hang on the disk's speed.
             srv.wait_for_metric(K + "stores_completed_total", 3 * i, tier="disk")
@@ -110,8 +128,13 @@ def test_cpu_and_disk_tier_hits_match_the_baseline(env, prompts, baseline):
 
 
 def test_disk_hits_after_a_sigterm_restart_match_the_baseline(env, prompts, baseline):
-    srv = start(env, "kvtier-restarted", kvtier_config(env))
+    # Under vLLM's own OffloadingConnector, the same spec: neither kvtier's series nor vLLM's
+    # flat offload series exist before the first request (the control for the start-up series
+    # above; vLLM creates only its deprecated, transfer_type-labelled ones at start).
+    srv = start(env, "kvtier-restarted", kvtier_config(env, connector="OffloadingConnector"))
     try:
+        early = offload_series(srv)
+        assert not {n for n in early if n.startswith(K)} and "vllm:kv_offload_load_bytes_total" not in early, early
         for name in "BC":
             tokens, cached, moved = served_by(srv, prompts[name])
             assert tokens == baseline[name], name

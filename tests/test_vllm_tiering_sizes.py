@@ -97,7 +97,7 @@ def test_the_disk_tier_and_kvtier_vllm_config_refuse_an_entry_alike(tmp_path, ba
     import mmap
     import types
 
-    from kvtier_rs.commands.vllm_config import check
+    from kvtier_rs.integrations.vllm.config_check import check
     from kvtier_rs.integrations.vllm.secondary import KvtierDiskTier
 
     entry = {k: v for k, v in {"root_dir": str(tmp_path), "capacity_bytes": "1MiB", **bad}.items() if v is not None}

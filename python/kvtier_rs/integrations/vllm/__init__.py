@@ -2,9 +2,12 @@
 
 Two ways in, both through ``--kv-transfer-config``:
 
-* kvtier as the offloading backend (CPU tier + optional disk tier, kvtier's manager and worker)::
+* kvtier as the offloading backend (CPU tier + optional disk tier, kvtier's manager and worker),
+  under ``KvtierConnector`` (vLLM's ``OffloadingConnector`` with every series in /metrics from
+  start-up; ``"kv_connector": "OffloadingConnector"`` alone works too)::
 
-    {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+    {"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier_rs.integrations.vllm",
+     "kv_role": "kv_both",
      "kv_connector_extra_config": {"spec_name": "KvtierOffloadingSpec",
                                    "spec_module_path": "kvtier_rs.integrations.vllm",
                                    "cpu_bytes_to_use": "8GiB"}}
@@ -28,6 +31,7 @@ from typing import Any
 SUPPORTED_VLLM = ("0.32",)
 
 _EXPORTS = {
+    "KvtierConnector": "kvtier_rs.integrations.vllm.connector",
     "KvtierOffloadingSpec": "kvtier_rs.integrations.vllm.spec",
     "KvtierOffloadingManager": "kvtier_rs.integrations.vllm.manager",
     "KvtierWorker": "kvtier_rs.integrations.vllm.worker",

@@ -7,8 +7,14 @@ side here. Counters are emitted as deltas since the previous ``get_stats`` call 
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from kvtier_rs.integrations.vllm.options import DISK_TIER_TYPE
+
+log = logging.getLogger("vllm." + __name__)
 
 PREFIX = "vllm:kv_offload_kvtier_"
 
@@ -87,6 +93,19 @@ def metric_definitions() -> dict[str, Any]:
         buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384),
     )
     return d
+
+
+def exported_tiers(extra_config: Mapping[str, Any]) -> tuple[str, ...]:
+    """kvtier's tiers whose per-tier series a kv_connector_extra_config reports (label "tier"):
+    the CPU tier, and the disk tier with a disk_root, under KvtierOffloadingSpec; the disk tier
+    under a tiering spec with a KvtierDiskTier entry (the CPU tier is vLLM's there)."""
+    spec = extra_config.get("spec_name")
+    if spec == "KvtierOffloadingSpec":
+        return ("cpu", "disk") if extra_config.get("disk_root") is not None else ("cpu",)
+    tiers = extra_config.get("secondary_tiers")
+    if isinstance(tiers, list) and any(isinstance(t, Mapping) and t.get("type") == DISK_TIER_TYPE for t in tiers):
+        return ("disk",)
+    return ()
 
 
 def emit_zeros(stats: Any, tiers: tuple[str, ...]) -> None:

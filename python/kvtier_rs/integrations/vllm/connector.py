@@ -1,0 +1,85 @@
+"""``KvtierConnector``: vLLM's ``OffloadingConnector`` with kvtier's start-up behaviour.
+
+Load it with ``"kv_connector": "KvtierConnector", "kv_connector_module_path":
+"kvtier_rs.integrations.vllm"``; the extra config (``spec_name`` and the rest) is the same as
+under ``OffloadingConnector``, and the data path is vLLM's connector's, unchanged. What it adds:
+
+* **Every offload series in /metrics from start-up.** prometheus_client shows a labelled series
+  only once a value has reached it, and the engine sends connector stats only after a step: under
+  ``OffloadingConnector`` kvtier's series, and vLLM's own ``vllm:kv_offload_*``, appear after the
+  first request, so an alert on them cannot tell "no traffic" from "not configured". The API
+  server builds the connector's Prometheus metrics before it serves /metrics; here every series
+  whose label values are known up front is created there, at zero.
+* **The configuration checked in the API server's process**, where vLLM first hands it to the
+  connector class (``requires_piecewise_for_cudagraph``, asked while vLLM builds its config when
+  CUDA graphs are on), before any engine process starts or a model loads. Without CUDA graphs
+  (vLLM's CPU platform, ``--enforce-eager``) vLLM asks the class nothing with the configuration
+  before the engine builds the spec; ``kvtier vllm-config`` checks it beforehand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadPromMetrics
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+
+from kvtier_rs.integrations.vllm import metrics as m
+from kvtier_rs.integrations.vllm.config_check import check_extra
+
+
+class KvtierPromMetrics(OffloadPromMetrics):
+    """vLLM's offload metrics, with every series whose labels are known created at zero."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: Any,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        tiers = m.exported_tiers(extra)
+        for engine_idx in per_engine_labelvalues:
+            for name, metadata in self._offloading_metric_metadata.items():
+                for labelvalues in _known_label_values(name, metadata.labelnames, tiers):
+                    # Creates the labelled series (at zero) and caches it for observe().
+                    self._get_prometheus_metric(name, labelvalues, engine_idx)
+
+
+def _known_label_values(name: str, labelnames: tuple[str, ...], tiers: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """The label-value tuples a metric will be reported with, where they are known before any
+    report: none for an unlabelled metric, each of kvtier's tiers for kvtier's per-tier ones;
+    other labelled metrics (vLLM's tiering spec labels its own by tier too) wait for their first
+    report."""
+    if not labelnames:
+        return [()]
+    if name.startswith(m.PREFIX) and tuple(labelnames) == ("tier",):
+        return [(t,) for t in tiers]
+    return []
+
+
+class KvtierConnector(OffloadingConnector):
+    """``OffloadingConnector`` whose metrics exist from start-up and whose configuration is
+    checked before the engine starts where vLLM allows it (see the module docstring)."""
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        check_extra(_as_mapping(extra_config))
+        return bool(super().requires_piecewise_for_cudagraph(extra_config))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: Any,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KvtierPromMetrics:
+        return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _as_mapping(extra_config: Any) -> Mapping[str, Any]:
+    return extra_config if isinstance(extra_config, Mapping) else {}
