@@ -78,8 +78,21 @@ def test_a_failed_cpu_tier_stores_nothing_and_vllm_counts_no_allocation_failure(
     prepare_store answers "nothing to store", so vLLM neither counts allocation failures nor
     offers the chunks again on every step (it did, for as long as the engine ran: None is
     vLLM's "cannot store now")."""
+    import logging
+
+    from kvtier_rs.integrations.vllm import metrics
     from kvtier_rs.integrations.vllm.spec import engine_state
 
+    class Records(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.ERROR)
+            self.lines: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append(record.getMessage())
+
+    errors = Records()
+    metrics.log.addHandler(errors)  # vLLM's loggers do not propagate to pytest's
     llm = E.make_llm(env["model"], E.kvtier_config(cpu_bytes_to_use=4 * E.BLOCK_BYTES), disable_log_stats=False)
     try:
         mgr = engine_state(E.engine_id(llm)).manager
@@ -97,5 +110,10 @@ def test_a_failed_cpu_tier_stores_nothing_and_vllm_counts_no_allocation_failure(
         assert mgr.cpu_index.failure is not None
         assert value(after, PREFIX + "failed", tier="cpu") == 1
         assert sum(v for (n, _), v in after.items() if n == failures) == before
+        # The change is logged once, naming the tier.
+        assert [x for x in errors.lines if "index disabled itself" in x] == [
+            next(x for x in errors.lines if "the cpu tier's index disabled itself" in x)
+        ], errors.lines
     finally:
+        metrics.log.removeHandler(errors)
         E.shutdown(llm)

@@ -120,6 +120,15 @@ def emit_zeros(stats: Any, tiers: tuple[str, ...]) -> None:
 
 
 def emit_index_stats(stats: Any, tier: str, now: dict[str, int], before: dict[str, int]) -> None:
+    """The tier's counters as deltas since `before` and its gauges as they are; a tier whose
+    index disabled itself since `before` is also logged (once, at the change)."""
+    if now.get("failed") and not before.get("failed"):
+        log.error(
+            "kvtier: the %s tier's index disabled itself after an internal error; it misses and refuses "
+            "stores for the rest of this process (kv_offload_kvtier_failed{tier=%r} is 1)",
+            tier,
+            tier,
+        )
     for name in INDEX_COUNTERS:
         delta = now.get(name, 0) - before.get(name, 0)
         if delta:
