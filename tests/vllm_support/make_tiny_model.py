@@ -50,6 +50,45 @@ def build_tiny_llama(out_dir: str | Path, seed: int = 0) -> Path:
     return out
 
 
+def build_tiny_hybrid(out_dir: str | Path, seed: int = 0) -> Path:
+    """A tiny Gemma 3 text model whose two layers are a sliding-window (64 tokens) and a
+    full-attention layer: vLLM gives it two KV-cache groups. Weights drawn with std 0.1 (the
+    default 0.02 makes its greedy tokens repeat one id). hidden 128, 2 heads of 64, 1 KV head,
+    vocab 1000, fp32."""
+    out = Path(out_dir)
+    stamp = out / f".kvtier-tiny-hybrid-v{RECIPE_VERSION}"
+    if stamp.exists():
+        return out
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(
+        vocab_size=1000,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        sliding_window=64,
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=2048,
+        torch_dtype="float32",
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+        initializer_range=0.1,
+    )
+    cfg.architectures = ["Gemma3ForCausalLM"]
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(cfg).to(torch.float32)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    stamp.touch()
+    return out
+
+
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         sys.exit(__doc__)
