@@ -24,7 +24,17 @@ with no offloading, with vLLM's tiering spec and its ``fs`` file tier, and with 
   tokens over the wall time of the whole workload. Requests run one at a time
   (``max_num_seqs=1``), so each TTFT is a prefill, not queueing.
 
+Under ``vllm serve`` (``--serve``): each config is a `vllm serve` in its default multiprocess
+mode (tests/vllm_support/server.py), loaded over HTTP by the OpenAI client (benches/serve_load.py:
+``--serve-sessions`` conversations of ``--turns`` turns, ``--concurrency`` requests in flight),
+the reuse workload and then the zero-reuse one on the same server. TTFT p50/p95/p99 is the
+client's (request sent to first streamed token, queueing included) and throughput is tokens over
+the workload's wall time; kvtier (under ``KvtierConnector``) against no offloading and against
+vLLM's CPU tier (``vllm_cpu``: vLLM's tiering manager and CPU tier policy, kvtier's worker, as
+above), every config once per ``--serve-reps``, in a rotating order.
+
 Usage: python benches/bench_vllm_e2e.py [--json] [--sessions 4] [--turns 4] [--reps 3]
+       python benches/bench_vllm_e2e.py --serve [--serve-sessions 8] [--concurrency 2] [--serve-reps 1]
 """
 
 from __future__ import annotations
@@ -45,7 +55,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import attribution  # noqa: E402 - benches/attribution.py
+import serve_load  # noqa: E402 - benches/serve_load.py
 from vllm_support import engine as E  # noqa: E402 - the tests' engine helpers
+from vllm_support.server import Server  # noqa: E402 - `vllm serve` as the tests start it
 
 BLOCK = 32
 LAYERS, HIDDEN, HEADS, KV_HEADS = 4, 512, 8, 2
@@ -120,21 +132,29 @@ def run_workload(llm: Any, plan: list[tuple[int, int]], reuse: bool, seed: int) 
     }
 
 
-def configs(tmp: Path, cpu_chunks: int) -> dict[str, Any]:
+def extra_configs(tmp: Path, cpu_chunks: int) -> dict[str, dict[str, Any] | None]:
+    """Each config's kv_connector_extra_config (None: no offloading)."""
     cpu = cpu_chunks * BLOCK_BYTES
+    module = "kvtier_rs.integrations.vllm"
+    tiering = {"spec_name": "KvtierTieringOffloadingSpec", "spec_module_path": module, "cpu_bytes_to_use": cpu}
+    kvtier = {"spec_name": "KvtierOffloadingSpec", "spec_module_path": module, "cpu_bytes_to_use": cpu}
     return {
         "none": None,
-        "vllm_fs": E.offloading_config(
-            {
-                "spec_name": "KvtierTieringOffloadingSpec",
-                "spec_module_path": "kvtier_rs.integrations.vllm",
-                "cpu_bytes_to_use": cpu,
-                "secondary_tiers": [{"type": "fs", "root_dir": str(tmp / "fs")}],
-            }
-        ),
-        "kvtier": E.kvtier_config(cpu_bytes_to_use=cpu, disk_root=str(tmp / "kvtier"), disk_bytes_to_use="1GiB"),
+        # vLLM's CPU tier (its manager and policy; kvtier's worker copies, see the docstring).
+        "vllm_cpu": tiering,
+        "vllm_fs": {**tiering, "secondary_tiers": [{"type": "fs", "root_dir": str(tmp / "fs")}]},
+        "kvtier": {**kvtier, "disk_root": str(tmp / "kvtier"), "disk_bytes_to_use": "1GiB"},
         # The CPU tier alone: separates the disk tier's background writes from the rest.
-        "kvtier_cpu": E.kvtier_config(cpu_bytes_to_use=cpu),
+        "kvtier_cpu": kvtier,
+    }
+
+
+def configs(tmp: Path, cpu_chunks: int) -> dict[str, Any]:
+    """The in-process configs (KVTransferConfig objects): all but vLLM's CPU tier alone."""
+    return {
+        name: None if extra is None else E.offloading_config(extra)
+        for name, extra in extra_configs(tmp, cpu_chunks).items()
+        if name != "vllm_cpu"
     }
 
 
@@ -178,16 +198,21 @@ def main() -> None:
         action="store_true",
         help="skip the zero-reuse runs under py-spy that attribute the engine thread's time",
     )
+    ap.add_argument("--serve", action="store_true", help="measure under `vllm serve` over HTTP instead")
+    ap.add_argument("--serve-sessions", type=int, default=8, help="conversations under --serve")
+    ap.add_argument("--concurrency", type=int, default=2, help="requests in flight under --serve")
+    ap.add_argument("--serve-gpu-blocks", type=int, default=40, help="engine KV cache under --serve, in blocks")
+    ap.add_argument("--serve-reps", type=int, default=1, help="repetitions of every config under --serve")
     a = ap.parse_args()
 
     # Every config preallocates its disk tier (1 GiB): the whole directory goes when the run
     # ends, however it ends, and each zero-reuse repetition's tiers as soon as it is done.
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-e2e-"))
     try:
-        results = measure(a, tmp)
+        results = measure_serve(a, tmp) if a.serve else measure(a, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    report(a, results)
+    (report_serve if a.serve else report)(a, results)
 
 
 def measure(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
@@ -232,6 +257,87 @@ def measure(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             "throughput_per_rep": [round(100 * (n["tokens_per_s"] / t["tokens_per_s"] - 1), 1) for n, t in pairs],
         }
     return results
+
+
+SERVE_ORDER = ("none", "vllm_cpu", "vllm_fs", "kvtier", "kvtier_cpu")
+
+
+def serve_config(extra: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The --kv-transfer-config JSON of a config: kvtier's spec under KvtierConnector, vLLM's
+    tiering spec under vLLM's OffloadingConnector."""
+    if extra is None:
+        return None
+    cfg: dict[str, Any] = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}
+    cfg["kv_connector_extra_config"] = extra
+    if extra["spec_name"] == "KvtierOffloadingSpec":
+        cfg.update(kv_connector="KvtierConnector", kv_connector_module_path="kvtier_rs.integrations.vllm")
+    return cfg
+
+
+def measure_serve(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    model = build_model(tmp / "model")
+    conversations = [[a.first] + [a.per_turn] * (a.turns - 1) for _ in range(a.serve_sessions)]
+    longest = a.first + (a.turns - 1) * (a.per_turn + GEN) + GEN
+    max_model_len = BLOCK * -(-longest // BLOCK)
+    runs: dict[str, dict[str, list[dict[str, float]]]] = {n: {"reuse": [], "zero_reuse": []} for n in SERVE_ORDER}
+    for rep in range(a.serve_reps):
+        order = SERVE_ORDER[rep % len(SERVE_ORDER) :] + SERVE_ORDER[: rep % len(SERVE_ORDER)]
+        for name in order:
+            work = tmp / f"serve{rep}-{name}"
+            srv = Server(
+                model,
+                work,
+                kv_transfer_config=serve_config(extra_configs(work, a.cpu_chunks)[name]),
+                gpu_blocks=a.serve_gpu_blocks,
+                block_bytes=BLOCK_BYTES,
+                max_model_len=max_model_len,
+                max_num_seqs=a.concurrency,
+                extra_env={"VLLM_LOGGING_LEVEL": "WARNING"},
+            ).wait_ready()
+            try:
+                kw = {"concurrency": a.concurrency, "gen": GEN}
+                serve_load.run(srv.url, [[64]], reuse=False, seed=10_000 + rep, **kw)  # warm-up
+                runs[name]["reuse"].append(serve_load.run(srv.url, conversations, reuse=True, seed=rep, **kw))
+                runs[name]["zero_reuse"].append(
+                    serve_load.run(srv.url, conversations, reuse=False, seed=1_000 + rep, **kw)
+                )
+            finally:
+                srv.stop()
+                shutil.rmtree(work, ignore_errors=True)
+    results: dict[str, Any] = {"serve": {}}
+    for name, by_workload in runs.items():
+        results["serve"][name] = {
+            wl: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for wl, rs in by_workload.items()
+        }
+    return results
+
+
+def report_serve(a: argparse.Namespace, results: dict[str, Any]) -> None:
+    if a.json:
+        print(json.dumps(results))
+        return
+    r = results["serve"]
+    print(
+        f"vllm serve, model {LAYERS} layers hidden {HIDDEN} fp32; {a.serve_sessions} conversations x {a.turns} turns, "
+        f"{a.concurrency} in flight; engine cache {a.serve_gpu_blocks} blocks; CPU tier {a.cpu_chunks} chunks; "
+        f"medians of {a.serve_reps} rep(s)"
+    )
+    print(f"{'workload':11} {'config':10} {'TTFT p50':>9} {'p95':>8} {'p99':>8} {'tok/s':>7} {'cached':>7}")
+    for wl in ("reuse", "zero_reuse"):
+        for name in SERVE_ORDER:
+            x = r[name][wl]
+            print(
+                f"{wl:11} {name:10} {x['ttft_p50_ms']:7.1f}ms {x['ttft_p95_ms']:6.1f}ms {x['ttft_p99_ms']:6.1f}ms "
+                f"{x['tokens_per_s']:7.0f} {100 * x['cached_share']:6.1f}%"
+            )
+    for wl in ("reuse", "zero_reuse"):
+        for base in ("none", "vllm_cpu"):
+            k, b = r["kvtier"][wl], r[base][wl]
+            print(
+                f"{wl}, kvtier vs {base}: TTFT p50 {b['ttft_p50_ms'] / k['ttft_p50_ms']:.2f}x, "
+                f"p99 {b['ttft_p99_ms'] / k['ttft_p99_ms']:.2f}x lower; "
+                f"throughput {k['tokens_per_s'] / b['tokens_per_s']:.2f}x"
+            )
 
 
 def report(a: argparse.Namespace, results: dict[str, Any]) -> None:

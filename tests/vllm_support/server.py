@@ -40,7 +40,8 @@ def free_port() -> int:
 
 class Server:
     """One `vllm serve` process tree. ``kv_transfer_config``: the JSON given to
-    ``--kv-transfer-config`` (None: no offloading, the baseline)."""
+    ``--kv-transfer-config`` (None: no offloading, the baseline). ``gpu_blocks``: the engine's
+    own KV cache, in blocks of ``block_bytes`` (the tests' tiny model's by default)."""
 
     def __init__(
         self,
@@ -49,6 +50,9 @@ class Server:
         *,
         kv_transfer_config: dict[str, Any] | None = None,
         gpu_blocks: int = 16,
+        block_bytes: int = BLOCK_BYTES,
+        max_model_len: int = 256,
+        max_num_seqs: int = 1,
         extra_args: list[str] | None = None,
         extra_env: dict[str, str] | None = None,
     ) -> None:
@@ -70,15 +74,15 @@ class Server:
             "float32",
             "--enforce-eager",
             "--max-model-len",
-            "256",
+            str(max_model_len),
             "--block-size",
             str(BLOCK),
             "--max-num-seqs",
-            "1",
+            str(max_num_seqs),
             "--seed",
             "0",
             "--kv-cache-memory-bytes",
-            str(gpu_blocks * BLOCK_BYTES),
+            str(gpu_blocks * block_bytes),
             # usage.prompt_tokens_details.cached_tokens: the prompt tokens not computed
             "--enable-prompt-tokens-details",
             "--host",
