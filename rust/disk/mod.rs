@@ -26,13 +26,12 @@ pub mod recovery;
 pub mod slab;
 pub mod spawn;
 pub mod status;
+pub mod tierdir;
 
 #[cfg(test)]
 mod tests;
 
 use std::collections::{HashMap, HashSet};
-use std::fs;
-use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -43,6 +42,7 @@ use parking_lot::{Condvar, Mutex, RwLock};
 use self::io::{build_engine, Chain, DoneFn, EngineChoice, IoBuf, IoEngine, IoFailure, IoOp, OpKind, PrepFn};
 use self::layout::{unix_now_ms, Retention, SlotHeader, HEADER_BYTES, PAGE};
 use self::slab::{AlignedBuf, DirLock, DirectMode, Geometry, Meta, SlabFile};
+use self::tierdir::TierDir;
 use crate::admission::AdmissionRule;
 use crate::error::{KvError, KvResult};
 use crate::host_pool::HostRegion;
@@ -158,6 +158,7 @@ struct Counters {
     read_errors: AtomicU64,
     enospc: AtomicU64,
     refused_full: AtomicU64,
+    refused_dir_removed: AtomicU64,
     slabs_lost: AtomicU64,
     blocks_lost: AtomicU64,
     recovered_blocks: AtomicU64,
@@ -214,6 +215,9 @@ struct Shared {
     full_until_ns: AtomicU64,
     full_retry: Duration,
     fault: Mutex<Option<(Fault, u32)>>,
+    /// Set once the directory was found deleted: nothing can be re-created in it, so writes
+    /// are refused; reads go on from the files held open.
+    dir_removed: AtomicBool,
 }
 
 pub struct DiskTier {
@@ -222,6 +226,8 @@ pub struct DiskTier {
     /// true once closed; submitters hold the read side so close() waits for them.
     closed: RwLock<bool>,
     lock: Mutex<Option<DirLock>>,
+    /// The directory, held open (every file is opened relative to it); None once closed.
+    tier_dir: RwLock<Option<TierDir>>,
     dir: PathBuf,
     direct: bool,
     preallocated: bool,
@@ -251,10 +257,12 @@ impl DiskTier {
         // io_uring; dropped again if the open fails later).
         Geometry::new(cfg.capacity_bytes, cfg.block_bytes, cfg.num_files.max(1))?;
         let (engine, uring_refusal) = build_engine(cfg.engine, cfg.queue_depth, &cfg.dir)?;
-        slab::prepare_dir(&cfg.dir)?;
-        let lock = DirLock::acquire(&cfg.dir)?;
-        slab::remove_stale_temporaries(&cfg.dir);
-        let meta = Meta::load(&cfg.dir)?;
+        let dir = TierDir::prepare(&cfg.dir)?;
+        let lock = DirLock::acquire(&dir)?;
+        // Only the lock holder changes anything in the directory.
+        dir.tighten();
+        slab::remove_stale_temporaries(&dir);
+        let meta = Meta::load(&dir)?;
         let stride = layout::round_up_page(cfg.block_bytes.max(1)) + HEADER_BYTES;
         let num_files = match (cfg.num_files, &meta) {
             (0, Some(m)) => m.num_files,
@@ -262,56 +270,40 @@ impl DiskTier {
             (n, _) => n,
         };
         let geo = Geometry::new(cfg.capacity_bytes, cfg.block_bytes, num_files)?;
-        let dir_id = match &meta {
-            Some(m) => {
-                if m.block_bytes != geo.block_bytes {
-                    return Err(KvError::invalid(
-                        "block_bytes",
-                        format!(
-                            "{} was created with block_bytes={}, not {}",
-                            cfg.dir.display(),
-                            m.block_bytes,
-                            geo.block_bytes
-                        ),
-                    ));
-                }
-                if m.num_files != geo.num_files || m.slots_per_file != geo.slots_per_file {
-                    return Err(KvError::invalid(
-                        "capacity_bytes",
-                        format!(
-                            "{} was created with {} file(s) of {} slots ({} bytes); open it with that capacity and \
-                             num_files, or use a new directory",
-                            cfg.dir.display(),
-                            m.num_files,
-                            m.slots_per_file,
-                            m.num_files as u64 * m.slots_per_file as u64 * geo.slot_stride as u64
-                        ),
-                    ));
-                }
-                m.dir_id
+        if let Some(m) = &meta {
+            if m.block_bytes != geo.block_bytes {
+                return Err(KvError::invalid(
+                    "block_bytes",
+                    format!(
+                        "{} was created with block_bytes={}, not {}",
+                        cfg.dir.display(),
+                        m.block_bytes,
+                        geo.block_bytes
+                    ),
+                ));
             }
-            None => {
-                let m = Meta {
-                    block_bytes: geo.block_bytes,
-                    slots_per_file: geo.slots_per_file,
-                    num_files: geo.num_files,
-                    dir_id: random_id(),
-                };
-                m.store(&cfg.dir)?;
-                m.dir_id
+            if m.num_files != geo.num_files || m.slots_per_file != geo.slots_per_file {
+                return Err(KvError::invalid(
+                    "capacity_bytes",
+                    format!(
+                        "{} was created with {} file(s) of {} slots ({} bytes); open it with that capacity and \
+                         num_files, or use a new directory",
+                        cfg.dir.display(),
+                        m.num_files,
+                        m.slots_per_file,
+                        m.num_files as u64 * m.slots_per_file as u64 * geo.slot_stride as u64
+                    ),
+                ));
             }
-        };
+        }
+        let dir_id = meta.as_ref().map_or_else(random_id, |m| m.dir_id);
 
         let mut notes = Vec::new();
         if meta.is_none() {
             // The directory's id lives only in its metadata, so slabs left by an earlier tier
             // cannot be told from another directory's: they are started afresh (their blocks are
             // counted in recovery_discarded). Said here, since it loses every block they held.
-            let orphans = fs::read_dir(&cfg.dir)
-                .map(|entries| {
-                    entries.flatten().filter(|e| slab::is_slab_name(&e.file_name().to_string_lossy())).count()
-                })
-                .unwrap_or(0);
+            let orphans = dir.names().unwrap_or_default().iter().filter(|n| slab::is_slab_name(n)).count();
             if orphans > 0 {
                 notes.push(format!(
                     "{} was missing: {orphans} slab file(s) of an earlier tier were started afresh and \
@@ -320,9 +312,23 @@ impl DiskTier {
                 ));
             }
         }
+        // Slabs this open created are removed again if it fails, and a new directory's metadata
+        // is written only once every slab is sized: an open refused on the way (a slab larger
+        // than the filesystem allows, say) leaves nothing that refuses the corrected open.
+        let mut created = Vec::new();
+        let undo = |created: &[usize], e: KvError| {
+            for &i in created {
+                let _ = dir.unlink(&slab::slab_name(i));
+            }
+            e
+        };
         let mut slabs = Vec::with_capacity(geo.num_files);
         for i in 0..geo.num_files {
-            let opened = SlabFile::open(&cfg.dir.join(slab::slab_name(i)), geo.file_bytes(), cfg.direct)?;
+            let opened = SlabFile::open(&dir, &slab::slab_name(i), geo.file_bytes(), cfg.direct)
+                .map_err(|e| undo(&created, e))?;
+            if opened.created {
+                created.push(i);
+            }
             if let Some(why) = opened.direct_refusal {
                 notes.push(format!("{}: buffered I/O (O_DIRECT refused: {why})", slab::slab_name(i)));
             }
@@ -330,6 +336,15 @@ impl DiskTier {
                 notes.push(format!("{}: sparse, not preallocated ({why})", slab::slab_name(i)));
             }
             slabs.push(Arc::new(opened.slab));
+        }
+        if meta.is_none() {
+            let m = Meta {
+                block_bytes: geo.block_bytes,
+                slots_per_file: geo.slots_per_file,
+                num_files: geo.num_files,
+                dir_id,
+            };
+            m.store(&dir).map_err(|e| undo(&created, e))?;
         }
         let direct = slabs.iter().all(|s| s.direct);
         let preallocated = slabs.iter().all(|s| s.preallocated);
@@ -379,12 +394,14 @@ impl DiskTier {
             full_until_ns: AtomicU64::new(0),
             full_retry: cfg.full_retry,
             fault: Mutex::new(None),
+            dir_removed: AtomicBool::new(false),
         });
         Ok(DiskTier {
             shared,
             engine,
             closed: RwLock::new(false),
             lock: Mutex::new(Some(lock)),
+            tier_dir: RwLock::new(Some(dir)),
             dir: cfg.dir,
             direct,
             preallocated,
@@ -501,14 +518,16 @@ impl DiskTier {
             num_files: geo.num_files,
             dir_id: new,
         };
-        match meta.store(&self.dir) {
+        let dir = self.tier_dir.read();
+        let dir = dir.as_ref().expect("the directory is held until close()");
+        match meta.store(dir) {
             Ok(()) => self.shared.dir_id.store(new, Ordering::Release),
             // The new file may be in place with only the directory's sync failing: then the new
             // id is what a reopening tier will trust, so it must be the one written from now on.
-            Err(_) if matches!(Meta::load(&self.dir), Ok(Some(m)) if m.dir_id == new) => {
+            Err(_) if matches!(Meta::load(dir), Ok(Some(m)) if m.dir_id == new) => {
                 self.shared.dir_id.store(new, Ordering::Release)
             }
-            Err(stored) => match fs::remove_file(self.dir.join(slab::META_NAME)) {
+            Err(stored) => match dir.unlink(slab::META_NAME) {
                 Ok(()) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                 Err(_) => return Err(stored),
@@ -584,6 +603,15 @@ impl DiskTier {
         job
     }
 
+    /// Checks at the start of a submission that touches the slabs: a slab deleted behind the
+    /// tier's back is replaced before any I/O is queued to it (a write to the deleted file would
+    /// be acknowledged and then lost), and a deleted directory is noticed.
+    fn check_files(&self) {
+        if let Some(dir) = self.tier_dir.read().as_ref() {
+            self.shared.check_slabs(dir);
+        }
+    }
+
     /// Write the blocks of `keys` from host slots `slots` of `host`. Keys already on disk are
     /// skipped, keys the admission rule (or a full device) turns away are refused; the rest
     /// get disk slots, evicting if needed (all-or-nothing: `NoSpace` changes nothing), and are
@@ -601,11 +629,18 @@ impl DiskTier {
             return Err(KvError::Closed(format!("disk tier at {}", self.dir.display())));
         }
         let sh = &self.shared;
-        if sh.is_full() {
-            sh.counters.refused_full.fetch_add(keys.len() as u64, Ordering::Relaxed);
-            let job = self.new_job(JobKind::Write, Vec::new(), host);
+        self.check_files();
+        let refuse_all = |counter: &AtomicU64| {
+            counter.fetch_add(keys.len() as u64, Ordering::Relaxed);
+            let job = self.new_job(JobKind::Write, Vec::new(), host.clone());
             sh.finalize(&job);
-            return Ok(WriteTicket { job_id: job.id, refused: keys.to_vec(), ..Default::default() });
+            WriteTicket { job_id: job.id, refused: keys.to_vec(), ..Default::default() }
+        };
+        if sh.dir_removed.load(Ordering::Acquire) {
+            return Ok(refuse_all(&sh.counters.refused_dir_removed));
+        }
+        if sh.is_full() {
+            return Ok(refuse_all(&sh.counters.refused_full));
         }
         let out = sh.index.prepare_store(keys, hint)?;
         let mut host_slot: HashMap<BlockKey, u32> = HashMap::with_capacity(keys.len());
@@ -647,7 +682,7 @@ impl DiskTier {
             return Err(KvError::Closed(format!("disk tier at {}", self.dir.display())));
         }
         let sh = &self.shared;
-        sh.check_slabs();
+        self.check_files();
         let job = self.new_job(JobKind::Read, keys.to_vec(), host.clone());
         if keys.is_empty() {
             sh.finalize(&job); // nothing will ever complete it otherwise
@@ -765,6 +800,7 @@ impl DiskTier {
             }
         }
         self.lock.lock().take();
+        self.tier_dir.write().take();
         first_err.map_or(Ok(()), Err)
     }
 
@@ -786,6 +822,9 @@ impl DiskTier {
             ("enospc", l(&c.enospc)),
             ("refused_disk_full", l(&c.refused_full)),
             ("disk_full", u64::from(self.shared.is_full())),
+            // The directory was deleted under the tier: writes refused, reads from open files.
+            ("dir_removed", u64::from(self.shared.dir_removed.load(Ordering::Relaxed))),
+            ("refused_dir_removed", l(&c.refused_dir_removed)),
             // The errno that stopped the I/O engine for good (every I/O then fails), else 0.
             ("engine_errno", self.engine.failure().map_or(0, |e| e as u64)),
             ("slabs_lost", l(&c.slabs_lost)),
@@ -871,24 +910,33 @@ impl Shared {
 
     /// A slab deleted behind our back: its blocks become misses, and a fresh file takes its
     /// place for new writes. In-flight I/O keeps the old file open through its `Arc`, so no fd
-    /// number is ever reused under the kernel's feet.
-    fn check_slabs(&self) {
+    /// number is ever reused under the kernel's feet. The fresh file is created relative to the
+    /// directory's fd, so only in the directory the tier locked: if that was deleted (another
+    /// may have been made at its path, perhaps opened by another tier), nothing is created,
+    /// writes are refused from then on and reads go on from the files held open.
+    fn check_slabs(&self, dir: &TierDir) {
+        if self.dir_removed.load(Ordering::Acquire) {
+            return;
+        }
         for (i, cell) in self.slabs.iter().enumerate() {
             let Some(cur) = cell.read().clone() else { continue };
-            // SAFETY: fstat on an fd kept open by `cur`.
-            let mut st: libc::stat = unsafe { std::mem::zeroed() };
-            let rc = unsafe { libc::fstat(cur.file.as_raw_fd(), &mut st) };
-            if rc != 0 || st.st_nlink > 0 {
+            if tierdir::fstat(&cur.file).map_or(true, |st| st.st_nlink > 0) {
                 continue;
+            }
+            if dir.is_removed() {
+                self.dir_removed.store(true, Ordering::Release);
+                return;
             }
             let mut w = cell.write();
             if !w.as_ref().is_some_and(|s| Arc::ptr_eq(s, &cur)) {
                 continue; // another thread replaced it already
             }
             let mode = if cur.direct { DirectMode::Auto } else { DirectMode::Off };
-            match SlabFile::open(&cur.path, self.geo.file_bytes(), mode) {
+            match SlabFile::open(dir, &slab::slab_name(i), self.geo.file_bytes(), mode) {
                 Ok(o) => *w = Some(Arc::new(o.slab)),
-                Err(_) => continue, // keep serving from the unlinked file; retried next read
+                // A link or another non-file in its place, or no room: keep serving from the
+                // unlinked file (its blocks stay good); retried at the next submission.
+                Err(_) => continue,
             }
             drop(w);
             self.counters.slabs_lost.fetch_add(1, Ordering::Relaxed);
