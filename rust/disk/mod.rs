@@ -215,9 +215,32 @@ struct Shared {
     full_until_ns: AtomicU64,
     full_retry: Duration,
     fault: Mutex<Option<(Fault, u32)>>,
+    /// Slots known to hold disk blocks: written at least once, or recovered. After ENOSPC on a
+    /// sparse slab, only these (and slots of preallocated slabs) can take a write for sure.
+    backed: SlotBits,
     /// Set once the directory was found deleted: nothing can be re-created in it, so writes
     /// are refused; reads go on from the files held open.
     dir_removed: AtomicBool,
+}
+
+/// One bit per slot, set and read without a lock.
+struct SlotBits(Vec<AtomicU64>);
+
+impl SlotBits {
+    fn new(n: usize) -> Self {
+        SlotBits((0..n.div_ceil(64)).map(|_| AtomicU64::new(0)).collect())
+    }
+    fn get(&self, i: u32) -> bool {
+        self.0[i as usize / 64].load(Ordering::Relaxed) & (1 << (i % 64)) != 0
+    }
+    fn set(&self, i: u32, on: bool) {
+        let (w, bit) = (&self.0[i as usize / 64], 1u64 << (i % 64));
+        if on {
+            w.fetch_or(bit, Ordering::Relaxed);
+        } else {
+            w.fetch_and(!bit, Ordering::Relaxed);
+        }
+    }
 }
 
 pub struct DiskTier {
@@ -368,8 +391,10 @@ impl DiskTier {
             allocator,
         )?;
         let now_ms = unix_now_ms();
+        let backed = SlotBits::new(total);
         for h in &rec.entries {
             index.insert_recovered(h.key, h.slot, h.payload_len, h.payload_crc, h.retention.to_hint(now_ms))?;
+            backed.set(h.slot, true);
         }
         let counters = Counters::default();
         counters.recovered_blocks.store(rec.entries.len() as u64, Ordering::Relaxed);
@@ -394,6 +419,7 @@ impl DiskTier {
             full_until_ns: AtomicU64::new(0),
             full_retry: cfg.full_retry,
             fault: Mutex::new(None),
+            backed,
             dir_removed: AtomicBool::new(false),
         });
         Ok(DiskTier {
@@ -642,7 +668,14 @@ impl DiskTier {
         if sh.is_full() {
             return Ok(refuse_all(&sh.counters.refused_full));
         }
-        let out = sh.index.prepare_store(keys, hint)?;
+        // The retry after a full device: slots withheld then may be tried again, after the ones
+        // freed meanwhile.
+        sh.index.return_withheld();
+        let out = match sh.index.prepare_store(keys, hint) {
+            // A write that failed meanwhile withheld the free slots: as full as a moment later.
+            Err(KvError::NoSpace { .. }) if sh.is_full() => return Ok(refuse_all(&sh.counters.refused_full)),
+            out => out?,
+        };
         let mut host_slot: HashMap<BlockKey, u32> = HashMap::with_capacity(keys.len());
         for (k, s) in keys.iter().zip(slots) {
             host_slot.entry(*k).or_insert(*s);
@@ -942,6 +975,9 @@ impl Shared {
             self.counters.slabs_lost.fetch_add(1, Ordering::Relaxed);
             let lo = (i * self.geo.slots_per_file) as u32;
             let hi = lo + self.geo.slots_per_file as u32;
+            for s in lo..hi {
+                self.backed.set(s, false); // the fresh file holds no blocks yet
+            }
             let keys: Vec<BlockKey> = self
                 .index
                 .snapshot()
@@ -952,6 +988,17 @@ impl Shared {
             let n = self.index.remove(&keys).len();
             self.counters.blocks_lost.fetch_add(n as u64, Ordering::Relaxed);
         }
+    }
+
+    /// After ENOSPC: withhold the free slots of sparse slabs that never held a block, which the
+    /// full filesystem cannot back, so that writes go to freed slots (which keep their disk
+    /// blocks) and stores evict to make room, until the retry (`submit_write` returns them).
+    /// Without it, freed slots waited behind every never-written one, each failing once more.
+    fn withhold_unbacked_slots(&self) {
+        let preallocated: Vec<bool> =
+            self.slabs.iter().map(|c| c.read().as_ref().is_some_and(|s| s.preallocated)).collect();
+        let spf = self.geo.slots_per_file;
+        self.index.withhold_free_slots(|s| preallocated[s as usize / spf] || self.backed.get(s));
     }
 
     fn finish_one(&self, job: &Job, i: usize, ok: bool, bytes: u64) {
@@ -1058,6 +1105,7 @@ impl Shared {
                             me.index.complete_store(&[key], true) == 1
                         });
                         let bytes = geo.slot_stride as u64;
+                        me.backed.set(disk_slot, true);
                         c.blocks_written.fetch_add(1, Ordering::Relaxed);
                         c.bytes_written.fetch_add(bytes, Ordering::Relaxed);
                         // Written but not readable (the index failed meanwhile): not an ok key.
@@ -1073,6 +1121,7 @@ impl Shared {
                         {
                             c.enospc.fetch_add(1, Ordering::Relaxed);
                             me.mark_full();
+                            me.withhold_unbacked_slots();
                         }
                         me.finish_one(&job, i, false, 0);
                     }

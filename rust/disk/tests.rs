@@ -895,3 +895,63 @@ fn writes_after_a_slab_was_deleted_are_kept() {
     }
     assert_eq!(t.contains(&[k(100)]).unwrap(), vec![false], "the deleted file's block is gone");
 }
+
+/// A size-limited tmpfs mounted for one test (needs root and CAP_SYS_ADMIN), lazily unmounted.
+struct SmallFs(TempDir);
+impl SmallFs {
+    fn mount(size: &str) -> Option<SmallFs> {
+        let d = TempDir::new();
+        fs::create_dir_all(&d.0).unwrap();
+        let out = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size},mode=0700"), "tmpfs"])
+            .arg(&d.0)
+            .output();
+        match out {
+            Ok(o) if o.status.success() => Some(SmallFs(d)),
+            Ok(o) => {
+                eprintln!("SKIPPING LOUDLY: cannot mount a tmpfs here: {}", String::from_utf8_lossy(&o.stderr).trim());
+                None
+            }
+            Err(e) => {
+                eprintln!("SKIPPING LOUDLY: cannot run mount here: {e}");
+                None
+            }
+        }
+    }
+}
+impl Drop for SmallFs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg("-l").arg(&self.0 .0).status();
+    }
+}
+
+#[test]
+fn on_a_full_filesystem_freed_slots_are_reused_before_never_written_ones() {
+    let Some(small) = SmallFs::mount("4m") else { return };
+    for engine in engines() {
+        let dir = TempDir(small.0 .0.join(format!("{engine:?}")));
+        // 16 MiB of slots on a 4 MiB filesystem: sparse, and most slots can never be written.
+        let mut c = config(&dir, 1024, engine);
+        c.full_retry = Duration::ZERO;
+        let t = DiskTier::open(c).unwrap();
+        assert!(!t.preallocated(), "{engine:?}");
+        let h = host(16);
+        let mut written = Vec::new();
+        let mut next = 0i128;
+        while stat(&t, "enospc") == 0 {
+            assert!(next < 1024, "{engine:?}: 16 MiB fitted on a 4 MiB filesystem");
+            let ids: Vec<i128> = (next..next + 16).collect();
+            next += 16;
+            written.extend(write_all(&t, &h, &ids).ok_keys);
+        }
+        assert!(written.len() >= 16, "{engine:?}: only {} blocks fitted", written.len());
+        assert_eq!(t.remove(&written[..16]).unwrap().len(), 16);
+        // The next batch goes to the 16 slots just freed, which hold their disk blocks.
+        let ids: Vec<i128> = (next..next + 16).collect();
+        let w = write_all(&t, &h, &ids);
+        assert_eq!(w.ok_keys.len(), 16, "{engine:?}: a freed slot was passed over for a never-written one");
+        let r = read_all(&t, &h, &ids);
+        assert_eq!(r.ok_keys.len(), 16, "{engine:?}");
+        t.close().unwrap();
+    }
+}
