@@ -18,7 +18,10 @@
 //!
 //! Memory safety contract with the caller (the host tier): a host slot given to `submit_write`
 //! must not be modified, and one given to `submit_read` must not be read or written, until its
-//! job completed. The host tier's index enforces that with its Writing state and pins.
+//! job completed. The host tier's index enforces that with its Writing state and pins; the disk
+//! tier itself refuses a submission that would share a host slot with a read in flight, or read
+//! into a slot a job in flight uses (`Shared::host_use`). What the caller does to the memory
+//! outside these calls it cannot see.
 
 pub mod io;
 pub mod layout;
@@ -181,6 +184,9 @@ struct Job {
     bytes: AtomicU64,
     started: Instant,
     host: Mutex<Option<Arc<dyn HostMemory>>>,
+    /// The host pool (its address) and the slots of it the job uses, released when it ends.
+    pool: usize,
+    claims: Vec<u32>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -221,6 +227,16 @@ struct Shared {
     /// Set once the directory was found deleted: nothing can be re-created in it, so writes
     /// are refused; reads go on from the files held open.
     dir_removed: AtomicBool,
+    /// Host slots (by pool address and slot) used by jobs in flight: see `claim_host_slots`.
+    host_use: Mutex<HashMap<(usize, u32), HostUse>>,
+}
+
+/// How the jobs in flight use one host slot: one read lands in it, or writes (any number, they
+/// only read it) take their bytes from it.
+#[derive(Clone, Copy)]
+enum HostUse {
+    Read { job: u64 },
+    Write { job: u64, jobs: usize },
 }
 
 /// One bit per slot, set and read without a lock.
@@ -255,6 +271,12 @@ pub struct DiskTier {
     direct: bool,
     preallocated: bool,
     notes: Vec<String>,
+}
+
+/// A host pool's identity for `Shared::host_use`: its address (a pool in use by a job is kept
+/// alive by it, so no other pool can take that address meanwhile).
+fn pool_id(host: &dyn HostMemory) -> usize {
+    host.base_ptr() as usize
 }
 
 fn random_id() -> u64 {
@@ -421,6 +443,7 @@ impl DiskTier {
             fault: Mutex::new(None),
             backed,
             dir_removed: AtomicBool::new(false),
+            host_use: Mutex::new(HashMap::new()),
         });
         Ok(DiskTier {
             shared,
@@ -611,7 +634,7 @@ impl DiskTier {
         Ok(())
     }
 
-    fn new_job(&self, kind: JobKind, keys: Vec<BlockKey>, host: Arc<dyn HostMemory>) -> Arc<Job> {
+    fn new_job(&self, kind: JobKind, keys: Vec<BlockKey>, host: Arc<dyn HostMemory>, claims: Vec<u32>) -> Arc<Job> {
         let id = self.shared.next_job.fetch_add(1, Ordering::Relaxed);
         let n = keys.len();
         let job = Arc::new(Job {
@@ -622,7 +645,9 @@ impl DiskTier {
             remaining: AtomicUsize::new(n),
             bytes: AtomicU64::new(0),
             started: Instant::now(),
+            pool: pool_id(&*host),
             host: Mutex::new(Some(host)),
+            claims,
         });
         self.shared.counters.jobs.fetch_add(1, Ordering::Relaxed);
         self.shared.jobs.lock().insert(id, JobSlot::Running);
@@ -641,7 +666,8 @@ impl DiskTier {
     /// Write the blocks of `keys` from host slots `slots` of `host`. Keys already on disk are
     /// skipped, keys the admission rule (or a full device) turns away are refused; the rest
     /// get disk slots, evicting if needed (all-or-nothing: `NoSpace` changes nothing), and are
-    /// written asynchronously. Returns at once with the job id.
+    /// written asynchronously. Returns at once with the job id. A host slot that a read in
+    /// flight lands in is refused (`slots`): its bytes are not the block's until that read ends.
     pub fn submit_write(
         &self,
         keys: &[BlockKey],
@@ -658,7 +684,7 @@ impl DiskTier {
         self.check_files();
         let refuse_all = |counter: &AtomicU64| {
             counter.fetch_add(keys.len() as u64, Ordering::Relaxed);
-            let job = self.new_job(JobKind::Write, Vec::new(), host.clone());
+            let job = self.new_job(JobKind::Write, Vec::new(), host.clone(), Vec::new());
             sh.finalize(&job);
             WriteTicket { job_id: job.id, refused: keys.to_vec(), ..Default::default() }
         };
@@ -671,6 +697,9 @@ impl DiskTier {
         // The retry after a full device: slots withheld then may be tried again, after the ones
         // freed meanwhile.
         sh.index.return_withheld();
+        let pool = pool_id(&*host);
+        let mut host_use = sh.host_use.lock();
+        sh.check_host_slots(&host_use, pool, slots, JobKind::Write)?;
         let out = match sh.index.prepare_store(keys, hint) {
             // A write that failed meanwhile withheld the free slots: as full as a moment later.
             Err(KvError::NoSpace { .. }) if sh.is_full() => return Ok(refuse_all(&sh.counters.refused_full)),
@@ -681,7 +710,12 @@ impl DiskTier {
             host_slot.entry(*k).or_insert(*s);
         }
         let write_keys: Vec<BlockKey> = out.to_write.iter().map(|(k, _)| *k).collect();
-        let job = self.new_job(JobKind::Write, write_keys.clone(), host.clone());
+        let mut claims: Vec<u32> = write_keys.iter().map(|k| host_slot[k]).collect();
+        claims.sort_unstable();
+        claims.dedup();
+        let job = self.new_job(JobKind::Write, write_keys.clone(), host.clone(), claims);
+        sh.claim_host_slots(&mut host_use, &job);
+        drop(host_use); // before anything can finish the job (which releases its claims)
         let mut chains = Vec::with_capacity(out.to_write.len());
         let retention = Retention::from_hint(hint, unix_now_ms());
         for (i, (key, disk_slot)) in out.to_write.iter().enumerate() {
@@ -703,7 +737,8 @@ impl DiskTier {
 
     /// Read the blocks of `keys` into host slots `slots` of `host`. Keys not on disk fail at
     /// once (misses); the others are pinned (safe from eviction) and read asynchronously, each
-    /// verified before it is reported ok. Returns the job id.
+    /// verified before it is reported ok. Returns the job id. A host slot used by any job in
+    /// flight is refused (`slots`): two jobs may not both write it.
     pub fn submit_read(&self, keys: &[BlockKey], slots: &[u32], host: Arc<dyn HostMemory>) -> KvResult<u64> {
         self.check_host(&*host, slots, keys.len())?;
         let mut seen = HashSet::with_capacity(slots.len());
@@ -716,7 +751,11 @@ impl DiskTier {
         }
         let sh = &self.shared;
         self.check_files();
-        let job = self.new_job(JobKind::Read, keys.to_vec(), host.clone());
+        let mut host_use = sh.host_use.lock();
+        sh.check_host_slots(&host_use, pool_id(&*host), slots, JobKind::Read)?;
+        let job = self.new_job(JobKind::Read, keys.to_vec(), host.clone(), slots.to_vec());
+        sh.claim_host_slots(&mut host_use, &job);
+        drop(host_use); // before anything can finish the job (which releases its claims)
         if keys.is_empty() {
             sh.finalize(&job); // nothing will ever complete it otherwise
         }
@@ -1001,6 +1040,60 @@ impl Shared {
         self.index.withhold_free_slots(|s| preallocated[s as usize / spf] || self.backed.get(s));
     }
 
+    /// Refuse host slots a job in flight uses in a way that conflicts with `kind`: a read may
+    /// share its slots with no other job (two reads would both write them; a write would take
+    /// the read's bytes and store them, checksummed, as its own block); writes only read their
+    /// slots and may share them with each other.
+    fn check_host_slots(
+        &self,
+        used: &HashMap<(usize, u32), HostUse>,
+        pool: usize,
+        slots: &[u32],
+        kind: JobKind,
+    ) -> KvResult<()> {
+        for &s in slots {
+            let job = match (used.get(&(pool, s)), kind) {
+                (None, _) | (Some(HostUse::Write { .. }), JobKind::Write) => continue,
+                (Some(HostUse::Read { job }), _) | (Some(HostUse::Write { job, .. }), JobKind::Read) => *job,
+            };
+            return Err(KvError::invalid(
+                "slots",
+                format!(
+                    "host slot {s} of this pool is in use by disk job {job}, still in flight: a read may not \
+                     share a host slot with another job (wait for job {job} first)"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Record `job`'s host slots as in use (checked by `check_host_slots` under the same lock).
+    fn claim_host_slots(&self, used: &mut HashMap<(usize, u32), HostUse>, job: &Job) {
+        for &s in &job.claims {
+            let e = used.entry((job.pool, s)).or_insert(HostUse::Write { job: job.id, jobs: 0 });
+            *e = match (job.kind, *e) {
+                (JobKind::Write, HostUse::Write { jobs, .. }) => HostUse::Write { job: job.id, jobs: jobs + 1 },
+                _ => HostUse::Read { job: job.id },
+            };
+        }
+    }
+
+    fn release_host_slots(&self, job: &Job) {
+        if job.claims.is_empty() {
+            return;
+        }
+        let mut used = self.host_use.lock();
+        for &s in &job.claims {
+            let key = (job.pool, s);
+            match used.get_mut(&key) {
+                Some(HostUse::Write { jobs, .. }) if *jobs > 1 => *jobs -= 1,
+                _ => {
+                    used.remove(&key);
+                }
+            }
+        }
+    }
+
     fn finish_one(&self, job: &Job, i: usize, ok: bool, bytes: u64) {
         if ok {
             job.ok[i].store(true, Ordering::Release);
@@ -1012,6 +1105,8 @@ impl Shared {
     }
 
     fn finalize(&self, job: &Job) {
+        // Before the result is visible: whoever waited for the job may reuse its slots at once.
+        self.release_host_slots(job);
         let (mut ok_keys, mut failed_keys) = (Vec::new(), Vec::new());
         for (k, ok) in job.keys.iter().zip(&job.ok) {
             if ok.load(Ordering::Acquire) {

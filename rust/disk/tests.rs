@@ -896,6 +896,40 @@ fn writes_after_a_slab_was_deleted_are_kept() {
     assert_eq!(t.contains(&[k(100)]).unwrap(), vec![false], "the deleted file's block is gone");
 }
 
+#[test]
+fn a_host_slot_in_use_by_a_job_in_flight_is_refused_to_another() {
+    let dir = TempDir::new();
+    let h = host(4);
+    let t = DiskTier::open(one_file(&dir, 16)).unwrap();
+    assert!(write_all(&t, &h, &[1, 2]).success());
+    // Hold the read in flight: its first step waits for the fault lock held here.
+    let held = t.shared.fault.lock();
+    let read = t.submit_read(&[k(1)], &[0], h.clone()).unwrap();
+    let refused = |r: KvResult<u64>, what: &str| match r {
+        Err(KvError::InvalidArgument { arg: "slots", reason }) => {
+            assert!(reason.contains("host slot 0") && reason.contains(&format!("job {read}")), "{what}: {reason}")
+        }
+        other => panic!("{what}: {other:?}"),
+    };
+    let write = t.submit_write(&[k(5)], &[0], h.clone(), InsertHint::default()).map(|w| w.job_id);
+    refused(write, "a write from the slot a read lands in");
+    refused(t.submit_read(&[k(2)], &[0], h.clone()), "a second read into the same slot");
+    // Other slots, two writes from one slot (both only read it), and another pool's slot 0.
+    fill(&h, 2, 6);
+    let w1 = t.submit_write(&[k(6)], &[2], h.clone(), InsertHint::default()).unwrap();
+    let w2 = t.submit_write(&[k(7)], &[2], h.clone(), InsertHint::default()).unwrap();
+    let other = host(4);
+    let r2 = t.submit_read(&[k(2)], &[0], other.clone()).unwrap();
+    drop(held);
+    for id in [read, w1.job_id, w2.job_id, r2] {
+        assert!(t.wait(id, None).unwrap().unwrap().success(), "job {id}");
+    }
+    assert_eq!(slot_bytes(&h, 0), expected(1));
+    assert_eq!(slot_bytes(&other, 0), expected(2));
+    // Once the jobs finished, the slot is free again.
+    assert!(write_all(&t, &h, &[8]).success());
+}
+
 /// A size-limited tmpfs mounted for one test (needs root and CAP_SYS_ADMIN), lazily unmounted.
 struct SmallFs(TempDir);
 impl SmallFs {
