@@ -280,6 +280,32 @@ def test_a_tier_larger_than_the_free_space_leaves_the_space_free(small_ext4, eng
         assert read(tier, host, [1, 2]) == {1: payload(1), 2: payload(2)}, res
 
 
+def test_an_open_refused_for_a_slab_too_large_leaves_nothing_that_refuses_the_next(tmp_path):
+    """A slab larger than the filesystem allows (EFBIG, here through RLIMIT_FSIZE in a child)
+    fails the open; the corrected open of the same, never-used directory must then work, with
+    nothing to say about earlier slabs."""
+    code = textwrap.dedent(
+        """
+        import resource, signal, sys
+        from kvtier_rs._core import DiskIoError, DiskTier
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+        try:
+            DiskTier(sys.argv[1], 64 << 20, 4096, engine="pool", num_files=1)
+        except DiskIoError as e:
+            print("REFUSED", e)
+        tier = DiskTier(sys.argv[1], 512 << 10, 4096, engine="pool", num_files=1)
+        print("OPENED", tier.notes)
+        tier.close()
+        """
+    )
+    d = tmp_path / "tier"
+    out = subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True, timeout=120)
+    assert "REFUSED" in out.stdout and "File too large" in out.stdout, out.stdout + out.stderr
+    assert "OPENED" in out.stdout, out.stderr
+    assert "was missing" not in out.stdout, out.stdout
+
+
 def test_buffered_fallback_is_reported(tmp_path, engine):
     host = Host(4)
     with make_tier(tmp_path, engine, direct="off") as tier:

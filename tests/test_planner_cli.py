@@ -4,13 +4,17 @@ and one-line errors with exit status 2."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from kvtier_rs.cli import main
+from kvtier_rs.planner.files import replaced_atomically
 from kvtier_rs.planner.synth import SynthConfig, synthesize, write_trace
 from kvtier_rs.planner.traces import read_trace
 
@@ -549,16 +553,62 @@ def test_synth_that_fails_midway_leaves_no_half_written_trace(tmp_path, capsys, 
     assert read_trace(fresh).n_requests == 30
 
 
-def test_synth_through_a_link_writes_the_file_it_names(tmp_path, capsys):
-    """--out naming a symlink to a trace file: the file is the output, and the link stays (the
-    whole-or-nothing write replaced the link itself with a new file, leaving its target as it was)."""
-    target = tmp_path / "traces" / "t.jsonl"
-    target.parent.mkdir()
-    target.write_text("old\n")
-    link = tmp_path / "latest.jsonl"
-    link.symlink_to(target)
+@pytest.mark.parametrize("name", ["t.jsonl", "t.jsonl.gz"])
+def test_synth_replaces_a_link_at_out_and_leaves_its_target_alone(tmp_path, name):
+    """--out naming a symlink (planted, or left over): the trace replaces the link itself, and the
+    file it pointed at is left as it was, content and mode (kvtier often runs as root)."""
+    victim = tmp_path / "elsewhere" / "precious"
+    victim.parent.mkdir()
+    victim.write_text("not a trace\n")
+    victim.chmod(0o640)
+    link = tmp_path / name
+    link.symlink_to(victim)
     assert main(["trace", "synth", "--out", str(link), "--requests", "20"]) == 0
-    assert link.is_symlink() and read_trace(target).n_requests == 20
+    assert not link.is_symlink() and read_trace(link).n_requests == 20
+    assert victim.read_text() == "not a trace\n" and stat.S_IMODE(victim.stat().st_mode) == 0o640
+
+
+def test_synth_to_a_fifo_writes_in_place(tmp_path):
+    """A stream at --out (a FIFO here, /dev/stdout's usual target) is written, not replaced."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()))
+    reader.start()
+    assert main(["trace", "synth", "--out", str(fifo), "--requests", "5"]) == 0
+    reader.join(60)
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and len(got[0].splitlines()) == 5
+
+
+def test_a_figure_replaces_a_link_at_its_name(synth_trace, tmp_path):
+    pytest.importorskip("matplotlib", reason="SKIPPED LOUDLY: matplotlib is not installed")
+    victim = tmp_path / "precious"
+    victim.write_bytes(b"keep")
+    d = tmp_path / "figs"
+    d.mkdir()
+    (d / "miss_ratio_curves.png").symlink_to(victim)
+    assert main(["plan", str(synth_trace), "--plot", str(d), "--no-progress", "--capacities", "50"]) == 0
+    fig = d / "miss_ratio_curves.png"
+    assert not fig.is_symlink() and fig.read_bytes().startswith(b"\x89PNG")
+    assert victim.read_bytes() == b"keep"
+
+
+def test_an_output_temporary_swapped_for_a_link_is_not_written_through(tmp_path):
+    """Someone who can write the output directory replaces the temporary by a link while the
+    output is written: nothing reaches the link's target, since the temporary is only ever used
+    through the descriptor it was created with, and the link is not renamed onto the output."""
+    victim = tmp_path / "precious"
+    victim.write_bytes(b"keep")
+    victim.chmod(0o600)
+    out = tmp_path / "out" / "report.bin"
+    out.parent.mkdir()
+    with pytest.raises(OSError, match="was replaced while it was written"), replaced_atomically(out) as f:
+        (tmp,) = [p for p in out.parent.iterdir() if p.name.startswith(".report.bin.")]
+        tmp.unlink()
+        tmp.symlink_to(victim)
+        f.write(b"the output")
+    assert victim.read_bytes() == b"keep" and stat.S_IMODE(victim.stat().st_mode) == 0o600
+    assert not out.exists(), "the swapped-in link was renamed onto the output"
 
 
 def test_a_figure_that_cannot_be_written_is_a_one_line_error(synth_trace, tmp_path, capsys):

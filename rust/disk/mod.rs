@@ -18,7 +18,10 @@
 //!
 //! Memory safety contract with the caller (the host tier): a host slot given to `submit_write`
 //! must not be modified, and one given to `submit_read` must not be read or written, until its
-//! job completed. The host tier's index enforces that with its Writing state and pins.
+//! job completed. The host tier's index enforces that with its Writing state and pins; the disk
+//! tier itself refuses a submission that would share a host slot with a read in flight, or read
+//! into a slot a job in flight uses (`Shared::host_use`). What the caller does to the memory
+//! outside these calls it cannot see.
 
 pub mod io;
 pub mod layout;
@@ -26,13 +29,12 @@ pub mod recovery;
 pub mod slab;
 pub mod spawn;
 pub mod status;
+pub mod tierdir;
 
 #[cfg(test)]
 mod tests;
 
 use std::collections::{HashMap, HashSet};
-use std::fs;
-use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -43,6 +45,7 @@ use parking_lot::{Condvar, Mutex, RwLock};
 use self::io::{build_engine, Chain, DoneFn, EngineChoice, IoBuf, IoEngine, IoFailure, IoOp, OpKind, PrepFn};
 use self::layout::{unix_now_ms, Retention, SlotHeader, HEADER_BYTES, PAGE};
 use self::slab::{AlignedBuf, DirLock, DirectMode, Geometry, Meta, SlabFile};
+use self::tierdir::TierDir;
 use crate::admission::AdmissionRule;
 use crate::error::{KvError, KvResult};
 use crate::host_pool::HostRegion;
@@ -158,6 +161,7 @@ struct Counters {
     read_errors: AtomicU64,
     enospc: AtomicU64,
     refused_full: AtomicU64,
+    refused_dir_removed: AtomicU64,
     slabs_lost: AtomicU64,
     blocks_lost: AtomicU64,
     recovered_blocks: AtomicU64,
@@ -180,6 +184,9 @@ struct Job {
     bytes: AtomicU64,
     started: Instant,
     host: Mutex<Option<Arc<dyn HostMemory>>>,
+    /// The host pool (its address) and the slots of it the job uses, released when it ends.
+    pool: usize,
+    claims: Vec<u32>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -214,6 +221,42 @@ struct Shared {
     full_until_ns: AtomicU64,
     full_retry: Duration,
     fault: Mutex<Option<(Fault, u32)>>,
+    /// Slots known to hold disk blocks: written at least once, or recovered. After ENOSPC on a
+    /// sparse slab, only these (and slots of preallocated slabs) can take a write for sure.
+    backed: SlotBits,
+    /// Set once the directory was found deleted: nothing can be re-created in it, so writes
+    /// are refused; reads go on from the files held open.
+    dir_removed: AtomicBool,
+    /// Host slots (by pool address and slot) used by jobs in flight: see `claim_host_slots`.
+    host_use: Mutex<HashMap<(usize, u32), HostUse>>,
+}
+
+/// How the jobs in flight use one host slot: one read lands in it, or writes (any number, they
+/// only read it) take their bytes from it.
+#[derive(Clone, Copy)]
+enum HostUse {
+    Read { job: u64 },
+    Write { job: u64, jobs: usize },
+}
+
+/// One bit per slot, set and read without a lock.
+struct SlotBits(Vec<AtomicU64>);
+
+impl SlotBits {
+    fn new(n: usize) -> Self {
+        SlotBits((0..n.div_ceil(64)).map(|_| AtomicU64::new(0)).collect())
+    }
+    fn get(&self, i: u32) -> bool {
+        self.0[i as usize / 64].load(Ordering::Relaxed) & (1 << (i % 64)) != 0
+    }
+    fn set(&self, i: u32, on: bool) {
+        let (w, bit) = (&self.0[i as usize / 64], 1u64 << (i % 64));
+        if on {
+            w.fetch_or(bit, Ordering::Relaxed);
+        } else {
+            w.fetch_and(!bit, Ordering::Relaxed);
+        }
+    }
 }
 
 pub struct DiskTier {
@@ -222,10 +265,18 @@ pub struct DiskTier {
     /// true once closed; submitters hold the read side so close() waits for them.
     closed: RwLock<bool>,
     lock: Mutex<Option<DirLock>>,
+    /// The directory, held open (every file is opened relative to it); None once closed.
+    tier_dir: RwLock<Option<TierDir>>,
     dir: PathBuf,
     direct: bool,
     preallocated: bool,
     notes: Vec<String>,
+}
+
+/// A host pool's identity for `Shared::host_use`: its address (a pool in use by a job is kept
+/// alive by it, so no other pool can take that address meanwhile).
+fn pool_id(host: &dyn HostMemory) -> usize {
+    host.base_ptr() as usize
 }
 
 fn random_id() -> u64 {
@@ -251,10 +302,12 @@ impl DiskTier {
         // io_uring; dropped again if the open fails later).
         Geometry::new(cfg.capacity_bytes, cfg.block_bytes, cfg.num_files.max(1))?;
         let (engine, uring_refusal) = build_engine(cfg.engine, cfg.queue_depth, &cfg.dir)?;
-        slab::prepare_dir(&cfg.dir)?;
-        let lock = DirLock::acquire(&cfg.dir)?;
-        slab::remove_stale_temporaries(&cfg.dir);
-        let meta = Meta::load(&cfg.dir)?;
+        let dir = TierDir::prepare(&cfg.dir)?;
+        let lock = DirLock::acquire(&dir)?;
+        // Only the lock holder changes anything in the directory.
+        dir.tighten();
+        slab::remove_stale_temporaries(&dir);
+        let meta = Meta::load(&dir)?;
         let stride = layout::round_up_page(cfg.block_bytes.max(1)) + HEADER_BYTES;
         let num_files = match (cfg.num_files, &meta) {
             (0, Some(m)) => m.num_files,
@@ -262,56 +315,40 @@ impl DiskTier {
             (n, _) => n,
         };
         let geo = Geometry::new(cfg.capacity_bytes, cfg.block_bytes, num_files)?;
-        let dir_id = match &meta {
-            Some(m) => {
-                if m.block_bytes != geo.block_bytes {
-                    return Err(KvError::invalid(
-                        "block_bytes",
-                        format!(
-                            "{} was created with block_bytes={}, not {}",
-                            cfg.dir.display(),
-                            m.block_bytes,
-                            geo.block_bytes
-                        ),
-                    ));
-                }
-                if m.num_files != geo.num_files || m.slots_per_file != geo.slots_per_file {
-                    return Err(KvError::invalid(
-                        "capacity_bytes",
-                        format!(
-                            "{} was created with {} file(s) of {} slots ({} bytes); open it with that capacity and \
-                             num_files, or use a new directory",
-                            cfg.dir.display(),
-                            m.num_files,
-                            m.slots_per_file,
-                            m.num_files as u64 * m.slots_per_file as u64 * geo.slot_stride as u64
-                        ),
-                    ));
-                }
-                m.dir_id
+        if let Some(m) = &meta {
+            if m.block_bytes != geo.block_bytes {
+                return Err(KvError::invalid(
+                    "block_bytes",
+                    format!(
+                        "{} was created with block_bytes={}, not {}",
+                        cfg.dir.display(),
+                        m.block_bytes,
+                        geo.block_bytes
+                    ),
+                ));
             }
-            None => {
-                let m = Meta {
-                    block_bytes: geo.block_bytes,
-                    slots_per_file: geo.slots_per_file,
-                    num_files: geo.num_files,
-                    dir_id: random_id(),
-                };
-                m.store(&cfg.dir)?;
-                m.dir_id
+            if m.num_files != geo.num_files || m.slots_per_file != geo.slots_per_file {
+                return Err(KvError::invalid(
+                    "capacity_bytes",
+                    format!(
+                        "{} was created with {} file(s) of {} slots ({} bytes); open it with that capacity and \
+                         num_files, or use a new directory",
+                        cfg.dir.display(),
+                        m.num_files,
+                        m.slots_per_file,
+                        m.num_files as u64 * m.slots_per_file as u64 * geo.slot_stride as u64
+                    ),
+                ));
             }
-        };
+        }
+        let dir_id = meta.as_ref().map_or_else(random_id, |m| m.dir_id);
 
         let mut notes = Vec::new();
         if meta.is_none() {
             // The directory's id lives only in its metadata, so slabs left by an earlier tier
             // cannot be told from another directory's: they are started afresh (their blocks are
             // counted in recovery_discarded). Said here, since it loses every block they held.
-            let orphans = fs::read_dir(&cfg.dir)
-                .map(|entries| {
-                    entries.flatten().filter(|e| slab::is_slab_name(&e.file_name().to_string_lossy())).count()
-                })
-                .unwrap_or(0);
+            let orphans = dir.names().unwrap_or_default().iter().filter(|n| slab::is_slab_name(n)).count();
             if orphans > 0 {
                 notes.push(format!(
                     "{} was missing: {orphans} slab file(s) of an earlier tier were started afresh and \
@@ -320,9 +357,23 @@ impl DiskTier {
                 ));
             }
         }
+        // Slabs this open created are removed again if it fails, and a new directory's metadata
+        // is written only once every slab is sized: an open refused on the way (a slab larger
+        // than the filesystem allows, say) leaves nothing that refuses the corrected open.
+        let mut created = Vec::new();
+        let undo = |created: &[usize], e: KvError| {
+            for &i in created {
+                let _ = dir.unlink(&slab::slab_name(i));
+            }
+            e
+        };
         let mut slabs = Vec::with_capacity(geo.num_files);
         for i in 0..geo.num_files {
-            let opened = SlabFile::open(&cfg.dir.join(slab::slab_name(i)), geo.file_bytes(), cfg.direct)?;
+            let opened = SlabFile::open(&dir, &slab::slab_name(i), geo.file_bytes(), cfg.direct)
+                .map_err(|e| undo(&created, e))?;
+            if opened.created {
+                created.push(i);
+            }
             if let Some(why) = opened.direct_refusal {
                 notes.push(format!("{}: buffered I/O (O_DIRECT refused: {why})", slab::slab_name(i)));
             }
@@ -330,6 +381,15 @@ impl DiskTier {
                 notes.push(format!("{}: sparse, not preallocated ({why})", slab::slab_name(i)));
             }
             slabs.push(Arc::new(opened.slab));
+        }
+        if meta.is_none() {
+            let m = Meta {
+                block_bytes: geo.block_bytes,
+                slots_per_file: geo.slots_per_file,
+                num_files: geo.num_files,
+                dir_id,
+            };
+            m.store(&dir).map_err(|e| undo(&created, e))?;
         }
         let direct = slabs.iter().all(|s| s.direct);
         let preallocated = slabs.iter().all(|s| s.preallocated);
@@ -353,8 +413,10 @@ impl DiskTier {
             allocator,
         )?;
         let now_ms = unix_now_ms();
+        let backed = SlotBits::new(total);
         for h in &rec.entries {
             index.insert_recovered(h.key, h.slot, h.payload_len, h.payload_crc, h.retention.to_hint(now_ms))?;
+            backed.set(h.slot, true);
         }
         let counters = Counters::default();
         counters.recovered_blocks.store(rec.entries.len() as u64, Ordering::Relaxed);
@@ -379,12 +441,16 @@ impl DiskTier {
             full_until_ns: AtomicU64::new(0),
             full_retry: cfg.full_retry,
             fault: Mutex::new(None),
+            backed,
+            dir_removed: AtomicBool::new(false),
+            host_use: Mutex::new(HashMap::new()),
         });
         Ok(DiskTier {
             shared,
             engine,
             closed: RwLock::new(false),
             lock: Mutex::new(Some(lock)),
+            tier_dir: RwLock::new(Some(dir)),
             dir: cfg.dir,
             direct,
             preallocated,
@@ -501,14 +567,16 @@ impl DiskTier {
             num_files: geo.num_files,
             dir_id: new,
         };
-        match meta.store(&self.dir) {
+        let dir = self.tier_dir.read();
+        let dir = dir.as_ref().expect("the directory is held until close()");
+        match meta.store(dir) {
             Ok(()) => self.shared.dir_id.store(new, Ordering::Release),
             // The new file may be in place with only the directory's sync failing: then the new
             // id is what a reopening tier will trust, so it must be the one written from now on.
-            Err(_) if matches!(Meta::load(&self.dir), Ok(Some(m)) if m.dir_id == new) => {
+            Err(_) if matches!(Meta::load(dir), Ok(Some(m)) if m.dir_id == new) => {
                 self.shared.dir_id.store(new, Ordering::Release)
             }
-            Err(stored) => match fs::remove_file(self.dir.join(slab::META_NAME)) {
+            Err(stored) => match dir.unlink(slab::META_NAME) {
                 Ok(()) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                 Err(_) => return Err(stored),
@@ -566,7 +634,7 @@ impl DiskTier {
         Ok(())
     }
 
-    fn new_job(&self, kind: JobKind, keys: Vec<BlockKey>, host: Arc<dyn HostMemory>) -> Arc<Job> {
+    fn new_job(&self, kind: JobKind, keys: Vec<BlockKey>, host: Arc<dyn HostMemory>, claims: Vec<u32>) -> Arc<Job> {
         let id = self.shared.next_job.fetch_add(1, Ordering::Relaxed);
         let n = keys.len();
         let job = Arc::new(Job {
@@ -577,17 +645,29 @@ impl DiskTier {
             remaining: AtomicUsize::new(n),
             bytes: AtomicU64::new(0),
             started: Instant::now(),
+            pool: pool_id(&*host),
             host: Mutex::new(Some(host)),
+            claims,
         });
         self.shared.counters.jobs.fetch_add(1, Ordering::Relaxed);
         self.shared.jobs.lock().insert(id, JobSlot::Running);
         job
     }
 
+    /// Checks at the start of a submission that touches the slabs: a slab deleted behind the
+    /// tier's back is replaced before any I/O is queued to it (a write to the deleted file would
+    /// be acknowledged and then lost), and a deleted directory is noticed.
+    fn check_files(&self) {
+        if let Some(dir) = self.tier_dir.read().as_ref() {
+            self.shared.check_slabs(dir);
+        }
+    }
+
     /// Write the blocks of `keys` from host slots `slots` of `host`. Keys already on disk are
     /// skipped, keys the admission rule (or a full device) turns away are refused; the rest
     /// get disk slots, evicting if needed (all-or-nothing: `NoSpace` changes nothing), and are
-    /// written asynchronously. Returns at once with the job id.
+    /// written asynchronously. Returns at once with the job id. A host slot that a read in
+    /// flight lands in is refused (`slots`): its bytes are not the block's until that read ends.
     pub fn submit_write(
         &self,
         keys: &[BlockKey],
@@ -601,19 +681,41 @@ impl DiskTier {
             return Err(KvError::Closed(format!("disk tier at {}", self.dir.display())));
         }
         let sh = &self.shared;
-        if sh.is_full() {
-            sh.counters.refused_full.fetch_add(keys.len() as u64, Ordering::Relaxed);
-            let job = self.new_job(JobKind::Write, Vec::new(), host);
+        self.check_files();
+        let refuse_all = |counter: &AtomicU64| {
+            counter.fetch_add(keys.len() as u64, Ordering::Relaxed);
+            let job = self.new_job(JobKind::Write, Vec::new(), host.clone(), Vec::new());
             sh.finalize(&job);
-            return Ok(WriteTicket { job_id: job.id, refused: keys.to_vec(), ..Default::default() });
+            WriteTicket { job_id: job.id, refused: keys.to_vec(), ..Default::default() }
+        };
+        if sh.dir_removed.load(Ordering::Acquire) {
+            return Ok(refuse_all(&sh.counters.refused_dir_removed));
         }
-        let out = sh.index.prepare_store(keys, hint)?;
+        if sh.is_full() {
+            return Ok(refuse_all(&sh.counters.refused_full));
+        }
+        // The retry after a full device: slots withheld then may be tried again, after the ones
+        // freed meanwhile.
+        sh.index.return_withheld();
+        let pool = pool_id(&*host);
+        let mut host_use = sh.host_use.lock();
+        sh.check_host_slots(&host_use, pool, slots, JobKind::Write)?;
+        let out = match sh.index.prepare_store(keys, hint) {
+            // A write that failed meanwhile withheld the free slots: as full as a moment later.
+            Err(KvError::NoSpace { .. }) if sh.is_full() => return Ok(refuse_all(&sh.counters.refused_full)),
+            out => out?,
+        };
         let mut host_slot: HashMap<BlockKey, u32> = HashMap::with_capacity(keys.len());
         for (k, s) in keys.iter().zip(slots) {
             host_slot.entry(*k).or_insert(*s);
         }
         let write_keys: Vec<BlockKey> = out.to_write.iter().map(|(k, _)| *k).collect();
-        let job = self.new_job(JobKind::Write, write_keys.clone(), host.clone());
+        let mut claims: Vec<u32> = write_keys.iter().map(|k| host_slot[k]).collect();
+        claims.sort_unstable();
+        claims.dedup();
+        let job = self.new_job(JobKind::Write, write_keys.clone(), host.clone(), claims);
+        sh.claim_host_slots(&mut host_use, &job);
+        drop(host_use); // before anything can finish the job (which releases its claims)
         let mut chains = Vec::with_capacity(out.to_write.len());
         let retention = Retention::from_hint(hint, unix_now_ms());
         for (i, (key, disk_slot)) in out.to_write.iter().enumerate() {
@@ -635,7 +737,8 @@ impl DiskTier {
 
     /// Read the blocks of `keys` into host slots `slots` of `host`. Keys not on disk fail at
     /// once (misses); the others are pinned (safe from eviction) and read asynchronously, each
-    /// verified before it is reported ok. Returns the job id.
+    /// verified before it is reported ok. Returns the job id. A host slot used by any job in
+    /// flight is refused (`slots`): two jobs may not both write it.
     pub fn submit_read(&self, keys: &[BlockKey], slots: &[u32], host: Arc<dyn HostMemory>) -> KvResult<u64> {
         self.check_host(&*host, slots, keys.len())?;
         let mut seen = HashSet::with_capacity(slots.len());
@@ -647,8 +750,12 @@ impl DiskTier {
             return Err(KvError::Closed(format!("disk tier at {}", self.dir.display())));
         }
         let sh = &self.shared;
-        sh.check_slabs();
-        let job = self.new_job(JobKind::Read, keys.to_vec(), host.clone());
+        self.check_files();
+        let mut host_use = sh.host_use.lock();
+        sh.check_host_slots(&host_use, pool_id(&*host), slots, JobKind::Read)?;
+        let job = self.new_job(JobKind::Read, keys.to_vec(), host.clone(), slots.to_vec());
+        sh.claim_host_slots(&mut host_use, &job);
+        drop(host_use); // before anything can finish the job (which releases its claims)
         if keys.is_empty() {
             sh.finalize(&job); // nothing will ever complete it otherwise
         }
@@ -765,6 +872,7 @@ impl DiskTier {
             }
         }
         self.lock.lock().take();
+        self.tier_dir.write().take();
         first_err.map_or(Ok(()), Err)
     }
 
@@ -786,6 +894,9 @@ impl DiskTier {
             ("enospc", l(&c.enospc)),
             ("refused_disk_full", l(&c.refused_full)),
             ("disk_full", u64::from(self.shared.is_full())),
+            // The directory was deleted under the tier: writes refused, reads from open files.
+            ("dir_removed", u64::from(self.shared.dir_removed.load(Ordering::Relaxed))),
+            ("refused_dir_removed", l(&c.refused_dir_removed)),
             // The errno that stopped the I/O engine for good (every I/O then fails), else 0.
             ("engine_errno", self.engine.failure().map_or(0, |e| e as u64)),
             ("slabs_lost", l(&c.slabs_lost)),
@@ -871,29 +982,41 @@ impl Shared {
 
     /// A slab deleted behind our back: its blocks become misses, and a fresh file takes its
     /// place for new writes. In-flight I/O keeps the old file open through its `Arc`, so no fd
-    /// number is ever reused under the kernel's feet.
-    fn check_slabs(&self) {
+    /// number is ever reused under the kernel's feet. The fresh file is created relative to the
+    /// directory's fd, so only in the directory the tier locked: if that was deleted (another
+    /// may have been made at its path, perhaps opened by another tier), nothing is created,
+    /// writes are refused from then on and reads go on from the files held open.
+    fn check_slabs(&self, dir: &TierDir) {
+        if self.dir_removed.load(Ordering::Acquire) {
+            return;
+        }
         for (i, cell) in self.slabs.iter().enumerate() {
             let Some(cur) = cell.read().clone() else { continue };
-            // SAFETY: fstat on an fd kept open by `cur`.
-            let mut st: libc::stat = unsafe { std::mem::zeroed() };
-            let rc = unsafe { libc::fstat(cur.file.as_raw_fd(), &mut st) };
-            if rc != 0 || st.st_nlink > 0 {
+            if tierdir::fstat(&cur.file).map_or(true, |st| st.st_nlink > 0) {
                 continue;
+            }
+            if dir.is_removed() {
+                self.dir_removed.store(true, Ordering::Release);
+                return;
             }
             let mut w = cell.write();
             if !w.as_ref().is_some_and(|s| Arc::ptr_eq(s, &cur)) {
                 continue; // another thread replaced it already
             }
             let mode = if cur.direct { DirectMode::Auto } else { DirectMode::Off };
-            match SlabFile::open(&cur.path, self.geo.file_bytes(), mode) {
+            match SlabFile::open(dir, &slab::slab_name(i), self.geo.file_bytes(), mode) {
                 Ok(o) => *w = Some(Arc::new(o.slab)),
-                Err(_) => continue, // keep serving from the unlinked file; retried next read
+                // A link or another non-file in its place, or no room: keep serving from the
+                // unlinked file (its blocks stay good); retried at the next submission.
+                Err(_) => continue,
             }
             drop(w);
             self.counters.slabs_lost.fetch_add(1, Ordering::Relaxed);
             let lo = (i * self.geo.slots_per_file) as u32;
             let hi = lo + self.geo.slots_per_file as u32;
+            for s in lo..hi {
+                self.backed.set(s, false); // the fresh file holds no blocks yet
+            }
             let keys: Vec<BlockKey> = self
                 .index
                 .snapshot()
@@ -903,6 +1026,71 @@ impl Shared {
                 .collect();
             let n = self.index.remove(&keys).len();
             self.counters.blocks_lost.fetch_add(n as u64, Ordering::Relaxed);
+        }
+    }
+
+    /// After ENOSPC: withhold the free slots of sparse slabs that never held a block, which the
+    /// full filesystem cannot back, so that writes go to freed slots (which keep their disk
+    /// blocks) and stores evict to make room, until the retry (`submit_write` returns them).
+    /// Without it, freed slots waited behind every never-written one, each failing once more.
+    fn withhold_unbacked_slots(&self) {
+        let preallocated: Vec<bool> =
+            self.slabs.iter().map(|c| c.read().as_ref().is_some_and(|s| s.preallocated)).collect();
+        let spf = self.geo.slots_per_file;
+        self.index.withhold_free_slots(|s| preallocated[s as usize / spf] || self.backed.get(s));
+    }
+
+    /// Refuse host slots a job in flight uses in a way that conflicts with `kind`: a read may
+    /// share its slots with no other job (two reads would both write them; a write would take
+    /// the read's bytes and store them, checksummed, as its own block); writes only read their
+    /// slots and may share them with each other.
+    fn check_host_slots(
+        &self,
+        used: &HashMap<(usize, u32), HostUse>,
+        pool: usize,
+        slots: &[u32],
+        kind: JobKind,
+    ) -> KvResult<()> {
+        for &s in slots {
+            let job = match (used.get(&(pool, s)), kind) {
+                (None, _) | (Some(HostUse::Write { .. }), JobKind::Write) => continue,
+                (Some(HostUse::Read { job }), _) | (Some(HostUse::Write { job, .. }), JobKind::Read) => *job,
+            };
+            return Err(KvError::invalid(
+                "slots",
+                format!(
+                    "host slot {s} of this pool is in use by disk job {job}, still in flight: a read may not \
+                     share a host slot with another job (wait for job {job} first)"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Record `job`'s host slots as in use (checked by `check_host_slots` under the same lock).
+    fn claim_host_slots(&self, used: &mut HashMap<(usize, u32), HostUse>, job: &Job) {
+        for &s in &job.claims {
+            let e = used.entry((job.pool, s)).or_insert(HostUse::Write { job: job.id, jobs: 0 });
+            *e = match (job.kind, *e) {
+                (JobKind::Write, HostUse::Write { jobs, .. }) => HostUse::Write { job: job.id, jobs: jobs + 1 },
+                _ => HostUse::Read { job: job.id },
+            };
+        }
+    }
+
+    fn release_host_slots(&self, job: &Job) {
+        if job.claims.is_empty() {
+            return;
+        }
+        let mut used = self.host_use.lock();
+        for &s in &job.claims {
+            let key = (job.pool, s);
+            match used.get_mut(&key) {
+                Some(HostUse::Write { jobs, .. }) if *jobs > 1 => *jobs -= 1,
+                _ => {
+                    used.remove(&key);
+                }
+            }
         }
     }
 
@@ -917,6 +1105,8 @@ impl Shared {
     }
 
     fn finalize(&self, job: &Job) {
+        // Before the result is visible: whoever waited for the job may reuse its slots at once.
+        self.release_host_slots(job);
         let (mut ok_keys, mut failed_keys) = (Vec::new(), Vec::new());
         for (k, ok) in job.keys.iter().zip(&job.ok) {
             if ok.load(Ordering::Acquire) {
@@ -1010,6 +1200,7 @@ impl Shared {
                             me.index.complete_store(&[key], true) == 1
                         });
                         let bytes = geo.slot_stride as u64;
+                        me.backed.set(disk_slot, true);
                         c.blocks_written.fetch_add(1, Ordering::Relaxed);
                         c.bytes_written.fetch_add(bytes, Ordering::Relaxed);
                         // Written but not readable (the index failed meanwhile): not an ok key.
@@ -1025,6 +1216,7 @@ impl Shared {
                         {
                             c.enospc.fetch_add(1, Ordering::Relaxed);
                             me.mark_full();
+                            me.withhold_unbacked_slots();
                         }
                         me.finish_one(&job, i, false, 0);
                     }

@@ -1,19 +1,21 @@
 //! The directory: lock file, metadata file, and the slab files of fixed-size slots.
 //!
 //! File names are fixed (`kvtier-disk.lock`, `kvtier-disk.meta`, `slab-NNN.kvt`): keys never
-//! become path components. Files are created 0600 and the directory 0700. The metadata file is
+//! become path components. Every file is opened relative to the directory's fd and never
+//! through a link (`tierdir`). Files are created 0600 and the directory 0700. The metadata file is
 //! plain `name=value` text written to a temporary name, synced and renamed over, so it is either
 //! the old or the new version; stale temporaries from a crash are removed by the next opener once
 //! it holds the directory lock.
 
-use std::fs::{self, File, OpenOptions};
+use std::fs::File;
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
-use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use super::io::FdOwner;
 use super::layout::{round_up_page, HEADER_BYTES, PAGE};
+use super::tierdir::{fstat, identity, TierDir};
 use crate::error::{KvError, KvResult};
 
 pub const LOCK_NAME: &str = "kvtier-disk.lock";
@@ -95,41 +97,15 @@ impl Geometry {
     }
 }
 
-/// Create (0700) or check the directory, and tighten its mode if we own it.
-pub fn prepare_dir(dir: &Path) -> KvResult<()> {
-    match fs::metadata(dir) {
-        Ok(m) if !m.is_dir() => {
-            return Err(KvError::Io { op: "open", path: dir.display().to_string(), detail: "not a directory".into() })
-        }
-        Ok(_) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            fs::DirBuilder::new()
-                .recursive(true)
-                .mode(0o700)
-                .create(dir)
-                .map_err(|e| KvError::io("create directory", dir, &e))?;
-        }
-        Err(e) => return Err(KvError::io("open", dir, &e)),
-    }
-    let _ = fs::set_permissions(dir, fs::Permissions::from_mode(0o700));
-    Ok(())
-}
-
 /// Remove metadata temporaries a crash may have left (only our own fixed prefix). Only the
 /// holder of the directory lock may call this: any other caller could delete the temporary the
 /// holder is writing right now (`Meta::store`), whose rename would then fail.
-pub fn remove_stale_temporaries(dir: &Path) {
-    if let Ok(rd) = fs::read_dir(dir) {
-        for e in rd.flatten() {
-            if e.file_name().to_string_lossy().starts_with(META_TMP_PREFIX) {
-                let _ = fs::remove_file(e.path());
-            }
+pub fn remove_stale_temporaries(dir: &TierDir) {
+    for name in dir.names().unwrap_or_default() {
+        if name.starts_with(META_TMP_PREFIX) {
+            let _ = dir.unlink(&name);
         }
     }
-}
-
-fn open_private(path: &Path, create: bool) -> std::io::Result<File> {
-    OpenOptions::new().read(true).write(true).create(create).mode(0o600).custom_flags(libc::O_CLOEXEC).open(path)
 }
 
 /// Exclusive advisory lock on the directory for the life of the tier (flock: released by the
@@ -159,7 +135,7 @@ fn try_flock(file: &File) -> std::io::Result<bool> {
 }
 
 impl DirLock {
-    pub fn acquire(dir: &Path) -> KvResult<Self> {
+    pub fn acquire(dir: &TierDir) -> KvResult<Self> {
         let path = dir.join(LOCK_NAME);
         let locked = |pid_file: Option<&mut File>| {
             let mut holder = String::new();
@@ -169,17 +145,19 @@ impl DirLock {
             let holder = holder.trim();
             KvError::Locked(format!(
                 "{} is already open by another disk tier{}",
-                dir.display(),
+                dir.path().display(),
                 if holder.is_empty() { String::new() } else { format!(" (pid {holder})") }
             ))
         };
-        let dir_file = File::open(dir).map_err(|e| KvError::io("open", dir, &e))?;
+        let dir_file = dir.reopen().map_err(|e| KvError::io("open", dir.path(), &e))?;
         let dir_lock = match try_flock(&dir_file) {
             Ok(true) => Some(dir_file),
-            Ok(false) => return Err(locked(File::open(&path).ok().as_mut())),
+            Ok(false) => return Err(locked(dir.open_file(LOCK_NAME, libc::O_RDONLY).ok().as_mut())),
             Err(_) => None,
         };
-        let mut file = open_private(&path, true).map_err(|e| KvError::io("open lock file", &path, &e))?;
+        let mut file = dir
+            .open_file(LOCK_NAME, libc::O_RDWR | libc::O_CREAT)
+            .map_err(|e| KvError::io("open lock file", &path, &e))?;
         match try_flock(&file) {
             Ok(true) => {}
             Ok(false) => return Err(locked(Some(&mut file))),
@@ -267,20 +245,21 @@ impl Meta {
     /// The directory's metadata, None when it has none. Refuses (naming the file) one that is
     /// not a regular file, not in kvtier's format, or describes a geometry no tier writes: a
     /// tier opening the directory or a status scan would otherwise act on nonsense sizes.
-    pub fn load(dir: &Path) -> KvResult<Option<Meta>> {
+    pub fn load(dir: &TierDir) -> KvResult<Option<Meta>> {
         let path = dir.join(META_NAME);
         let refuse = |detail: String| KvError::Io {
             op: "read",
             path: path.display().to_string(),
             detail: format!("{detail}; refusing to touch this directory"),
         };
-        match fs::metadata(&path) {
-            Ok(m) if !m.is_file() => return Err(refuse("not a regular file".into())),
-            Ok(_) => {}
+        let mut file = match dir.open_file(META_NAME, libc::O_RDONLY) {
+            Ok(f) => f,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) if e.raw_os_error().is_none() => return Err(refuse(e.to_string())),
             Err(e) => return Err(KvError::io("read", &path, &e)),
-        }
-        let text = fs::read_to_string(&path).map_err(|e| KvError::io("read", &path, &e))?;
+        };
+        let mut text = String::new();
+        file.read_to_string(&mut text).map_err(|e| KvError::io("read", &path, &e))?;
         let meta =
             Meta::parse(&text).ok_or_else(|| refuse("not a kvtier disk-tier metadata file (unknown format)".into()))?;
         if let Some(key) = Meta::repeated_key(&text) {
@@ -292,18 +271,26 @@ impl Meta {
         }
     }
 
-    pub fn store(&self, dir: &Path) -> KvResult<()> {
-        let tmp = dir.join(format!("{META_TMP_PREFIX}.{}", std::process::id()));
+    /// Replace the metadata atomically: written to a temporary created afresh (O_EXCL, so a
+    /// name planted there is never written through), synced, renamed over the old file (a link
+    /// there is replaced, not followed), and the directory synced.
+    pub fn store(&self, dir: &TierDir) -> KvResult<()> {
+        let tmp = format!("{META_TMP_PREFIX}.{}", std::process::id());
         let dst = dir.join(META_NAME);
         let res = (|| -> std::io::Result<()> {
-            let mut f = OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
+            // Ours alone to remove: only the lock holder writes metadata, and the pid is its own.
+            match dir.unlink(&tmp) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+                _ => {}
+            }
+            let mut f = dir.open_file(&tmp, libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL)?;
             f.write_all(self.render().as_bytes())?;
             f.sync_all()?;
-            fs::rename(&tmp, &dst)?;
-            File::open(dir)?.sync_all()
+            dir.rename(&tmp, META_NAME)?;
+            dir.sync()
         })();
         if let Err(e) = res {
-            let _ = fs::remove_file(&tmp);
+            let _ = dir.unlink(&tmp);
             return Err(KvError::io("write", &dst, &e));
         }
         Ok(())
@@ -344,6 +331,8 @@ impl FdOwner for SlabFile {
 /// Why O_DIRECT was not used, if it was not (for stats).
 pub struct SlabOpen {
     pub slab: SlabFile,
+    /// This open created the file (it did not exist).
+    pub created: bool,
     pub direct_refusal: Option<String>,
     pub prealloc_refusal: Option<String>,
 }
@@ -421,39 +410,60 @@ fn free_bytes(file: &File) -> std::io::Result<u64> {
 }
 
 impl SlabFile {
-    /// Open or create a slab, size it (fallocate, or a sparse file where the filesystem cannot
-    /// preallocate or has too little free space) and pick direct or buffered I/O.
-    pub fn open(path: &Path, bytes: u64, mode: DirectMode) -> KvResult<SlabOpen> {
-        let file = open_private(path, true).map_err(|e| KvError::io("open slab", path, &e))?;
-        let _ = fs::set_permissions(path, fs::Permissions::from_mode(0o600));
-        let prealloc_refusal = preallocate(&REAL_SPACE, &file, path, bytes)?;
+    /// Open or create the slab `name` of `dir`, size it (fallocate, or a sparse file where the
+    /// filesystem cannot preallocate or has too little free space) and pick direct or buffered
+    /// I/O. Every step works on the descriptor: the name is resolved once, without following a
+    /// link, and a file is only changed (mode, size) once it is known to be a regular file.
+    pub fn open(dir: &TierDir, name: &str, bytes: u64, mode: DirectMode) -> KvResult<SlabOpen> {
+        let path = dir.join(name);
+        let (file, created) = match dir.open_file(name, libc::O_RDWR | libc::O_CREAT | libc::O_EXCL) {
+            Ok(f) => (f, true),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                (dir.open_file(name, libc::O_RDWR).map_err(|e| KvError::io("open slab", &path, &e))?, false)
+            }
+            Err(e) => return Err(KvError::io("open slab", &path, &e)),
+        };
+        let fail = |e: KvError| {
+            // A slab this open made is removed again: a refused open leaves nothing behind.
+            if created {
+                let _ = dir.unlink(name);
+            }
+            e
+        };
+        let st = fstat(&file).map_err(|e| fail(KvError::io("stat slab", &path, &e)))?;
+        if st.st_mode & 0o777 != 0o600 {
+            // SAFETY: plain syscall on our fd.
+            if unsafe { libc::fchmod(file.as_raw_fd(), 0o600) } != 0 {
+                return Err(fail(KvError::io("chmod slab", &path, &std::io::Error::last_os_error())));
+            }
+        }
+        let prealloc_refusal = preallocate(&REAL_SPACE, &file, &path, bytes).map_err(fail)?;
         let mut direct_refusal = None;
-        let mut slab =
-            SlabFile { file, path: path.to_path_buf(), direct: false, preallocated: prealloc_refusal.is_none() };
+        let mut slab = SlabFile { file, path, direct: false, preallocated: prealloc_refusal.is_none() };
         if mode != DirectMode::Off {
-            match Self::reopen_direct(path) {
+            match Self::reopen_direct(dir, name, &slab.file) {
                 Ok(f) => {
                     slab.file = f;
                     slab.direct = true;
                 }
                 Err(why) if mode == DirectMode::Auto => direct_refusal = Some(why),
                 Err(why) => {
-                    return Err(KvError::Io { op: "open O_DIRECT", path: path.display().to_string(), detail: why })
+                    let path = slab.path.display().to_string();
+                    return Err(fail(KvError::Io { op: "open O_DIRECT", path, detail: why }));
                 }
             }
         }
-        Ok(SlabOpen { slab, direct_refusal, prealloc_refusal })
+        Ok(SlabOpen { slab, created, direct_refusal, prealloc_refusal })
     }
 
-    /// Open with O_DIRECT and prove it works with one aligned read (some filesystems accept the
-    /// flag at open and refuse the I/O).
-    fn reopen_direct(path: &Path) -> Result<File, String> {
-        let f = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .custom_flags(libc::O_DIRECT | libc::O_CLOEXEC)
-            .open(path)
-            .map_err(|e| format!("open: {e}"))?;
+    /// Open `name` again with O_DIRECT, check it is still the file `buffered` is, and prove
+    /// O_DIRECT works with one aligned read (some filesystems accept the flag at open and
+    /// refuse the I/O).
+    fn reopen_direct(dir: &TierDir, name: &str, buffered: &File) -> Result<File, String> {
+        let f = dir.open_file(name, libc::O_RDWR | libc::O_DIRECT).map_err(|e| format!("open: {e}"))?;
+        if identity(&f).ok() != identity(buffered).ok() {
+            return Err("the file was replaced while it was opened".into());
+        }
         let buf = AlignedBuf::new(PAGE);
         // SAFETY: buf is PAGE bytes, PAGE aligned.
         let n = unsafe { libc::pread(f.as_raw_fd(), buf.ptr().cast(), PAGE, 0) };

@@ -13,13 +13,12 @@
 //! damaged in this snapshot although the live tier will complete it. The numbers are a
 //! snapshot of the files, not of the live tier's index.
 
-use std::fs::{File, OpenOptions};
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::sync::Arc;
 
 use super::recovery;
 use super::slab::{slab_name, Meta, SlabFile, META_NAME};
+use super::tierdir::TierDir;
 use crate::error::{KvError, KvResult};
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -77,33 +76,16 @@ impl DiskStatus {
     }
 }
 
-fn open_read_only(path: &Path) -> KvResult<File> {
-    // No O_CREAT, no O_DIRECT (buffered reads see the same bytes and need no alignment probe).
-    // O_NONBLOCK: opening a FIFO put in a slab's place must not wait for a writer; regular files
-    // ignore the flag, and anything else is refused below.
-    let file = OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_CLOEXEC | libc::O_NONBLOCK)
-        .open(path)
-        .map_err(|e| KvError::io("open read-only", path, &e))?;
-    let meta = file.metadata().map_err(|e| KvError::io("stat", path, &e))?;
-    if !meta.is_file() {
-        return Err(KvError::Io {
-            op: "status",
-            path: path.display().to_string(),
-            detail: "not a regular file".into(),
-        });
-    }
-    Ok(file)
-}
-
 /// Scan `dir` without modifying it. Fails with an `Io` error naming the path when the
 /// directory is not a kvtier disk tier or a slab file is missing.
 pub fn disk_status(dir: &Path, verify_payload: bool) -> KvResult<DiskStatus> {
     if !dir.is_dir() {
         return Err(KvError::Io { op: "status", path: dir.display().to_string(), detail: "not a directory".into() });
     }
-    let meta = Meta::load(dir)?.ok_or_else(|| KvError::Io {
+    // Read-only, like every open here: no O_CREAT, no O_DIRECT (buffered reads see the same
+    // bytes and need no alignment probe), no link followed, nothing but regular files read.
+    let tier_dir = TierDir::open(dir)?;
+    let meta = Meta::load(&tier_dir)?.ok_or_else(|| KvError::Io {
         op: "status",
         path: dir.join(META_NAME).display().to_string(),
         detail: "missing: not a kvtier disk-tier directory".into(),
@@ -112,7 +94,8 @@ pub fn disk_status(dir: &Path, verify_payload: bool) -> KvResult<DiskStatus> {
     let mut slabs = Vec::with_capacity(geo.num_files);
     for i in 0..geo.num_files {
         let path = dir.join(slab_name(i));
-        let file = open_read_only(&path)?;
+        let file =
+            tier_dir.open_file(&slab_name(i), libc::O_RDONLY).map_err(|e| KvError::io("open read-only", &path, &e))?;
         // A short (truncated) slab is fine: its missing slots read short and count as damaged.
         slabs.push(Arc::new(SlabFile { file, path, direct: false, preallocated: false }));
     }

@@ -1,5 +1,6 @@
 //! Unit tests of the disk tier on a real directory, for each I/O engine that works here.
 
+use std::fs;
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -690,4 +691,301 @@ fn a_slab_on_a_filesystem_reporting_no_blocks_keeps_its_data_when_fallocate_fail
     let why = slab::preallocate(&fuse_like, &open(&new), &new, 4 * PAGE as u64).unwrap();
     assert!(why.is_some());
     assert_eq!(fs::read(&new).unwrap(), vec![0; 4 * PAGE]);
+}
+
+// ---- the directory and its files: links, owners, modes, removal -------------------------------
+
+/// A file outside the tier's directory that a planted link points at, with what it held.
+struct Victim {
+    _dir: TempDir,
+    path: PathBuf,
+}
+const PRECIOUS: &[u8] = b"precious, not the tier's";
+impl Victim {
+    fn new() -> Self {
+        let d = TempDir::new();
+        fs::create_dir_all(&d.0).unwrap();
+        let path = d.0.join("victim");
+        fs::write(&path, PRECIOUS).unwrap();
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o644)).unwrap();
+        Victim { _dir: d, path }
+    }
+    fn assert_untouched(&self, what: &str) {
+        let m = fs::symlink_metadata(&self.path).unwrap();
+        assert_eq!(m.permissions().mode() & 0o777, 0o644, "{what}: the link's target was chmodded");
+        assert_eq!(fs::read(&self.path).unwrap(), PRECIOUS, "{what}: the link's target was written");
+    }
+}
+
+fn one_file(dir: &TempDir, blocks: u64) -> DiskConfig {
+    let mut c = config(dir, blocks, EngineChoice::Pool);
+    c.num_files = 1;
+    c
+}
+
+#[test]
+fn a_link_planted_in_the_directory_is_refused_and_its_target_left_alone() {
+    for name in [slab::LOCK_NAME.to_string(), slab::META_NAME.to_string(), slab::slab_name(0)] {
+        let dir = TempDir::new();
+        fs::create_dir_all(&dir.0).unwrap();
+        let victim = Victim::new();
+        std::os::unix::fs::symlink(&victim.path, dir.0.join(&name)).unwrap();
+        let err = DiskTier::open(one_file(&dir, 4)).err().unwrap_or_else(|| panic!("{name}: opened"));
+        let e = err.to_string();
+        assert!(e.contains(&name) && e.contains("symbolic link"), "{name}: {e}");
+        victim.assert_untouched(&name);
+    }
+    // A dangling link: nothing is created where it points.
+    let dir = TempDir::new();
+    fs::create_dir_all(&dir.0).unwrap();
+    let victim = Victim::new();
+    let nowhere = victim.path.with_file_name("created-through-a-link");
+    std::os::unix::fs::symlink(&nowhere, dir.0.join(slab::slab_name(0))).unwrap();
+    assert!(DiskTier::open(one_file(&dir, 4)).is_err());
+    assert!(!nowhere.exists(), "a dangling link made the tier create its target");
+}
+
+#[test]
+fn a_slab_replaced_by_a_link_while_open_is_not_followed() {
+    let dir = TempDir::new();
+    let h = host(4);
+    let t = DiskTier::open(one_file(&dir, 8)).unwrap();
+    assert!(write_all(&t, &h, &[1, 2]).success());
+    let victim = Victim::new();
+    let slab = dir.0.join(slab::slab_name(0));
+    fs::remove_file(&slab).unwrap();
+    std::os::unix::fs::symlink(&victim.path, &slab).unwrap();
+    let r = read_all(&t, &h, &[1, 2]);
+    fill(&h, 2, 3);
+    let ticket = t.submit_write(&[k(3)], &[2], h.clone(), InsertHint::default()).unwrap();
+    t.wait(ticket.job_id, None).unwrap();
+    victim.assert_untouched("a slab replaced by a link");
+    assert_eq!(r.ok_keys.len(), 2, "the tier keeps serving from the file it holds open");
+}
+
+#[test]
+fn clear_never_writes_through_a_link_at_its_temporary_name() {
+    let dir = TempDir::new();
+    let h = host(4);
+    let t = DiskTier::open(one_file(&dir, 8)).unwrap();
+    write_all(&t, &h, &[1, 2]);
+    let victim = Victim::new();
+    // The temporary's name is public: the lock file holds the pid.
+    let tmp = dir.0.join(format!(".kvtier-disk.meta.tmp.{}", std::process::id()));
+    std::os::unix::fs::symlink(&victim.path, &tmp).unwrap();
+    assert_eq!(t.clear().unwrap(), 2);
+    victim.assert_untouched("clear");
+    let meta = fs::symlink_metadata(dir.0.join(slab::META_NAME)).unwrap();
+    assert!(meta.is_file(), "the metadata is a regular file, not a link");
+    t.close().unwrap();
+    drop(t);
+    assert_eq!(DiskTier::open(one_file(&dir, 8)).unwrap().len(), 0, "the reset holds after a restart");
+}
+
+#[test]
+fn a_link_to_a_device_is_refused_before_the_device_is_touched() {
+    let outside = TempDir::new();
+    fs::create_dir_all(&outside.0).unwrap();
+    let dev = outside.0.join("null-like");
+    let cpath = std::ffi::CString::new(dev.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: plain syscall on a path we own; (1, 3) is the null device.
+    if unsafe { libc::mknod(cpath.as_ptr(), libc::S_IFCHR | 0o666, libc::makedev(1, 3)) } != 0 {
+        eprintln!("SKIPPING LOUDLY: cannot make a device node here: {}", std::io::Error::last_os_error());
+        return;
+    }
+    fs::set_permissions(&dev, fs::Permissions::from_mode(0o666)).unwrap();
+    let dir = TempDir::new();
+    fs::create_dir_all(&dir.0).unwrap();
+    std::os::unix::fs::symlink(&dev, dir.0.join(slab::slab_name(0))).unwrap();
+    assert!(DiskTier::open(one_file(&dir, 4)).is_err());
+    assert_eq!(fs::metadata(&dev).unwrap().permissions().mode() & 0o777, 0o666, "the device was chmodded");
+}
+
+/// The effective uid (tests chown only as root).
+fn euid() -> u32 {
+    // SAFETY: no arguments, cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+#[test]
+fn a_directory_of_another_user_or_writable_by_others_is_refused_and_left_as_it_was() {
+    let check = |dir: &TempDir, want: &[&str]| {
+        let before = fs::metadata(&dir.0).unwrap().permissions().mode();
+        let err = DiskTier::open(one_file(dir, 4)).err().expect("opened").to_string();
+        for w in want {
+            assert!(err.contains(w) && err.contains(&dir.0.display().to_string()), "{err}");
+        }
+        assert_eq!(fs::metadata(&dir.0).unwrap().permissions().mode(), before, "the mode was changed");
+        assert_eq!(fs::read_dir(&dir.0).unwrap().count(), 0, "files were created");
+    };
+    for mode in [0o777, 0o770, 0o702] {
+        let dir = TempDir::new();
+        fs::create_dir_all(&dir.0).unwrap();
+        fs::set_permissions(&dir.0, fs::Permissions::from_mode(mode)).unwrap();
+        check(&dir, &["writable by group or others", "chmod 700"]);
+    }
+    if euid() != 0 {
+        eprintln!("SKIPPING LOUDLY: not root, cannot give a directory to another user");
+        return;
+    }
+    let dir = TempDir::new();
+    fs::create_dir_all(&dir.0).unwrap();
+    fs::set_permissions(&dir.0, fs::Permissions::from_mode(0o700)).unwrap();
+    std::os::unix::fs::chown(&dir.0, Some(12345), None).unwrap();
+    check(&dir, &["owned by uid 12345, not the effective user 0", "chown"]);
+}
+
+#[test]
+fn a_refused_second_opener_leaves_the_directory_mode_alone() {
+    let dir = TempDir::new();
+    let t = DiskTier::open(one_file(&dir, 4)).unwrap();
+    assert_eq!(fs::metadata(&dir.0).unwrap().permissions().mode() & 0o777, 0o700);
+    fs::set_permissions(&dir.0, fs::Permissions::from_mode(0o750)).unwrap();
+    let err = DiskTier::open(one_file(&dir, 4)).err().unwrap();
+    assert!(matches!(err, KvError::Locked(_)), "{err}");
+    assert_eq!(fs::metadata(&dir.0).unwrap().permissions().mode() & 0o777, 0o750, "a refused opener chmodded");
+    t.close().unwrap();
+}
+
+#[test]
+fn a_directory_recreated_under_a_live_tier_is_left_to_its_new_tier() {
+    let dir = TempDir::new();
+    let (ha, hb) = (host(8), host(8));
+    let a = DiskTier::open(one_file(&dir, 8)).unwrap();
+    assert!(write_all(&a, &ha, &[1, 2, 3, 4]).success());
+    fs::remove_dir_all(&dir.0).unwrap();
+    fs::create_dir(&dir.0).unwrap();
+    // The old tier still serves what it holds open, and creates nothing at the old path.
+    let r = read_all(&a, &ha, &[1, 2, 3, 4]);
+    assert_eq!(r.ok_keys.len(), 4, "{:?}", r.failed_keys);
+    assert_eq!(fs::read_dir(&dir.0).unwrap().count(), 0, "the old tier created files in the new directory");
+    let b = DiskTier::open(one_file(&dir, 8)).unwrap();
+    assert!(write_all(&b, &hb, &[11, 12, 13, 14]).success());
+    // The old tier writes nothing more: it has no directory (its files are unlinked).
+    fill(&ha, 4, 21);
+    let ticket = a.submit_write(&[k(21), k(22)], &[4, 5], ha.clone(), InsertHint::default()).unwrap();
+    assert_eq!(ticket.refused, vec![k(21), k(22)]);
+    a.wait(ticket.job_id, None).unwrap();
+    assert_eq!(stat(&a, "dir_removed"), 1);
+    let r = read_all(&b, &hb, &[11, 12, 13, 14]);
+    assert_eq!(r.ok_keys.len(), 4, "the new tier lost blocks: {:?}", r.failed_keys);
+    for (s, id) in [11, 12, 13, 14].into_iter().enumerate() {
+        assert_eq!(slot_bytes(&hb, s as u32), expected(id));
+    }
+}
+
+#[test]
+fn writes_after_a_slab_was_deleted_are_kept() {
+    let dir = TempDir::new();
+    let h = host(16);
+    let t = DiskTier::open(one_file(&dir, 32)).unwrap();
+    assert!(write_all(&t, &h, &[100]).success());
+    fs::remove_file(dir.0.join(slab::slab_name(0))).unwrap();
+    let ids: Vec<i128> = (1..=16).collect();
+    let w = write_all(&t, &h, &ids);
+    assert_eq!(w.ok_keys.len(), 16);
+    assert_eq!(stat(&t, "slabs_lost"), 1, "the deletion is noticed before the writes");
+    for s in 0..16 {
+        unsafe { h.slot_mut(s).unwrap().fill(0) };
+    }
+    let r = read_all(&t, &h, &ids);
+    assert_eq!(r.ok_keys.len(), 16, "acknowledged writes were lost: {:?}", r.failed_keys);
+    for (s, id) in ids.iter().enumerate() {
+        assert_eq!(slot_bytes(&h, s as u32), expected(*id as u64));
+    }
+    assert_eq!(t.contains(&[k(100)]).unwrap(), vec![false], "the deleted file's block is gone");
+}
+
+#[test]
+fn a_host_slot_in_use_by_a_job_in_flight_is_refused_to_another() {
+    let dir = TempDir::new();
+    let h = host(4);
+    let t = DiskTier::open(one_file(&dir, 16)).unwrap();
+    assert!(write_all(&t, &h, &[1, 2]).success());
+    // Hold the read in flight: its first step waits for the fault lock held here.
+    let held = t.shared.fault.lock();
+    let read = t.submit_read(&[k(1)], &[0], h.clone()).unwrap();
+    let refused = |r: KvResult<u64>, what: &str| match r {
+        Err(KvError::InvalidArgument { arg: "slots", reason }) => {
+            assert!(reason.contains("host slot 0") && reason.contains(&format!("job {read}")), "{what}: {reason}")
+        }
+        other => panic!("{what}: {other:?}"),
+    };
+    let write = t.submit_write(&[k(5)], &[0], h.clone(), InsertHint::default()).map(|w| w.job_id);
+    refused(write, "a write from the slot a read lands in");
+    refused(t.submit_read(&[k(2)], &[0], h.clone()), "a second read into the same slot");
+    // Other slots, two writes from one slot (both only read it), and another pool's slot 0.
+    fill(&h, 2, 6);
+    let w1 = t.submit_write(&[k(6)], &[2], h.clone(), InsertHint::default()).unwrap();
+    let w2 = t.submit_write(&[k(7)], &[2], h.clone(), InsertHint::default()).unwrap();
+    let other = host(4);
+    let r2 = t.submit_read(&[k(2)], &[0], other.clone()).unwrap();
+    drop(held);
+    for id in [read, w1.job_id, w2.job_id, r2] {
+        assert!(t.wait(id, None).unwrap().unwrap().success(), "job {id}");
+    }
+    assert_eq!(slot_bytes(&h, 0), expected(1));
+    assert_eq!(slot_bytes(&other, 0), expected(2));
+    // Once the jobs finished, the slot is free again.
+    assert!(write_all(&t, &h, &[8]).success());
+}
+
+/// A size-limited tmpfs mounted for one test (needs root and CAP_SYS_ADMIN), lazily unmounted.
+struct SmallFs(TempDir);
+impl SmallFs {
+    fn mount(size: &str) -> Option<SmallFs> {
+        let d = TempDir::new();
+        fs::create_dir_all(&d.0).unwrap();
+        let out = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size},mode=0700"), "tmpfs"])
+            .arg(&d.0)
+            .output();
+        match out {
+            Ok(o) if o.status.success() => Some(SmallFs(d)),
+            Ok(o) => {
+                eprintln!("SKIPPING LOUDLY: cannot mount a tmpfs here: {}", String::from_utf8_lossy(&o.stderr).trim());
+                None
+            }
+            Err(e) => {
+                eprintln!("SKIPPING LOUDLY: cannot run mount here: {e}");
+                None
+            }
+        }
+    }
+}
+impl Drop for SmallFs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg("-l").arg(&self.0 .0).status();
+    }
+}
+
+#[test]
+fn on_a_full_filesystem_freed_slots_are_reused_before_never_written_ones() {
+    let Some(small) = SmallFs::mount("4m") else { return };
+    for engine in engines() {
+        let dir = TempDir(small.0 .0.join(format!("{engine:?}")));
+        // 16 MiB of slots on a 4 MiB filesystem: sparse, and most slots can never be written.
+        let mut c = config(&dir, 1024, engine);
+        c.full_retry = Duration::ZERO;
+        let t = DiskTier::open(c).unwrap();
+        assert!(!t.preallocated(), "{engine:?}");
+        let h = host(16);
+        let mut written = Vec::new();
+        let mut next = 0i128;
+        while stat(&t, "enospc") == 0 {
+            assert!(next < 1024, "{engine:?}: 16 MiB fitted on a 4 MiB filesystem");
+            let ids: Vec<i128> = (next..next + 16).collect();
+            next += 16;
+            written.extend(write_all(&t, &h, &ids).ok_keys);
+        }
+        assert!(written.len() >= 16, "{engine:?}: only {} blocks fitted", written.len());
+        assert_eq!(t.remove(&written[..16]).unwrap().len(), 16);
+        // The next batch goes to the 16 slots just freed, which hold their disk blocks.
+        let ids: Vec<i128> = (next..next + 16).collect();
+        let w = write_all(&t, &h, &ids);
+        assert_eq!(w.ok_keys.len(), 16, "{engine:?}: a freed slot was passed over for a never-written one");
+        let r = read_all(&t, &h, &ids);
+        assert_eq!(r.ok_keys.len(), 16, "{engine:?}");
+        t.close().unwrap();
+    }
 }

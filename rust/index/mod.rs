@@ -37,7 +37,7 @@ mod stats;
 
 use std::collections::HashSet;
 use std::hash::{Hash, Hasher};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -256,6 +256,9 @@ pub struct TierIndex {
     stats: IndexStats,
     /// The slot of the last `lookup_state_serial`'s block (NO_SLOT after a miss): its hint.
     serial_hint: AtomicU32,
+    /// Free slots taken out of the allocator for a while (`withhold_free_slots`), and how many.
+    withheld: Mutex<Vec<u32>>,
+    withheld_count: AtomicUsize,
 }
 
 /// The most blocks an index holds: slots are numbered in a u32, and `NO_SLOT` (u32::MAX) marks
@@ -335,6 +338,8 @@ impl TierIndex {
             clock,
             stats: IndexStats::default(),
             serial_hint: AtomicU32::new(NO_SLOT),
+            withheld: Mutex::new(Vec::new()),
+            withheld_count: AtomicUsize::new(0),
         })
     }
 
@@ -350,7 +355,46 @@ impl TierIndex {
 
     /// Number of blocks present (ready or being written).
     pub fn len(&self) -> usize {
-        self.config.capacity - self.slots.free_count()
+        // Saturating: the two counts are read one after the other while slots move.
+        self.config.capacity.saturating_sub(self.slots.free_count() + self.withheld_count.load(Ordering::Acquire))
+    }
+
+    /// Take the free slots that `usable` refuses out of the free list until `return_withheld`:
+    /// stores meanwhile evict to make room instead of being given them. The disk tier withholds
+    /// the slots a full filesystem cannot back (never written, in a sparse file), so its index
+    /// is, for a while, the size of what the filesystem holds. Under the index's lock, so that
+    /// no store finds the free list emptier than it counted.
+    pub fn withhold_free_slots(&self, usable: impl Fn(u32) -> bool) -> usize {
+        let Ok(_inner) = self.write() else { return 0 };
+        let mut withheld = self.withheld.lock();
+        let (mut keep, before) = (Vec::new(), withheld.len());
+        while let Some(s) = self.slots.alloc() {
+            if usable(s) {
+                keep.push(s);
+            } else {
+                withheld.push(s);
+            }
+        }
+        self.withheld_count.store(withheld.len(), Ordering::Release);
+        for s in keep {
+            self.slots.release(s);
+        }
+        withheld.len() - before
+    }
+
+    /// Put every withheld slot back at the end of the free list (after the ones freed
+    /// meanwhile, which are handed out first). Returns how many.
+    pub fn return_withheld(&self) -> usize {
+        if self.withheld_count.load(Ordering::Acquire) == 0 {
+            return 0;
+        }
+        let mut withheld = self.withheld.lock();
+        // The count first: `len` may read too high a moment, never wrap below zero.
+        self.withheld_count.store(0, Ordering::Release);
+        for &s in withheld.iter() {
+            self.slots.release(s);
+        }
+        std::mem::take(&mut *withheld).len()
     }
     pub fn is_empty(&self) -> bool {
         self.len() == 0

@@ -849,3 +849,22 @@ fn clear_lets_other_writers_in_between_its_parts() {
     assert_eq!(ix.len(), 1 + 3, "the pinned block and the three stores made between parts");
     assert_eq!(ix.policy_len(), ix.len());
 }
+
+#[test]
+fn withheld_slots_are_not_handed_out_and_not_counted_as_blocks() {
+    let ix = index(4, PolicyKind::Lru);
+    let first: Vec<u32> = store(&ix, &keys(0..2)).to_write.iter().map(|(_, s)| *s).collect();
+    ix.remove(&[k(0)]);
+    // Withhold every free slot but the one just freed.
+    let freed = first[0];
+    assert_eq!(ix.withhold_free_slots(|s| s == freed), 2);
+    assert_eq!(ix.len(), 1, "withheld slots are no blocks");
+    let out = store(&ix, &keys(10..12));
+    assert_eq!(out.to_write.len(), 2);
+    assert!(out.to_write.iter().any(|(_, s)| *s == freed), "the usable free slot is handed out");
+    assert_eq!(out.evicted.len(), 1, "the second block evicts instead of taking a withheld slot");
+    assert_eq!(ix.len(), 2);
+    assert_eq!(ix.return_withheld(), 2);
+    assert_eq!(ix.len(), 2);
+    assert_eq!(store(&ix, &keys(20..22)).evicted.len(), 0, "returned slots are free again");
+}

@@ -104,8 +104,8 @@ def _save(plt: Any, fig: Any, path: Path) -> None:
     a directory, or a file that cannot be replaced, made savefig raise a traceback after the
     whole replay."""
     try:
-        with replaced_atomically(path) as tmp:
-            fig.savefig(tmp, dpi=120, format="png")
+        with replaced_atomically(path) as f:
+            fig.savefig(f, dpi=120, format="png")
     except OSError as e:
         raise PlanError(f"--plot: cannot write {path}: {e.strerror or e}") from None
     finally:

@@ -17,16 +17,20 @@ Arrivals of new work are Poisson, or bursty (rate alternating between bursts and
 
 from __future__ import annotations
 
+import gzip
 import heapq
+import io
 import itertools
 import json
 import math
 import random
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 from kvtier_rs.planner.errors import PlanError
-from kvtier_rs.planner.files import replaced_atomically
+from kvtier_rs.planner.files import is_stream, replaced_atomically
 
 KINDS = ("system", "rag", "chat", "unique")
 
@@ -196,28 +200,33 @@ def _emit(records, keys, when, segs, rng, cfg, queue, tiebreak, sess, fresh) -> 
 
 
 def write_trace(records: list[dict], path: str | Path) -> None:
-    """Write `records` to `path` whole or not at all (`replaced_atomically`)."""
+    """Write `records` to `path` whole or not at all (`replaced_atomically`). A link at `path` is
+    replaced by the trace, never written through; standard output (/dev/stdout) and other
+    streams (a FIFO, a terminal) are written in place."""
     p = Path(path)
-    if p.is_symlink() and p.is_file():
-        # A link to a regular file: that file is the trace (replacing the link itself would leave
-        # it as it was). A link to anything else (/dev/stdout) is written in place below.
-        p = p.resolve()
+    gz = p.suffix == ".gz"
+
+    def write(raw: BinaryIO) -> None:
+        zipped = gzip.GzipFile(fileobj=raw, mode="wb") if gz else None
+        text = io.TextIOWrapper(zipped or raw, encoding="utf-8")
+        for r in records:
+            text.write(json.dumps(r, separators=(",", ":")) + "\n")
+        text.flush()
+        text.detach()  # leaves `raw` open for its owner
+        if zipped is not None:
+            zipped.close()  # the gzip trailer; `raw` stays open
+
+    if str(path) == "/dev/stdout":
+        # /dev/stdout is a link to this process's fd 1, which may be a regular file: replacing
+        # "it" would replace the link in /dev.
+        write(sys.stdout.buffer)
+        sys.stdout.buffer.flush()
+        return
+    if is_stream(p):
+        with open(p, "wb") as out:
+            write(out)
+        return
     if p.parent and not p.parent.exists():
         p.parent.mkdir(parents=True, exist_ok=True)
-    opener = open
-    if Path(path).suffix == ".gz":  # the name given, also when it is a link
-        import gzip
-
-        opener = gzip.open  # type: ignore[assignment]
-
-    def write(target: Path) -> None:
-        with opener(target, "wt", encoding="utf-8") as f:
-            for r in records:
-                f.write(json.dumps(r, separators=(",", ":")) + "\n")
-
-    if p.exists() and not p.is_file():
-        # /dev/stdout, a FIFO: written in place (replacing it would replace the device node or link).
-        write(p)
-        return
     with replaced_atomically(p) as tmp:
         write(tmp)
