@@ -581,7 +581,6 @@ def test_synth_to_a_fifo_writes_in_place(tmp_path):
 
 
 def test_a_figure_replaces_a_link_at_its_name(synth_trace, tmp_path):
-    pytest.importorskip("matplotlib", reason="SKIPPED LOUDLY: matplotlib is not installed")
     victim = tmp_path / "precious"
     victim.write_bytes(b"keep")
     d = tmp_path / "figs"

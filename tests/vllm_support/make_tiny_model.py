@@ -11,17 +11,31 @@ Usage: python tests/vllm_support/make_tiny_model.py DIR   (prints DIR; reuses a 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 # Bump when the recipe changes so that cached copies are rebuilt.
 RECIPE_VERSION = "1"
 
 
-def build_tiny_llama(out_dir: str | Path, seed: int = 0) -> Path:
+def _saved(out_dir: str | Path, name: str, make: Callable[[], Any]) -> Path:
+    """`out_dir` holding the model `make()` builds, reused when a complete copy is there."""
     out = Path(out_dir)
-    stamp = out / f".kvtier-tiny-llama-v{RECIPE_VERSION}"
-    if stamp.exists():
-        return out
+    stamp = out / f".kvtier-{name}-v{RECIPE_VERSION}"
+    if not stamp.exists():
+        model = make()
+        out.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(out, safe_serialization=True)
+        stamp.touch()
+    return out
+
+
+def build_tiny_llama(out_dir: str | Path, seed: int = 0) -> Path:
+    return _saved(out_dir, "tiny-llama", lambda: _tiny_llama(seed))
+
+
+def _tiny_llama(seed: int) -> Any:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -44,10 +58,7 @@ def build_tiny_llama(out_dir: str | Path, seed: int = 0) -> Path:
         for p in model.parameters():
             if p.dim() == 2:
                 p.mul_(4.0)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    stamp.touch()
-    return out
+    return model
 
 
 def build_tiny_hybrid(out_dir: str | Path, seed: int = 0) -> Path:
@@ -55,10 +66,10 @@ def build_tiny_hybrid(out_dir: str | Path, seed: int = 0) -> Path:
     full-attention layer: vLLM gives it two KV-cache groups. Weights drawn with std 0.1 (the
     default 0.02 makes its greedy tokens repeat one id). hidden 128, 2 heads of 64, 1 KV head,
     vocab 1000, fp32."""
-    out = Path(out_dir)
-    stamp = out / f".kvtier-tiny-hybrid-v{RECIPE_VERSION}"
-    if stamp.exists():
-        return out
+    return _saved(out_dir, "tiny-hybrid", lambda: _tiny_hybrid(seed))
+
+
+def _tiny_hybrid(seed: int) -> Any:
     import torch
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
@@ -82,11 +93,7 @@ def build_tiny_hybrid(out_dir: str | Path, seed: int = 0) -> Path:
     )
     cfg.architectures = ["Gemma3ForCausalLM"]
     torch.manual_seed(seed)
-    model = Gemma3ForCausalLM(cfg).to(torch.float32)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    stamp.touch()
-    return out
+    return Gemma3ForCausalLM(cfg).to(torch.float32)
 
 
 if __name__ == "__main__":
