@@ -38,6 +38,9 @@ class FifoModel:
     def renew(self, key, priority, duration_ns, now):
         pass  # the order ignores the hint, and a renewal is not a use
 
+    def refresh(self, key, now):
+        self.touch(key, now)  # an LRU touch is recency alone; FIFO keeps arrival order
+
     def remove(self, key):
         self.order.pop(key, None)
 
@@ -100,6 +103,12 @@ class ArcModel:
     def renew(self, key, priority, duration_ns, now):
         pass  # the order ignores the hint, and a renewal is not a use
 
+    def refresh(self, key, now):
+        # Most recent of its own list: not a use, so a T1 key stays in T1.
+        for lst in (self.t1, self.t2):
+            if key in lst:
+                lst.move_to_end(key)
+
     def remove(self, key):
         self.t1.pop(key, None)
         self.t2.pop(key, None)
@@ -156,6 +165,9 @@ class PriorityModel:
         if key in self.meta:
             self._place(key, priority, duration_ns, now)
 
+    def refresh(self, key, now):
+        self.touch(key, now)  # most recent of its level: recency alone
+
     def remove(self, key):
         self.meta.pop(key, None)
 
@@ -201,6 +213,9 @@ class S3FifoModel:
 
     def renew(self, key, priority, duration_ns, now):
         pass  # the order ignores the hint, and a renewal is not a use
+
+    def refresh(self, key, now):
+        pass  # both queues keep arrival order, and a refresh is no use to count
 
     def remove(self, key):
         self.small.pop(key, None)
@@ -373,6 +388,11 @@ class IndexModel:
         for k in reversed(keys):
             if k in self.entries:
                 self.policy.touch(k, self.now)
+
+    def refresh(self, keys):
+        for k in reversed(keys):
+            if k in self.entries:
+                self.policy.refresh(k, self.now)
 
     def renew(self, keys, priority=DEFAULT_PRIORITY, duration_ns=None) -> int:
         """Every present key (ready or being written), tail-first like a store's inserts;

@@ -1,7 +1,7 @@
 """Every policy, through the real Rust index, against the plain-Python reference models.
 
 The state machine drives a `BlockIndex` and an `IndexModel` with the same operations (stores
-of key chains, failed stores, lookups, pins, unpins, touches, renewals, removals, clears, clock
+of key chains, failed stores, lookups, pins, unpins, touches, refreshes, renewals, removals, clears, clock
 moves)
 and requires identical outcomes after every step: the same victims in the same order, the
 same resident keys with the same states and pin counts, the same errors. Invariants checked
@@ -56,15 +56,15 @@ def make_machine(policy: str, min_priority: int | None = None, key_domain: int =
             self.stats["refused"] += len(set(refused))  # the counter counts distinct keys
             assert self.ix.complete_store(out.keys, ok) == self.model.complete_store(out.keys, ok)
 
-        @rule(ops=st.lists(st.tuples(st.booleans(), chains), max_size=25))
+        @rule(ops=st.lists(st.tuples(st.sampled_from(["store", "touch", "refresh"]), chains), max_size=25))
         def burst(self, ops):
-            # Runs of stores and touches: where policies differ from one another (ghost hits,
-            # promotions, frequency decay) only shows after many of them in a row.
-            for is_store, keys in ops:
-                if is_store:
+            # Runs of stores, touches and refreshes: where policies differ from one another (ghost
+            # hits, promotions, frequency decay) only shows after many of them in a row.
+            for op, keys in ops:
+                if op == "store":
                     self.store(keys, 35, None, True)
                 else:
-                    self.touch(keys)
+                    getattr(self, op)(keys)
 
         @rule(keys=chains)
         def begin_store_left_open(self, keys):
@@ -119,6 +119,11 @@ def make_machine(policy: str, min_priority: int | None = None, key_domain: int =
         def touch(self, keys):
             self.ix.touch(keys)
             self.model.touch(keys)
+
+        @rule(keys=chains)
+        def refresh(self, keys):
+            self.ix.refresh(keys)
+            self.model.refresh(keys)
 
         @rule(keys=chains, priority=PRIORITIES, duration=st.sampled_from([None, 0.5, 2.0]), one=st.booleans())
         def renew(self, keys, priority, duration, one):

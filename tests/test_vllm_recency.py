@@ -136,27 +136,40 @@ def test_arc_reading_back_its_own_store_is_not_reuse():
 # ---- replay in prefix order, by recorded position and per group -----------------------------
 
 
-def test_out_of_order_stores_keep_the_prefix_head_longest():
-    k1, k2, k3 = key(1), key(2), key(3)
-    positions = {k1: 32, k2: 64, k3: 96}
+K1, K2, K3 = key(1), key(2), key(3)
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize(
+    "store_jobs",
+    [
+        # The tail's store comes first (a sliding-window backfill, a handoff), then the head's.
+        [[K3], [K1, K2]],
+        # One chunk a step, head first: the tail is the last inserted.
+        [[K1], [K2], [K3]],
+    ],
+    ids=["tail-first", "chunk-per-step"],
+)
+def test_out_of_order_stores_keep_the_prefix_head_longest(policy, store_jobs):
+    positions = {K1: 32, K2: 64, K3: 96}
 
     def scenario(make: Manager) -> list[bytes]:
-        mg = make(3, "lru")
-        # The tail's store comes first (a sliding-window backfill, a handoff), then the head's.
-        run_request(mg, "a", stores=[[k3], [k1, k2]], positions=positions)
+        mg = make(3, policy)
+        run_request(mg, "a", stores=store_jobs, positions=positions)
         return run_request(mg, "b", stores=[[key(10)]]) + run_request(mg, "c", stores=[[key(11)]])
 
     # Tail first, then the middle: the head, which every lookup of the prefix needs, stays.
-    assert both(scenario) == [k3, k2]
+    assert both(scenario) == [K3, K2]
 
 
-def test_hybrid_groups_keep_every_group_s_head_over_any_tail():
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_hybrid_groups_keep_every_group_s_head_over_any_tail(policy):
     g0 = [key(1, 0), key(2, 0)]
     g1 = [key(1, 1), key(2, 1)]
     positions = {g0[0]: 32, g0[1]: 64, g1[0]: 32, g1[1]: 64}
 
     def scenario(make: Manager) -> list[bytes]:
-        mg = make(4, "lru")
+        mg = make(4, policy)
         # vLLM offers a request's new chunks ordered by group: group 0's, then group 1's.
         run_request(mg, "a", stores=[g0 + g1], positions=positions)
         return run_request(mg, "b", stores=[[key(10), key(11)]])

@@ -131,6 +131,9 @@ class BlockIndex:
     def pin_for_load(self, keys: Iterable[Key]) -> list[int]: ...
     def unpin(self, keys: Iterable[Key]) -> None: ...
     def touch(self, keys: Iterable[Key]) -> None: ...
+    def refresh(self, keys: Iterable[Key]) -> None:
+        """Rank each resident key as the most recent of its list or level, tail-first, without
+        counting a use (ARC keeps a T1 key in T1): prefix order for blocks only stored."""
     def renew(self, keys: Iterable[Key], *, priority: int = 35, duration_s: float | None = None) -> int:
         """Set the retention priority and duration of the present keys (ready or being written;
         absent ones are ignored) as if just stored with them; returns how many were renewed.

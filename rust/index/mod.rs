@@ -981,6 +981,21 @@ impl TierIndex {
         self.stats.touches.fetch_add(keys.len() as u64, Ordering::Relaxed);
     }
 
+    /// Rank each resident key as the most recent of the place its policy already gives it,
+    /// tail-first like a touch, without counting a use (`EvictionPolicy::refresh`): how an
+    /// engine restores prefix order for blocks a request only stored.
+    pub fn refresh(&self, keys: &[BlockKey]) {
+        let Ok(mut inner) = self.write() else { return };
+        let now = self.clock.now_ns();
+        let guard = Guard::new();
+        for k in keys.iter().rev() {
+            if let Some(r) = self.find(&k.as_probe(), &guard) {
+                let resident = Resident { slot: r.slot, key_hash: self.slot_keys.key_hash(r.slot) };
+                inner.policy.refresh(&resident, now);
+            }
+        }
+    }
+
     /// Renew the retention hint of every present key (ready or being written, pinned or not;
     /// absent keys are ignored): TensorRT-LLM's "a later claim with a new priority always
     /// overrides the old one", which `prepare_store` cannot do since it leaves present keys

@@ -5,6 +5,7 @@
 //! - insert: a B1 ghost raises the target `p` by max(1, |B2| / |B1|) (capped at c) and enters T2;
 //!   a B2 ghost lowers `p` by max(1, |B1| / |B2|) (floored at 0) and enters T2; others enter T1.
 //! - touch: T1 -> MRU of T2; T2 -> MRU of T2.
+//! - refresh: MRU of the key's own list (not a use: T1 stays T1).
 //! - victims, one at a time: from T1 when |T1| > p, else from T2; the first evictable key from
 //!   the LRU end of the chosen list, falling back to the other list when it has none.
 //!   A T1 victim becomes a B1 ghost, a T2 victim a B2 ghost.
@@ -97,6 +98,11 @@ impl<K: PolicyKey> EvictionPolicy<K> for Arc<K> {
         if self.lists.unlink(key).is_some() {
             self.lists.push_back(T2, *key, 0);
         }
+    }
+
+    fn refresh(&mut self, key: &K, _now_ns: u64) {
+        // MRU of the list it is in: T1 stays T1 (seen once), T2 stays T2.
+        self.lists.move_to_back(key);
     }
 
     fn remove(&mut self, key: &K) {

@@ -43,6 +43,11 @@ impl<K: PolicyKey> EvictionPolicy<K> for Lru<K> {
         }
     }
 
+    fn refresh(&mut self, key: &K, now_ns: u64) {
+        // An LRU touch is recency alone already; FIFO keeps arrival order.
+        self.touch(key, now_ns);
+    }
+
     fn remove(&mut self, key: &K) {
         self.order.unlink(key);
     }

@@ -86,6 +86,15 @@ pub trait EvictionPolicy<K: PolicyKey>: Send {
     fn renew(&mut self, key: &K, hint: InsertHint, now_ns: u64) {
         let _ = (key, hint, now_ns);
     }
+    /// `key`, resident, ranks as the most recent of the list or level it already holds, and the
+    /// call is not a use: no promotion, no frequency. An engine calls it to put back in prefix
+    /// order the blocks a request only stored (out-of-order stores, several KV-cache groups),
+    /// which a touch would count as reuse. Unknown keys are ignored. The default does nothing,
+    /// which is right where the order is arrival order (FIFO, S3-FIFO's queues); LRU, priority
+    /// and ARC override it.
+    fn refresh(&mut self, key: &K, now_ns: u64) {
+        let _ = (key, now_ns);
+    }
     /// `key` left the tier without being evicted (removed, or its store failed). No ghost entry.
     fn remove(&mut self, key: &K);
     /// Choose and detach exactly `n` victims, or change nothing and return None.

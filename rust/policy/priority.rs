@@ -132,6 +132,11 @@ impl<K: PolicyKey> EvictionPolicy<K> for Priority<K> {
         self.order.insert((old.level, seq), k);
     }
 
+    fn refresh(&mut self, key: &K, now_ns: u64) {
+        // A touch only moves the key to the most recent place of its level: recency alone.
+        self.touch(key, now_ns);
+    }
+
     fn renew(&mut self, key: &K, hint: InsertHint, now_ns: u64) {
         if self.detach(key).is_some() {
             self.insert(key, hint, now_ns);

@@ -12,6 +12,7 @@ use super::*;
 enum Op {
     Insert(u8, u8),
     Touch(u8),
+    Refresh(u8),
     Renew(u8, u8, Option<u64>),
     Remove(u8),
     Pin(u8),
@@ -23,6 +24,7 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         4 => (0u8..24, prop_oneof![Just(35u8), 0u8..=100]).prop_map(|(k, p)| Op::Insert(k, p)),
         3 => (0u8..24).prop_map(Op::Touch),
+        1 => (0u8..24).prop_map(Op::Refresh),
         1 => (0u8..24, 0u8..=100, prop_oneof![Just(None), Just(Some(25u64))]).prop_map(|(k, p, d)| Op::Renew(k, p, d)),
         1 => (0u8..24).prop_map(Op::Remove),
         1 => (0u8..24).prop_map(Op::Pin),
@@ -58,6 +60,7 @@ fn check_contract(kind: PolicyKind, ops: &[Op]) {
                 resident.insert(k);
             }
             Op::Touch(k) => p.touch(&k, now),
+            Op::Refresh(k) => p.refresh(&k, now),
             Op::Renew(k, prio, d) => p.renew(&k, InsertHint { priority: prio, duration_ns: d }, now),
             Op::Remove(k) => {
                 if !pinned.contains(&k) {
@@ -120,8 +123,8 @@ proptest! {
                     p.insert(&k, InsertHint::default(), 0);
                     model.push(k);
                 }
-                Op::Touch(k) => {
-                    p.touch(&k, 0);
+                Op::Touch(k) | Op::Refresh(k) => {
+                    if matches!(op, Op::Touch(_)) { p.touch(&k, 0) } else { p.refresh(&k, 0) }
                     if let Some(i) = model.iter().position(|&x| x == k) {
                         model.remove(i);
                         model.push(k);
@@ -268,6 +271,48 @@ fn arc_moves_reused_keys_to_t2_and_adapts_on_ghost_hits() {
     a.insert(&1, InsertHint::default(), 0); // B1 ghost hit: p grows, 1 enters T2
     assert_eq!(a.target_p(), 1);
     assert_eq!(a.ghost_len(), (0, 0));
+}
+
+#[test]
+fn arc_refresh_reorders_t1_without_promoting() {
+    // 0..4 in T1, 9 in T2. Refreshing 0 makes it T1's most recent; it stays in T1, so with
+    // |T1| > p the T1 victims come first, now 1, 2, 3, then 0, and T2's key last. A touch
+    // would have moved 0 to T2, after 9.
+    let mut a = ArcPolicy::<u32>::new(8, 16);
+    a.insert(&9, InsertHint::default(), 0);
+    a.touch(&9, 0);
+    for k in 0..4 {
+        a.insert(&k, InsertHint::default(), 0);
+    }
+    a.refresh(&0, 0);
+    a.refresh(&42, 0); // unknown: ignored
+    assert_eq!(drain(&mut a, 0), vec![1, 2, 3, 0, 9]);
+}
+
+#[test]
+fn a_refresh_is_recency_alone() {
+    // Refreshes order like LRU touches for LRU and priority, change nothing for the arrival-
+    // order policies, and never count as a use (S3-FIFO would otherwise promote).
+    for kind in PolicyKind::ALL {
+        let run = |refresh: bool| {
+            let mut p: Box<dyn EvictionPolicy<u32>> = kind.build(10);
+            for k in 0..10 {
+                p.insert(&k, InsertHint::default(), 0);
+            }
+            if refresh {
+                p.refresh(&0, 0);
+            }
+            drain(p.as_mut(), 0)
+        };
+        let (plain, refreshed) = (run(false), run(true));
+        match kind {
+            PolicyKind::Fifo | PolicyKind::S3Fifo => assert_eq!(refreshed, plain, "{kind:?}"),
+            _ => {
+                assert_eq!(refreshed.last(), Some(&0), "{kind:?}");
+                assert_eq!(refreshed[..9], plain[1..], "{kind:?}");
+            }
+        }
+    }
 }
 
 #[test]

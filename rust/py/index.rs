@@ -395,6 +395,16 @@ impl BlockIndex {
         })
     }
 
+    /// Rank each resident key as the most recent of its list or level without counting a use
+    /// (applied tail-first, like `touch`): prefix order for blocks a request only stored.
+    fn refresh(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<()> {
+        let keys = keys_from_py(keys)?;
+        self.contain(|| {
+            py.detach(|| self.inner.refresh(&keys));
+            Ok(())
+        })
+    }
+
     /// Set the retention priority and duration of the present keys (ready or being written;
     /// absent keys are ignored) as if they had just been stored with them: a later claim
     /// overrides an earlier one. Only the priority policy's order reads them; a renewal is not a

@@ -55,7 +55,8 @@ _LOCAL = Locality.LOCAL
 # results are vLLM's members before binding the fast path.
 _PROBE_KEY = b"kvtier-lookup-probe"
 # Policies whose touch only refreshes recency. ARC and S3-FIFO count a touch as a repeat use
-# (ARC moves the chunk to its frequent list), which a request's own store is not.
+# (ARC moves the chunk to its frequent list), which a request's own store is not: for them a
+# finished request's stored-only chunks are refreshed (`BlockIndex.refresh`) instead.
 _RECENCY_ONLY_TOUCH = frozenset({"lru", "fifo", "priority"})
 # Longest a quiet engine goes without a metrics report (see KvtierOffloadingManager.get_stats).
 STATS_INTERVAL_S = 1.0
@@ -399,15 +400,20 @@ class KvtierOffloadingManager(OffloadingManager):
         if st is None or st.owner is not self or st.generation != self._generation or not st.groups:
             return
         keys = st.prefix_order(req_context)
-        if not self._touch_stored:
-            # A chunk the request only stored keeps the rank its store gave it: a touch would
-            # count it as reused.
+        # Passed head first: the index applies touches and refreshes tail-first, so each
+        # prefix's head ends up the most recent and is evicted last.
+        if self._touch_stored:
+            if keys:
+                self._cpu.touch(keys)
+        else:
+            # A chunk the request only stored is refreshed, not touched: a touch would count it
+            # as reused (ARC's T1 -> T2), a refresh only restores its place in prefix order.
             reused = st.reused
-            keys = [k for k in keys if k in reused]
-        # Passed head first: the index applies touches tail-first, so each prefix's head ends
-        # up the most recent and is evicted last.
-        if keys:
-            self._cpu.touch(keys)
+            stored_only = [k for k in keys if k not in reused]
+            if stored_only:
+                self._cpu.refresh(stored_only)
+            if len(stored_only) < len(keys):
+                self._cpu.touch([k for k in keys if k in reused])
         st.clear()
 
     def _emit(self, event: OffloadingEvent) -> None:
