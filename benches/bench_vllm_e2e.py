@@ -25,7 +25,7 @@ with no offloading, with vLLM's tiering spec and its ``fs`` file tier, and with 
   (``max_num_seqs=1``), so each TTFT is a prefill, not queueing.
 
 Under ``vllm serve`` (``--serve``): each config is a `vllm serve` in its default multiprocess
-mode (tests/vllm_support/server.py), loaded over HTTP by the OpenAI client (benches/serve_load.py:
+mode (tests/support/vllm/server.py), loaded over HTTP by the OpenAI client (benches/serve_load.py:
 ``--serve-sessions`` conversations of ``--turns`` turns, ``--concurrency`` requests in flight),
 the reuse workload and then the zero-reuse one on the same server. TTFT p50/p95/p99 is the
 client's (request sent to first streamed token, queueing included) and throughput is tokens over
@@ -56,8 +56,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import attribution  # noqa: E402 - benches/attribution.py
 import serve_load  # noqa: E402 - benches/serve_load.py
-from vllm_support import engine as E  # noqa: E402 - the tests' engine helpers
-from vllm_support.server import Server  # noqa: E402 - `vllm serve` as the tests start it
+from support.vllm import engine as E  # noqa: E402 - the tests' engine helpers
+from support.vllm.server import Server  # noqa: E402 - `vllm serve` as the tests start it
 
 BLOCK = 32
 LAYERS, HIDDEN, HEADS, KV_HEADS = 4, 512, 8, 2

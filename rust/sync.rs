@@ -1,6 +1,6 @@
 //! Atomics shim: the real std atomics normally, loom's under `--cfg loom` so the lock-free entry
 //! state machine and slot key records can be model-checked exhaustively (see
-//! tests/loom_entry_state.rs).
+//! tests/rust/loom_entry_state.rs).
 
 #[cfg(loom)]
 pub(crate) use loom::sync::atomic::{fence, AtomicU64, Ordering};

@@ -31,7 +31,7 @@ from kvtier_rs._core import (
 from kvtier_rs.config import TierConfig
 
 if TYPE_CHECKING:
-    from kvtier_rs.host_tier import HostTier
+    from kvtier_rs.tiers.host import HostTier
 
 __all__ = [
     "DEFAULT_PRIORITY",
@@ -65,7 +65,7 @@ def __getattr__(name: str) -> object:
     # alone (a scheduler, the benchmarks) pays neither numpy's import (~0.25 s here) nor the CPU
     # its BLAS threads spin at start-up (~0.1 s, measured on the 2-core dev VM).
     if name == "HostTier":
-        from kvtier_rs.host_tier import HostTier
+        from kvtier_rs.tiers.host import HostTier
 
         return HostTier
     raise AttributeError(f"module 'kvtier_rs' has no attribute {name!r}")

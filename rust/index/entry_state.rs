@@ -9,7 +9,7 @@
 //!   Writing --abandon_write--> Evicting
 //! A block can only be pinned while Ready, and only claimed for eviction while Ready with no
 //! pins; both are compare-and-swap on the same word, so a pin and an eviction can never both
-//! win. This is model-checked with loom (tests/loom_entry_state.rs).
+//! win. This is model-checked with loom (tests/rust/loom_entry_state.rs).
 //!
 //! Entries live in an arena indexed by slot, and a slot is reused by other blocks over time.
 //! `occupy` (only for a vacant slot, under the index's writer lock) starts the next generation.

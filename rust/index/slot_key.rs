@@ -16,7 +16,7 @@
 //!   sees a new generation also sees its record.
 //!
 //! All words are atomics, so a torn read is a wrong comparison that the generation check
-//! discards, never undefined behaviour. Model-checked with loom (tests/loom_entry_state.rs),
+//! discards, never undefined behaviour. Model-checked with loom (tests/rust/loom_entry_state.rs),
 //! including a torn read that would match a third key.
 
 use super::entry_state::{BlockState, EntryState};

@@ -1,7 +1,7 @@
 //! ARC (Megiddo & Modha) adapted to a tier whose residency the index controls.
 //!
 //! T1 holds keys seen once, T2 keys seen again; B1/B2 are ghosts of keys evicted from them.
-//! Exact semantics (mirrored by the Python reference model in tests/models.py):
+//! Exact semantics (mirrored by the Python reference model in tests/support/models.py):
 //! - insert: a B1 ghost raises the target `p` by max(1, |B2| / |B1|) (capped at c) and enters T2;
 //!   a B2 ghost lowers `p` by max(1, |B1| / |B2|) (floored at 0) and enters T2; others enter T1.
 //! - touch: T1 -> MRU of T2; T2 -> MRU of T2.

@@ -3,7 +3,7 @@
 //! unique prompts) leave through the small queue without disturbing the main one, which is what
 //! makes it scan-resistant.
 //!
-//! Exact semantics (mirrored by tests/models.py):
+//! Exact semantics (mirrored by tests/support/models.py):
 //! - insert: a ghost key enters M; any other key enters S. Both start with freq 0.
 //! - touch: freq = min(freq + 1, 3).
 //! - victims, one at a time, until n are found:

@@ -2,7 +2,7 @@
 //! prefix-cache rules, plus the offline pieces the planner needs (Belady `opt`, an infinite
 //! "ceiling" cache, a multi-tier replay and trace statistics).
 //!
-//! Semantics (kept identical to the independent Python model in tests/planner_reference.py):
+//! Semantics (kept identical to the independent Python model in tests/support/planner_reference.py):
 //! - Requests are replayed in trace order. Each request is a chain of block keys; block `i`
 //!   holds `min(block_size, input_tokens - i * block_size)` tokens, and tokens not covered by any
 //!   block (traces that list only full blocks) always miss.

@@ -22,10 +22,10 @@ from prometheus_client.metrics_core import (
 from prometheus_client.registry import Collector
 
 from kvtier_rs._core import InvalidArgumentError
-from kvtier_rs.events import EventStream
 from kvtier_rs.metrics.names import SERIES, Series
 from kvtier_rs.orchestrator.latency import BUCKETS
 from kvtier_rs.orchestrator.orchestrator import occupancy
+from kvtier_rs.tiers.events import EventStream
 
 Labels = tuple[str, ...]
 Histogram = tuple[list[tuple[float, int]], int, float]

@@ -25,8 +25,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 
 from kvtier_rs._core import InvalidArgumentError
-from kvtier_rs.events import EventStream
 from kvtier_rs.metrics.collector import KvTierCollector
+from kvtier_rs.tiers.events import EventStream
 
 
 @dataclass

@@ -31,12 +31,12 @@ from kvtier_rs._core import (
     NoSpaceError,
     NotReadyError,
 )
-from kvtier_rs.events import EventStream
-from kvtier_rs.host_tier import HostTier
-from kvtier_rs.keys import Key, key_list
 from kvtier_rs.orchestrator.completions import handle_each
 from kvtier_rs.orchestrator.latency import LatencyRecorder
-from kvtier_rs.shared_region import SlotSeals, seals_of
+from kvtier_rs.tiers.events import EventStream
+from kvtier_rs.tiers.host import HostTier
+from kvtier_rs.tiers.keys import Key, key_list
+from kvtier_rs.tiers.shared_region import SlotSeals, seals_of
 
 _log = logging.getLogger(__name__)
 _PAGE = 4096  # the disk tier's I/O unit (and the size of a slot's header page)

@@ -41,14 +41,14 @@ from kvtier_rs._core import (
     NotReadyError,
 )
 from kvtier_rs.checks import check_count, check_number, show
-from kvtier_rs.events import EventStream
-from kvtier_rs.host_tier import HostTier
-from kvtier_rs.keys import Key, index_list, key_list
 from kvtier_rs.orchestrator.completions import handle_each
 from kvtier_rs.orchestrator.cost import CostModel
 from kvtier_rs.orchestrator.disk_stager import DiskStager
 from kvtier_rs.orchestrator.guard import GuardRule, SloGuard
 from kvtier_rs.orchestrator.latency import LatencyRecorder
+from kvtier_rs.tiers.events import EventStream
+from kvtier_rs.tiers.host import HostTier
+from kvtier_rs.tiers.keys import Key, index_list, key_list
 from kvtier_rs.transfer import TransferEngine, TransferResult
 
 TIERS = ("cpu", "disk")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvtier_rs.planner.checks import ONLINE_POLICIES
-from kvtier_rs.planner.model import MAX_BLOCKS, fmt_blocks, fmt_bytes
+from kvtier_rs.planner.units import MAX_BLOCKS, fmt_blocks, fmt_bytes
 
 # The knee: the smallest capacity whose gain is within a tenth of the infinite cache's.
 KNEE_SHARE = 0.9

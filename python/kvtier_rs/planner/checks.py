@@ -11,22 +11,13 @@ bytes, too small for any block size, is refused at once as well.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 from kvtier_rs._core import InvalidArgumentError, parse_admission, policy_names
 from kvtier_rs.planner.errors import PlanError
-from kvtier_rs.planner.model import (
-    MAX_BLOCKS,
-    MAX_BYTES_PER_TOKEN,
-    ModelBytes,
-    Size,
-    bytes_per_token_from_config,
-    fmt_bytes,
-)
+from kvtier_rs.planner.model import MAX_BYTES_PER_TOKEN, ModelBytes, bytes_per_token_from_config
+from kvtier_rs.planner.options import PlanOptions
 from kvtier_rs.planner.traces import check_reader_options
-
-if TYPE_CHECKING:
-    from kvtier_rs.planner.plan import PlanOptions
+from kvtier_rs.planner.units import MAX_BLOCKS, Size, fmt_bytes
 
 # Policies the sweep can replay; "opt" (Belady) needs the whole future, so it is planner-only.
 ONLINE_POLICIES = tuple(policy_names())

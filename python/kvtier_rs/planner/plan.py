@@ -10,18 +10,16 @@ from __future__ import annotations
 import math
 import sys
 import threading
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier_rs.planner import gains
 from kvtier_rs.planner.advice import choose_policy, recommend
 from kvtier_rs.planner.checks import TIERS, check_options, tier_blocks
 from kvtier_rs.planner.errors import PlanError
-from kvtier_rs.planner.model import Size
+from kvtier_rs.planner.options import PlanOptions
 from kvtier_rs.planner.traces import TraceData, read_trace
 
 SCHEMA_VERSION = "kvtier.plan/1"
-DEFAULT_POLICIES = ("fifo", "lru", "arc", "opt")
 # Sweep grid as fractions of the trace's distinct blocks (its working set).
 DEFAULT_FRACTIONS = (1 / 256, 1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2)
 # What the two reference curves bound, as the report labels them. The ceiling (an infinite
@@ -37,36 +35,6 @@ BOUNDS = {
 }
 # A cache that first filled after this share of the measured requests is flagged `filled_late`.
 LATE_FILL_SHARE = 0.1
-
-
-@dataclass
-class PlanOptions:
-    trace: str
-    trace_format: str = "auto"
-    block_size: int | None = None
-    skip_bad: bool = False
-    limit: int | None = None
-    bytes_per_token: int | None = None
-    model_config: str | None = None
-    kv_dtype: str | None = None
-    gpu: Size | None = None
-    cpu: Size | None = None
-    disk: Size | None = None
-    capacities: list[int] | None = None
-    policies: tuple[str, ...] = DEFAULT_POLICIES
-    warmup: float = 0.5
-    mode: str = "tree"
-    admission_thresholds: tuple[int, ...] = (2, 3)
-    cpu_admission: str = "always"
-    disk_admission: str = "uses:2"
-    tier_policy: str | None = None
-    pcie_gbps: float = 25.0
-    disk_gbps: float = 6.0
-    prefill_tps: float = 10_000.0
-    top: int = 10
-    threads: int = 0
-    progress: bool | None = None  # None: only when stderr is a terminal
-    notes: list[str] = field(default_factory=list)
 
 
 def _rate(hit: int, total: int) -> float | None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtier_rs.planner.model import fmt_blocks, fmt_bytes
 from kvtier_rs.planner.plan import LATE_FILL_SHARE
+from kvtier_rs.planner.units import fmt_blocks, fmt_bytes
 
 
 def _pct(x: float | None) -> str:

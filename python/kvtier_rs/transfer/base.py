@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvtier_rs._core import ClosedError, HostPool, InvalidArgumentError
-from kvtier_rs.keys import index_list
+from kvtier_rs.tiers.keys import index_list
 from kvtier_rs.transfer.layout import BlockLayout
 
 _VERB = {"d2h": "store", "h2d": "load"}

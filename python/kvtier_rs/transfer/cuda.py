@@ -159,7 +159,7 @@ def copy_plan(
     With `sub_blocks` (layouts of several blocks per slot), a run is adjacent sub-blocks of one
     slot and its host pitch is the region's sub-block stride.
     `regions` restricts the copies to those regions of the layout.
-    Pure address arithmetic, so it is tested on CPU memory (tests/test_transfer_plan.py)."""
+    Pure address arithmetic, so it is tested on CPU memory (tests/transfer/test_copy_plan.py)."""
     out = []
     for b0, s0, j0, n in host_runs(layout, block_ids, slots, sub_blocks):
         for r in range(len(layout.regions)) if regions is None else regions:

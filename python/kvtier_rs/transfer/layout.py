@@ -25,7 +25,7 @@ import torch
 
 from kvtier_rs._core import InvalidArgumentError
 from kvtier_rs.checks import integer
-from kvtier_rs.keys import index_list
+from kvtier_rs.tiers.keys import index_list
 
 
 def _refuse_repeats(values: Sequence, arg: str, what: str) -> None:

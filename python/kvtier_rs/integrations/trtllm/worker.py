@@ -26,13 +26,13 @@ import torch
 
 from kvtier_rs._core import InvalidArgumentError, KvTierError
 from kvtier_rs.config import TierConfig
-from kvtier_rs.disk_tier import open_disk_tier
-from kvtier_rs.host_tier import HostTier
 from kvtier_rs.integrations.trtllm import shared
 from kvtier_rs.integrations.trtllm.config import CPU_TIER_KEYS, DISK_TIER_KEYS, READER, ConnectorOptions, load_options
 from kvtier_rs.integrations.trtllm.metadata import KvtierConnectorMetadata, validate_metadata
 from kvtier_rs.integrations.trtllm.scheduler import tokens_per_block_of
 from kvtier_rs.orchestrator import CostModel, TierOrchestrator
+from kvtier_rs.tiers.disk import open_disk_tier
+from kvtier_rs.tiers.host import HostTier
 from kvtier_rs.transfer import BlockLayout, CpuTransferEngine, Region, TransferEngine
 
 _PAGE = 4096

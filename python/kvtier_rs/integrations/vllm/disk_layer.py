@@ -34,12 +34,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping i
 from vllm.v1.kv_offload.base import LookupResult, Medium, OffloadingEvent
 
 from kvtier_rs._core import BlockIndex, DiskTier, HostPool, IndexFailedError, KvTierError
-from kvtier_rs.disk_tier import DIR_FORMAT, earlier_format, open_disk_tier
-from kvtier_rs.events import EventStream
 from kvtier_rs.integrations.vllm import metrics as m
 from kvtier_rs.integrations.vllm.options import KvtierOptions
 from kvtier_rs.orchestrator.disk_stager import DiskStager
-from kvtier_rs.shared_region import SlotSeals
+from kvtier_rs.tiers.disk import DIR_FORMAT, earlier_format, open_disk_tier
+from kvtier_rs.tiers.events import EventStream
+from kvtier_rs.tiers.shared_region import SlotSeals
 
 # Under vLLM's logger, so that the lines reach vLLM's own log handler and format.
 log = logging.getLogger("vllm." + __name__)

@@ -44,7 +44,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier_rs._core import BlockIndex, IndexFailedError, InvalidArgumentError, NoSpaceError, NotReadyError
 from kvtier_rs.integrations.vllm import metrics as m
-from kvtier_rs.shared_region import SlotSeals, seals_of
+from kvtier_rs.tiers.shared_region import SlotSeals, seals_of
 
 _HIT = LookupResult.HIT
 _MISS = LookupResult.MISS
@@ -65,7 +65,7 @@ STATS_INTERVAL_S = 1.0
 class KvtierHostSpec(CPULoadStoreSpec):
     """CPU chunk slots (host rows) and, per slot, the seal of the chunk it is loaded or stored
     for: the worker seals the rows a store wrote, and refuses to load a row sealed for another
-    chunk (see ``kvtier_rs.shared_region``). Picklable: it travels to worker processes."""
+    chunk (see ``kvtier_rs.tiers.shared_region``). Picklable: it travels to worker processes."""
 
     def __init__(self, block_ids: list[int], seals: Any) -> None:
         super().__init__(block_ids)

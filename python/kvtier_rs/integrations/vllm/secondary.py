@@ -45,11 +45,11 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from kvtier_rs._core import HostPool, IndexFailedError, InvalidArgumentError, KvTierError, NoSpaceError
-from kvtier_rs.disk_tier import open_disk_tier
 from kvtier_rs.integrations.vllm import metrics as m
 from kvtier_rs.integrations.vllm.disk_layer import tier_dir
 from kvtier_rs.integrations.vllm.options import DISK_TIER_READER, cpu_bytes_to_use, parse_disk_tier
 from kvtier_rs.integrations.vllm.worker import KvtierWorker
+from kvtier_rs.tiers.disk import open_disk_tier
 
 _HIT = LookupResult.HIT
 _MISS = LookupResult.MISS

@@ -10,7 +10,7 @@ That memory is one ``SharedHostRegion`` per engine, a file in /dev/shm that the 
 every worker rank map (``vllm serve`` runs its workers in their own processes, and tensor or
 pipeline parallelism runs one per rank). A row is one chunk of every rank (rank r's part at
 ``r * worker_kv_bytes_per_block * blocks_per_chunk``), so the disk tier writes and promotes whole
-chunks. Rows carry seals (see ``kvtier_rs.shared_region``): a worker seals the rows it stored,
+chunks. Rows carry seals (see ``kvtier_rs.tiers.shared_region``): a worker seals the rows it stored,
 the disk tier seals the rows it promoted, and no row is loaded, or written to disk, for a key it
 is not sealed for. The scheduler refuses to start unless every rank mapped the region.
 """
@@ -30,7 +30,7 @@ from kvtier_rs.integrations.vllm import metrics as m
 from kvtier_rs.integrations.vllm.manager import KvtierOffloadingManager
 from kvtier_rs.integrations.vllm.options import READER, KvtierOptions, parse_options
 from kvtier_rs.integrations.vllm.worker import KvtierWorker, chunk_bytes
-from kvtier_rs.shared_region import SharedHostRegion, region_name
+from kvtier_rs.tiers.shared_region import SharedHostRegion, region_name
 
 # Under vLLM's logger, so that the lines reach vLLM's own log handler and format.
 log = logging.getLogger("vllm." + __name__)

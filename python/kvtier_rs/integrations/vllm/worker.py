@@ -35,7 +35,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from kvtier_rs._core import HostPool, KvTierError
-from kvtier_rs.shared_region import SlotSeals
+from kvtier_rs.tiers.shared_region import SlotSeals
 from kvtier_rs.transfer import BlockLayout, Region, TransferEngine, auto
 from kvtier_rs.transfer.base import TransferResult as EngineResult
 

@@ -1,0 +1,195 @@
+"""`kvtier status --dir ROOT`: what a disk tier directory holds, read-only.
+
+ROOT is a tier directory (it holds the tier's metadata file), or a directory of them, such as
+the disk root of kvtier's vLLM adapter, which makes one tier directory per model under it:
+then each is reported, and those named by an earlier kvtier format (never read by this one)
+are marked as such.
+
+Safe against a directory a serving process has open: the scan opens files read-only, takes no
+lock and writes nothing (see rust/disk/status.rs). Whether a process holds the tier open is read
+from /proc/locks (the tier's flock on its lock file) instead of by trying the lock, because even
+a brief shared lock would make a tier starting at that moment fail with "directory locked".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import stat
+import sys
+from pathlib import Path
+
+from kvtier_rs.planner.errors import PlanError
+from kvtier_rs.tiers.disk import earlier_format
+
+LOCK_NAME = "kvtier-disk.lock"  # rust/disk/slab.rs LOCK_NAME
+META_NAME = "kvtier-disk.meta"  # rust/disk/slab.rs META_NAME: a directory holding it is a tier
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "status",
+        help="show what a disk tier directory holds (read-only)",
+        description="Scan a disk tier directory's slot headers and print what it holds: blocks, bytes, "
+        "generations, damaged slots; given a directory of tier directories, each of them. Changes nothing; "
+        "works while another process has the tier open.",
+    )
+    p.add_argument(
+        "--dir",
+        required=True,
+        dest="dir",
+        metavar="ROOT",
+        help="the disk tier directory, or a directory of them (such as the vLLM adapter's disk root)",
+    )
+    p.add_argument("--verify", action="store_true", help="also read and checksum every payload (slower)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.set_defaults(func=run_status)
+
+
+def lock_holder(root: Path) -> tuple[str, int | None]:
+    """("open", pid) when a process holds the tier's flock, ("closed", None) when none does,
+    ("unknown", None) when /proc/locks cannot tell (non-Linux, some sandboxes).
+
+    A tier flocks both its directory and its lock file (rust/disk/slab.rs DirLock); either
+    lock seen means open, so a deleted lock file does not hide an open tier."""
+    inodes = set()
+    for path in (root, root / LOCK_NAME):
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return "unknown", None
+        inodes.add(f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}")
+    try:
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return "unknown", None
+    for line in lines:
+        # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF" (blocked waiters carry "->")
+        parts = line.split()
+        if "->" in parts or len(parts) < 6 or parts[1] != "FLOCK":
+            continue
+        if parts[5] in inodes:
+            return "open", int(parts[4])
+    return "closed", None
+
+
+def _tier_dirs(root: Path) -> list[Path]:
+    """The tier directories directly under `root`, by name."""
+    try:
+        entries = sorted(root.iterdir(), key=lambda p: p.name)
+    except OSError as e:
+        raise PlanError(f"--dir {root}: cannot read: {e.strerror}") from None
+    return [p for p in entries if _is_tier(p)]
+
+
+def _is_tier(path: Path) -> bool:
+    try:
+        return path.is_dir() and (path / META_NAME).exists()
+    except OSError:  # a directory this user cannot enter: not one to report
+        return False
+
+
+def _scan(path: Path, verify: bool) -> dict:
+    from kvtier_rs._core import disk_status
+
+    s = dict(disk_status(path, verify=verify))
+    state, pid = lock_holder(path)
+    s["open_by"] = {"state": state, "pid": pid}
+    return s
+
+
+def run_status(args: argparse.Namespace) -> int:
+    if not args.dir:
+        # Path("") is ".": an empty --dir would scan the current directory instead.
+        raise PlanError("--dir: empty path; give the disk tier directory")
+    root = Path(args.dir)
+    try:
+        mode = root.stat().st_mode
+    except FileNotFoundError:
+        raise PlanError(f"--dir {args.dir}: no such directory") from None
+    except OSError as e:
+        raise PlanError(f"--dir {args.dir}: cannot read: {e.strerror}") from None
+    if not stat.S_ISDIR(mode):
+        raise PlanError(f"--dir {args.dir}: not a directory")
+    try:
+        is_tier = (root / META_NAME).exists()
+    except OSError as e:
+        raise PlanError(f"--dir {args.dir}: cannot read: {e.strerror}") from None
+    if not is_tier:
+        tiers = _tier_dirs(root)
+        if not tiers:
+            raise PlanError(
+                f"--dir {args.dir}: not a disk tier directory (no {META_NAME}), and no tier directory under it"
+            )
+        return _run_root(args, root, tiers)
+    s = _scan(root, args.verify)
+    if args.json:
+        print(json.dumps(s, sort_keys=True))
+        return 0
+    _print_tier(s, earlier_format(root.name))
+    return 0
+
+
+def _run_root(args: argparse.Namespace, root: Path, tiers: list[Path]) -> int:
+    """Report every tier directory under `root`; one that cannot be read is reported as such
+    (the others still are) and makes the exit status 2."""
+    from kvtier_rs._core import KvTierError
+
+    reports: list[dict] = []
+    for path in tiers:
+        try:
+            s = _scan(path, args.verify)
+        except KvTierError as e:
+            s = {"path": str(path), "error": str(e)}
+        s["name"] = path.name
+        s["earlier_format"] = earlier_format(path.name)
+        reports.append(s)
+    failed = sum("error" in s for s in reports)
+    if args.json:
+        print(json.dumps({"root": str(root), "tiers": reports}, sort_keys=True))
+    else:
+        earlier = [s["name"] for s in reports if s["earlier_format"]]
+        print(f"disk root {root}: {len(reports)} tier director{'y' if len(reports) == 1 else 'ies'}")
+        if earlier:
+            print(f"  earlier format (never read by this kvtier; remove to free the space): {', '.join(earlier)}")
+        for s in reports:
+            print()
+            if "error" in s:
+                print(f"disk tier {s['path']}")
+                print(f"  error:           {s['error']}")
+            else:
+                _print_tier(s, s["earlier_format"])
+    if failed:
+        print(f"kvtier status: error: {failed} of {len(reports)} tier directories could not be read", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _print_tier(s: dict, earlier: bool) -> None:
+    state, pid = s["open_by"]["state"], s["open_by"]["pid"]
+    cap = s["capacity_blocks"]
+    print(f"disk tier {s['path']}")
+    if earlier:
+        print("  format:          earlier (a vLLM per-model directory of an earlier kvtier): never read by this kvtier")
+    held = f"open by pid {pid}" if state == "open" else ("not open" if state == "closed" else "unknown")
+    print(f"  in use:          {held}")
+    print(
+        f"  geometry:        {s['num_files']} file(s) x {s['slots_per_file']} slots = {cap} slots "
+        f"of {s['block_bytes']} B blocks (stride {s['slot_stride']} B)"
+    )
+    print(f"  blocks:          {s['blocks']} ({100.0 * s['blocks'] / cap:.1f}% of slots)")
+    print(f"  bytes:           {s['bytes']} ({s['bytes'] / 2**20:.1f} MiB payload)")
+    print(f"  free slots:      {s['free_slots']}")
+    print(f"  damaged slots:   {s['damaged_slots']}" + ("  (payloads verified)" if s["verified_payloads"] else ""))
+    print(f"  stale copies:    {s['stale_copies']}")
+    if s["missing_slots"]:
+        print(
+            f"  missing slots:   {s['missing_slots']} (past the end of slab files shorter than the metadata says: "
+            "truncated slabs or damaged metadata)"
+        )
+    print(f"  generations:     {s['min_generation']}..{s['max_generation']} (last written {s['last_generation']})")
+    if state == "open" and s["damaged_slots"]:
+        print("  note: the tier is open; a slot being written when scanned shows as damaged")
