@@ -271,6 +271,7 @@ pub struct DiskTier {
     direct: bool,
     preallocated: bool,
     notes: Vec<String>,
+    engine_probe: Option<(io::choose::ProbeRecord, bool)>,
 }
 
 /// A host pool's identity for `Shared::host_use`: its address (a pool in use by a job is kept
@@ -382,6 +383,24 @@ impl DiskTier {
             }
             slabs.push(Arc::new(opened.slab));
         }
+        // `auto` where io_uring works: measure both engines on this directory's device (or
+        // reuse the figures kept from an earlier open) and keep the faster.
+        let (engine, engine_probe) = if cfg.engine == EngineChoice::Auto && uring_refusal.is_none() {
+            let make_pool = || build_engine(EngineChoice::Pool, cfg.queue_depth, &cfg.dir).map(|(e, _)| e);
+            let auto = io::choose::choose_auto(
+                &dir,
+                engine,
+                make_pool,
+                geo.block_bytes,
+                cfg.capacity_bytes,
+                slabs.iter().all(|s| s.direct),
+            )
+            .map_err(|e| undo(&created, e))?;
+            notes.push(auto.note);
+            (auto.engine, auto.record)
+        } else {
+            (engine, None)
+        };
         if meta.is_none() {
             let m = Meta {
                 block_bytes: geo.block_bytes,
@@ -455,6 +474,7 @@ impl DiskTier {
             direct,
             preallocated,
             notes,
+            engine_probe,
         })
     }
 
@@ -471,6 +491,11 @@ impl DiskTier {
     }
     pub fn queue_depth(&self) -> usize {
         self.engine.queue_depth()
+    }
+    /// What `engine="auto"` measured and chose at open, and whether the figures were kept
+    /// from an earlier open; None for an engine named outright, or where io_uring is refused.
+    pub fn engine_probe(&self) -> Option<&(io::choose::ProbeRecord, bool)> {
+        self.engine_probe.as_ref()
     }
     /// "direct" when every slab uses O_DIRECT, "buffered" otherwise.
     pub fn io_mode(&self) -> &'static str {

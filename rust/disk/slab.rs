@@ -97,12 +97,13 @@ impl Geometry {
     }
 }
 
-/// Remove metadata temporaries a crash may have left (only our own fixed prefix). Only the
+/// Remove metadata and engine-probe temporaries a crash may have left (only our own fixed
+/// prefixes). Only the
 /// holder of the directory lock may call this: any other caller could delete the temporary the
 /// holder is writing right now (`Meta::store`), whose rename would then fail.
 pub fn remove_stale_temporaries(dir: &TierDir) {
     for name in dir.names().unwrap_or_default() {
-        if name.starts_with(META_TMP_PREFIX) {
+        if name.starts_with(META_TMP_PREFIX) || name.starts_with(super::io::choose::SCRATCH_NAME) {
             let _ = dir.unlink(&name);
         }
     }

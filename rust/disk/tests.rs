@@ -989,3 +989,73 @@ fn on_a_full_filesystem_freed_slots_are_reused_before_never_written_ones() {
         t.close().unwrap();
     }
 }
+
+// ---- engine="auto": chosen by measurement, figures kept in the directory ---------------------
+
+fn kept_record(chosen: EngineChoice, block_bytes: usize) -> io::choose::ProbeRecord {
+    let (fast, slow) =
+        (io::choose::Figures { write_bps: 2e9, read_bps: 2e9 }, io::choose::Figures { write_bps: 1e9, read_bps: 1e9 });
+    let (io_uring, pool) = if chosen == EngineChoice::Pool { (slow, fast) } else { (fast, slow) };
+    io::choose::ProbeRecord {
+        block_bytes,
+        queue_depth: 4,
+        kernel: io::choose::kernel_release(),
+        io_uring,
+        pool,
+        chosen,
+        measured_unix: 1,
+    }
+}
+
+fn put_record(dir: &TempDir, rec: &io::choose::ProbeRecord) {
+    fs::create_dir_all(&dir.0).unwrap();
+    fs::set_permissions(&dir.0, fs::Permissions::from_mode(0o700)).unwrap();
+    fs::write(dir.0.join(io::choose::PROBE_NAME), rec.encode()).unwrap();
+}
+
+#[test]
+fn auto_takes_the_engine_the_kept_figures_say_is_faster() {
+    if let Err(why) = uring::probe() {
+        eprintln!("SKIPPING: io_uring unavailable here, so auto has nothing to choose: {why}");
+        return;
+    }
+    for (chosen, name) in [(EngineChoice::Pool, "pool"), (EngineChoice::IoUring, "io_uring")] {
+        let dir = TempDir::new();
+        put_record(&dir, &kept_record(chosen, BLOCK));
+        let t = DiskTier::open(config(&dir, 4, EngineChoice::Auto)).unwrap();
+        assert_eq!(t.engine_name(), name);
+        let (rec, cached) = t.engine_probe().expect("auto records what it went by");
+        assert!(*cached && rec.chosen == chosen);
+        assert!(t.notes().iter().any(|n| n.starts_with(&format!("engine: auto chose {name}"))), "{:?}", t.notes());
+        // An engine named outright is used as named, whatever the figures say.
+        t.close().unwrap();
+        let other = if chosen == EngineChoice::Pool { EngineChoice::IoUring } else { EngineChoice::Pool };
+        let t = DiskTier::open(config(&dir, 4, other)).unwrap();
+        assert_ne!(t.engine_name(), name);
+        assert!(t.engine_probe().is_none());
+    }
+}
+
+#[test]
+fn auto_measures_when_no_kept_figures_fit_and_keeps_what_it_measured() {
+    if let Err(why) = uring::probe() {
+        eprintln!("SKIPPING: io_uring unavailable here, so auto has nothing to choose: {why}");
+        return;
+    }
+    let dir = TempDir::new();
+    // Figures for another block size do not answer for this tier.
+    put_record(&dir, &kept_record(EngineChoice::Pool, 2 * BLOCK));
+    let t = DiskTier::open(config(&dir, 4, EngineChoice::Auto)).unwrap();
+    let (rec, cached) = t.engine_probe().cloned().expect("measured");
+    assert!(!cached);
+    assert_eq!((rec.block_bytes, rec.queue_depth), (BLOCK, 4));
+    assert_eq!(io::choose::engine_name(rec.chosen), t.engine_name());
+    assert!(rec.io_uring.write_bps > 0.0 && rec.pool.read_bps > 0.0);
+    assert!(!dir.0.join(io::choose::SCRATCH_NAME).exists(), "the probe's scratch file is removed");
+    let kept = fs::read_to_string(dir.0.join(io::choose::PROBE_NAME)).unwrap();
+    assert_eq!(io::choose::ProbeRecord::parse(&kept), Some(rec.clone()));
+    t.close().unwrap();
+    // The next open reuses them.
+    let t = DiskTier::open(config(&dir, 4, EngineChoice::Auto)).unwrap();
+    assert_eq!(t.engine_probe(), Some(&(rec, true)));
+}

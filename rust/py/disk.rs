@@ -14,7 +14,7 @@ use super::errors::{contain, invalid};
 use super::host_pool::HostPool;
 use super::index::positive;
 use crate::admission::AdmissionRule;
-use crate::disk::io::{uring, EngineChoice};
+use crate::disk::io::{choose, uring, EngineChoice};
 use crate::disk::slab::DirectMode;
 use crate::disk::{self, DiskConfig, Fault, HostMemory, JobKind, JobResult};
 use crate::policy::PolicyKind;
@@ -236,7 +236,14 @@ impl PyDiskTier {
     fn preallocated(&self) -> bool {
         self.inner.preallocated()
     }
-    /// Fallbacks taken at open, in words (buffered I/O, sparse files, io_uring refused).
+    /// What `engine="auto"` measured and chose at open (see `probe_dict`); None for an engine
+    /// named outright, or where io_uring is refused.
+    #[getter]
+    fn engine_probe<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        self.inner.engine_probe().map(|(rec, cached)| probe_dict(py, rec, Some(*cached))).transpose()
+    }
+    /// Fallbacks taken at open, in words (buffered I/O, sparse files, io_uring refused), and
+    /// the engine `auto` chose with its figures.
     #[getter]
     fn notes(&self) -> Vec<String> {
         self.inner.notes().to_vec()
@@ -528,5 +535,28 @@ pub fn disk_status<'py>(py: Python<'py>, path: std::path::PathBuf, verify: bool)
         d.set_item(name, v)?;
     }
     d.set_item("verified_payloads", s.verified_payloads)?;
+    let kept = py.detach(|| disk::tierdir::TierDir::open(&path).ok().and_then(|dir| choose::load(&dir)));
+    d.set_item("engine_probe", kept.map(|rec| probe_dict(py, &rec, None)).transpose()?)?;
+    Ok(d)
+}
+
+/// An engine probe's record as a dict: chosen, block_bytes, queue_depth, kernel, measured_unix,
+/// and io_uring / pool as {"write_mib_s", "read_mib_s"}; with "cached" when known.
+fn probe_dict<'py>(py: Python<'py>, rec: &choose::ProbeRecord, cached: Option<bool>) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("chosen", choose::engine_name(rec.chosen))?;
+    d.set_item("block_bytes", rec.block_bytes)?;
+    d.set_item("queue_depth", rec.queue_depth)?;
+    d.set_item("kernel", &rec.kernel)?;
+    d.set_item("measured_unix", rec.measured_unix)?;
+    for (name, f) in [("io_uring", rec.io_uring), ("pool", rec.pool)] {
+        let e = PyDict::new(py);
+        e.set_item("write_mib_s", f.write_bps / (1u64 << 20) as f64)?;
+        e.set_item("read_mib_s", f.read_bps / (1u64 << 20) as f64)?;
+        d.set_item(name, e)?;
+    }
+    if let Some(c) = cached {
+        d.set_item("cached", c)?;
+    }
     Ok(d)
 }

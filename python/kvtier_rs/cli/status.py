@@ -18,6 +18,7 @@ import json
 import os
 import stat
 import sys
+import time
 from pathlib import Path
 
 from kvtier_rs.planner.errors import PlanError
@@ -191,5 +192,14 @@ def _print_tier(s: dict, earlier: bool) -> None:
             "truncated slabs or damaged metadata)"
         )
     print(f"  generations:     {s['min_generation']}..{s['max_generation']} (last written {s['last_generation']})")
+    probe = s.get("engine_probe")
+    if probe:
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(probe["measured_unix"]))
+        u, p = probe["io_uring"], probe["pool"]
+        print(
+            f"  engine (auto):   {probe['chosen']} for {probe['block_bytes']} B blocks at queue depth "
+            f"{probe['queue_depth']}; write/read MiB/s io_uring {u['write_mib_s']:.0f}/{u['read_mib_s']:.0f}, "
+            f"pool {p['write_mib_s']:.0f}/{p['read_mib_s']:.0f} (measured {when}, kernel {probe['kernel']})"
+        )
     if state == "open" and s["damaged_slots"]:
         print("  note: the tier is open; a slot being written when scanned shows as damaged")

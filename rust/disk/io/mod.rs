@@ -7,9 +7,11 @@
 //! failed. A chain stops at its first failed or short op.
 //!
 //! Two engines: `pool` (positioned I/O on a thread pool; works everywhere) and `io_uring`
-//! (one ring thread, ops of a chain linked with IOSQE_IO_LINK). `auto` picks io_uring when the
-//! start-up probe passes and the pool otherwise; containers and gVisor commonly forbid io_uring.
+//! (one ring thread, ops of a chain linked with IOSQE_IO_LINK). `auto` takes the pool where
+//! io_uring is refused (containers and gVisor commonly forbid it), and otherwise whichever
+//! engine a short measurement on the tier's device found faster (`choose`).
 
+pub mod choose;
 pub mod pool;
 pub mod uring;
 
