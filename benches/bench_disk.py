@@ -8,8 +8,14 @@ io_uring, the thread pool against fio's psync with one thread per queue slot). T
 store writes each block to a temporary file and renames it into place (the layout vLLM's file
 tier uses) and reads whole files back, with the page cache dropped before reads.
 
+Each figure is the median of `--reps` repetitions; a repetition runs the tier and fio back to
+back (in alternating order), so each ratio compares runs minutes apart at most, and the table
+gives the median ratio and its range over the repetitions. It also opens a tier with
+`engine="auto"` at each block size and reports which engine the open-time probe chose.
+
     python benches/bench_disk.py            # table
     python benches/bench_disk.py --json     # one JSON object (ratios at 2 MiB)
+    python benches/bench_disk.py --sizes 2MiB --total-mib 256 --reps 3   # a short run
 
 Installs fio with apt-get when it is missing (Debian's package).
 """
@@ -213,8 +219,52 @@ def bench_file_per_block(directory: str, bs: int, total: int) -> dict[str, float
 # ---- driver -------------------------------------------------------------------------------
 
 
+PATTERNS = ("seq_write", "seq_read", "rand_read", "rand_write")
+
+
 def mean(*xs: float) -> float:
     return sum(xs) / len(xs)
+
+
+def median(xs: list[float]) -> float:
+    xs = sorted(x for x in xs if x == x)  # NaN (a failed fio run) is left out
+    if not xs:
+        return float("nan")
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
+def rep_ratios(tier: dict, ref: dict) -> dict[str, float]:
+    """One repetition's tier/fio ratios: the mean of the sequential and the random pattern."""
+    r = {}
+    for side in ("read", "write"):
+        seq, rnd = f"seq_{side}", f"rand_{side}"
+        r[f"{side}_vs_fio"] = mean(tier[seq] / ref[seq], tier[rnd] / ref[rnd]) if ref else float("nan")
+    return r
+
+
+def auto_choice(directory: str, bs: int, qd: int) -> dict:
+    """Open a fresh tier with engine="auto" at block size `bs`: the engine its probe chose and
+    the probe's figures."""
+    path = os.path.join(directory, f"tier-auto-{bs}")
+    shutil.rmtree(path, ignore_errors=True)
+    slot = -(-bs // 4096) * 4096 + 4096
+    with DiskTier(path, 4 * qd * slot, bs, engine="auto", queue_depth=qd, num_files=1) as tier:
+        out = {"engine": tier.engine, "probe": getattr(tier, "engine_probe", None)}
+    shutil.rmtree(path, ignore_errors=True)
+    return out
+
+
+def summarize(reps: list[dict]) -> dict:
+    """Medians of a row's repetitions, and the range of each ratio."""
+    out: dict = {"reps": len(reps)}
+    for side in ("tier", "fio"):
+        out[side] = {m: median([r[side].get(m, float("nan")) for r in reps]) for m in PATTERNS}
+    for k in ("read_vs_fio", "write_vs_fio"):
+        vals = [r["ratios"][k] for r in reps]
+        out[k] = median(vals)
+        out[f"{k}_range"] = [min(vals), max(vals)]
+    return out
 
 
 def main() -> int:
@@ -226,8 +276,11 @@ def main() -> int:
     ap.add_argument("--sizes", default="256KiB,1MiB,2MiB,4MiB,8MiB", help="block sizes, comma separated")
     ap.add_argument("--total-mib", type=int, default=1024, help="MiB moved per pattern and block size")
     ap.add_argument("--queue-depth", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=5, help="repetitions per block size and engine (median, range)")
     ap.add_argument("--engines", default="auto", help="'auto' (every engine that works here) or a comma list")
     args = ap.parse_args()
+    if args.reps < 1:
+        ap.error("--reps must be at least 1")
 
     try:
         sizes = [parse_bytes(s, name="--sizes") for s in args.sizes.split(",")]
@@ -247,63 +300,83 @@ def main() -> int:
     qd = args.queue_depth
 
     rows = []
+    autos = {}
     try:
         for bs in sizes:
             fpb = bench_file_per_block(base, bs, total)
+            autos[bs] = auto_choice(base, bs, qd)
+            log(f"block {bs // KiB} KiB: auto chose {autos[bs]['engine']} ({autos[bs]['probe']})")
+            reps: dict[str, list[dict]] = {e: [] for e in engines}
+            for rep in range(args.reps):
+                for engine in engines:
+                    log(f"block {bs // KiB} KiB, engine {engine}, repetition {rep + 1}/{args.reps} ...")
+                    # Alternate which runs first, so a drift of the device does not favour one side.
+                    if rep % 2 and fio:
+                        ref = bench_fio(fio, base, engine, bs, total, qd)
+                        tier = bench_tier(base, engine, bs, total, qd)
+                    else:
+                        tier = bench_tier(base, engine, bs, total, qd)
+                        ref = bench_fio(fio, base, engine, bs, total, qd) if fio else {}
+                    reps[engine].append({"tier": tier, "fio": ref, "ratios": rep_ratios(tier, ref)})
             for engine in engines:
-                log(f"block {bs // KiB} KiB, engine {engine} ...")
-                tier = bench_tier(base, engine, bs, total, qd)
-                ref = bench_fio(fio, base, engine, bs, total, qd) if fio else {}
-                rows.append({"block_bytes": bs, "engine": engine, "tier": tier, "fio": ref, "file_per_block": fpb})
+                row = {"block_bytes": bs, "engine": engine, "auto_engine": autos[bs]["engine"]}
+                row.update(summarize(reps[engine]))
+                row["io_mode"] = reps[engine][0]["tier"]["io_mode"]
+                row["file_per_block"] = fpb
+                row["repetitions"] = [{"ratios": r["ratios"]} for r in reps[engine]]
+                rows.append(row)
     finally:
         if args.dir is None:
             shutil.rmtree(base, ignore_errors=True)
 
-    def ratios(row):
-        t, f, p = row["tier"], row["fio"], row["file_per_block"]
-        r = {}
-        for side in ("read", "write"):
-            seq, rnd = f"seq_{side}", f"rand_{side}"
-            r[f"{side}_vs_fio"] = mean(t[seq] / f[seq], t[rnd] / f[rnd]) if f else float("nan")
-            r[f"{side}_vs_file_per_block"] = mean(t[seq] / p[seq], t[rnd] / p[rnd])
-        return r
+    def fpb_ratios(row):
+        t, p = row["tier"], row["file_per_block"]
+        return {
+            f"{s}_vs_file_per_block": mean(t[f"seq_{s}"] / p[f"seq_{s}"], t[f"rand_{s}"] / p[f"rand_{s}"])
+            for s in ("read", "write")
+        }
 
     two = [r for r in rows if r["block_bytes"] == 2 * MiB] or rows
-    # The engine `auto` would pick: io_uring when it works here, else the pool.
-    headline = next((r for r in two if r["engine"] == engines[0]), two[0])
+    # The headline is the engine `auto` chose at that block size.
+    headline = next((r for r in two if r["engine"] == two[0]["auto_engine"]), two[0])
     summary = {
         "engine": headline["engine"],
-        "io_mode": headline["tier"]["io_mode"],
+        "auto_engine": headline["auto_engine"],
+        "io_mode": headline["io_mode"],
         "block_bytes": headline["block_bytes"],
         "queue_depth": qd,
+        "reps": args.reps,
+        "read_vs_fio": round(headline["read_vs_fio"], 3),
+        "read_vs_fio_range": [round(x, 3) for x in headline["read_vs_fio_range"]],
+        "write_vs_fio": round(headline["write_vs_fio"], 3),
+        "write_vs_fio_range": [round(x, 3) for x in headline["write_vs_fio_range"]],
     }
-    summary.update({k: round(v, 3) for k, v in ratios(headline).items()})
+    summary.update({k: round(v, 3) for k, v in fpb_ratios(headline).items()})
     if args.json:
         summary["io_uring_unavailable"] = uring_why
-        summary["results"] = [
-            {
-                **{k: v for k, v in r.items() if k != "tier"},
-                "tier": r["tier"],
-                **{k: round(v, 3) for k, v in ratios(r).items()},
-            }
-            for r in rows
-        ]
+        summary["auto"] = {str(bs): a for bs, a in autos.items()}
+        summary["results"] = [{**r, **{k: round(v, 3) for k, v in fpb_ratios(r).items()}} for r in rows]
         print(json.dumps(summary, default=lambda x: None))
         return 0
 
-    print(f"queue depth {qd}, {args.total_mib} MiB per pattern; MiB/s as tier/fio/file-per-block")
+    print(
+        f"queue depth {qd}, {args.total_mib} MiB per pattern, median of {args.reps} repetition(s); "
+        "MiB/s as tier/fio/file-per-block; ratios as median [min-max]"
+    )
     heads = " | ".join(f"{h:>20}" for h in ("seq write", "seq read", "rand read", "rand write"))
-    print(f"{'block':>7} {'engine':>8} | {heads} | read/fio write/fio")
+    print(f"{'block':>7} {'engine':>8} | {heads} | {'read/fio':>17} | {'write/fio':>17} | auto")
     for r in rows:
         cells = []
-        for m in ("seq_write", "seq_read", "rand_read", "rand_write"):
-            t, f, p = r["tier"][m], r["fio"].get(m, float("nan")), r["file_per_block"][m]
+        for m in PATTERNS:
+            t, f, p = r["tier"][m], r["fio"][m], r["file_per_block"][m]
             cells.append(f"{t / MiB:6.0f}/{f / MiB:6.0f}/{p / MiB:6.0f}")
-        rr = ratios(r)
+        rr = [
+            f"{r[k]:.2f} [{r[k + '_range'][0]:.2f}-{r[k + '_range'][1]:.2f}]" for k in ("read_vs_fio", "write_vs_fio")
+        ]
         print(
             f"{r['block_bytes'] // KiB:>6}K {r['engine']:>8} | "
             + " | ".join(cells)
-            + f" | {rr['read_vs_fio']:8.2f} {rr['write_vs_fio']:9.2f}"
+            + f" | {rr[0]:>17} | {rr[1]:>17} | {r['auto_engine']}"
         )
     print(json.dumps(summary))
     return 0
