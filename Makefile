@@ -22,7 +22,7 @@ $(STAMP): requirements-dev.txt | $(VPY)
 venv: $(STAMP)
 
 build: venv
-	$(VENV)/bin/maturin develop --release --uv -q
+	$(VENV)/bin/maturin develop --release --uv -q --features python,fault-injection
 
 # The main job on an embedded default: the quick start (a real host tier with KV tensors), then
 # the planner on a synthesized workload, writing its report and plots to out/plan-demo.
@@ -31,7 +31,7 @@ demo: build
 	$(VPY) examples/plan_demo.py out/plan-demo
 
 rust-test:
-	cargo test --all-targets
+	cargo test --all-targets --features fault-injection
 
 # Exhaustive model check of the lock-free entry state (loom), in its own target dir so the
 # --cfg loom build does not invalidate the regular one.
@@ -54,7 +54,9 @@ check: build lint stubtest rust-test py-test-core
 # Static checks, part of `make test` so CI keeps the tree clean.
 lint: venv
 	cargo fmt --check
-	cargo clippy --all-targets -- -D warnings
+	cargo clippy --all-targets --features fault-injection -- -D warnings
+	cargo clippy --lib -- -D warnings
+	PYO3_PYTHON=$(PYO3_PYTHON) cargo clippy --features python,fault-injection --lib -- -D warnings
 	PYO3_PYTHON=$(PYO3_PYTHON) cargo clippy --features python --lib -- -D warnings
 	$(VENV)/bin/ruff check python tests benches examples
 	$(VENV)/bin/ruff format --check python tests benches examples

@@ -9,6 +9,7 @@ pub mod admission;
 pub mod clock;
 pub mod disk;
 pub mod error;
+pub mod fault;
 pub mod host_pool;
 pub mod index;
 pub mod keys;

@@ -12,6 +12,7 @@ else:
 
 __all__ = [
     "DEFAULT_PRIORITY",
+    "FAULT_INJECTION",
     "MAX_KEY_BYTES",
     "BlockIndex",
     "ClosedError",
@@ -46,6 +47,9 @@ State = Literal["writing", "ready", "evicting"]
 
 MAX_KEY_BYTES: int
 DEFAULT_PRIORITY: int
+# Whether the `_inject_*` test hooks are compiled in: the development build (the
+# `fault-injection` feature) only; a release wheel has none of them.
+FAULT_INJECTION: bool
 
 def version() -> str: ...
 def policy_names() -> list[str]: ...

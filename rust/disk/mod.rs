@@ -48,6 +48,7 @@ use self::slab::{AlignedBuf, DirLock, DirectMode, Geometry, Meta, SlabFile};
 use self::tierdir::TierDir;
 use crate::admission::AdmissionRule;
 use crate::error::{KvError, KvResult};
+use crate::fault::FaultPoint;
 use crate::host_pool::HostRegion;
 use crate::index::{IndexConfig, TierIndex};
 use crate::keys::BlockKey;
@@ -190,6 +191,7 @@ struct Job {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(not(any(test, feature = "fault-injection")), allow(dead_code))]
 pub enum Fault {
     /// The next `count` block writes fail with this errno before touching the disk.
     WriteErrno(i32),
@@ -220,7 +222,7 @@ struct Shared {
     origin: Instant,
     full_until_ns: AtomicU64,
     full_retry: Duration,
-    fault: Mutex<Option<(Fault, u32)>>,
+    fault: FaultPoint<Fault>,
     /// Slots known to hold disk blocks: written at least once, or recovered. After ENOSPC on a
     /// sparse slab, only these (and slots of preallocated slabs) can take a write for sure.
     backed: SlotBits,
@@ -459,7 +461,7 @@ impl DiskTier {
             origin: Instant::now(),
             full_until_ns: AtomicU64::new(0),
             full_retry: cfg.full_retry,
-            fault: Mutex::new(None),
+            fault: FaultPoint::default(),
             backed,
             dir_removed: AtomicBool::new(false),
             host_use: Mutex::new(HashMap::new()),
@@ -628,6 +630,7 @@ impl DiskTier {
     /// Test hook: make the next `count` block writes or reads fail with an errno, at the I/O
     /// layer (after the index reserved the slot, before any byte moves), or the engine's next
     /// `count` submissions to the kernel (`EnterErrno`, io_uring only).
+    #[cfg(any(test, feature = "fault-injection"))]
     pub fn inject_fault(&self, fault: Option<Fault>, count: u32) -> KvResult<()> {
         if let Some(Fault::EnterErrno(errno)) = fault {
             if !self.engine.inject_enter_failure(errno, count) {
@@ -635,7 +638,7 @@ impl DiskTier {
             }
             return Ok(());
         }
-        *self.shared.fault.lock() = fault.map(|f| (f, count));
+        self.shared.fault.arm(fault, count);
         Ok(())
     }
 
@@ -985,11 +988,7 @@ impl Shared {
 
     /// `pick`'s view of the injected fault, using up one count of it if `pick` takes it.
     fn take_fault_as<R>(&self, pick: impl Fn(Fault) -> Option<R>) -> Option<R> {
-        let mut f = self.fault.lock();
-        let (fault, count) = (*f)?;
-        let taken = pick(fault)?;
-        *f = if count > 1 { Some((fault, count - 1)) } else { None };
-        Some(taken)
+        self.fault.take_as(pick)
     }
 
     fn slab(&self, i: usize) -> Arc<SlabFile> {

@@ -423,7 +423,7 @@ fn clear_is_refused_while_jobs_run_and_after_close() {
     write_all(&t, &h, &[1, 2]);
     // Hold a read open: its chains' first step (the fault check, on the I/O threads) waits for
     // the fault lock held here, so the job is still running when clear() looks.
-    let held = t.shared.fault.lock();
+    let held = t.shared.fault.hold();
     let id = t.submit_read(&[k(1), k(2)], &[0, 1], h.clone()).unwrap();
     match t.clear() {
         Err(KvError::InvalidArgument { arg, reason }) => {
@@ -903,7 +903,7 @@ fn a_host_slot_in_use_by_a_job_in_flight_is_refused_to_another() {
     let t = DiskTier::open(one_file(&dir, 16)).unwrap();
     assert!(write_all(&t, &h, &[1, 2]).success());
     // Hold the read in flight: its first step waits for the fault lock held here.
-    let held = t.shared.fault.lock();
+    let held = t.shared.fault.hold();
     let read = t.submit_read(&[k(1)], &[0], h.clone()).unwrap();
     let refused = |r: KvResult<u64>, what: &str| match r {
         Err(KvError::InvalidArgument { arg: "slots", reason }) => {

@@ -37,7 +37,7 @@ mod stats;
 
 use std::collections::HashSet;
 use std::hash::{Hash, Hasher};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -54,6 +54,7 @@ pub use crate::admission::Admit;
 use crate::admission::{Admission, AdmissionRule};
 use crate::clock::Clock;
 use crate::error::{KvError, KvResult};
+use crate::fault::FaultPoint;
 use crate::keys::{BlockKey, ChainKey, KeyProbe, KeyRef};
 use crate::policy::{DenseId, EvictionPolicy, InsertHint, PolicyKey, PolicyKind, DEFAULT_PRIORITY, MAX_PRIORITY};
 use crate::slots::SlotAllocator;
@@ -251,7 +252,7 @@ pub struct TierIndex {
     failure: Failure,
     /// Fault injection for tests: the next store that evicts panics right after its evictions,
     /// as a bug there would (`inject_store_panic`).
-    panic_in_next_store: AtomicBool,
+    panic_in_next_store: FaultPoint<()>,
     clock: Clock,
     stats: IndexStats,
     /// The slot of the last `lookup_state_serial`'s block (NO_SLOT after a miss): its hint.
@@ -334,7 +335,7 @@ impl TierIndex {
             slots,
             config,
             failure: Failure::default(),
-            panic_in_next_store: AtomicBool::new(false),
+            panic_in_next_store: FaultPoint::default(),
             clock,
             stats: IndexStats::default(),
             serial_hint: AtomicU32::new(NO_SLOT),
@@ -610,8 +611,9 @@ impl TierIndex {
 
     /// Test hook: the next store that has to evict panics midway, after its victims are gone
     /// and before its own blocks are placed (the containment tests' realistic bug).
+    #[cfg(any(test, feature = "fault-injection"))]
     pub fn inject_store_panic(&self) {
-        self.panic_in_next_store.store(true, Ordering::Relaxed);
+        self.panic_in_next_store.arm(Some(()), 1);
     }
 
     /// All keys with their state, pins and slot, in slot order (a snapshot, for status and
@@ -764,7 +766,7 @@ impl TierIndex {
                 out.evicted.push((key, v.slot));
             }
             self.stats.evictions.fetch_add(out.evicted.len() as u64, Ordering::Relaxed);
-            if self.panic_in_next_store.swap(false, Ordering::Relaxed) {
+            if self.panic_in_next_store.take_as(Some).is_some() {
                 panic!("injected fault: a store panicked after evicting {} block(s)", out.evicted.len());
             }
         }

@@ -16,7 +16,7 @@ use super::index::positive;
 use crate::admission::AdmissionRule;
 use crate::disk::io::{choose, uring, EngineChoice};
 use crate::disk::slab::DirectMode;
-use crate::disk::{self, DiskConfig, Fault, HostMemory, JobKind, JobResult};
+use crate::disk::{self, DiskConfig, HostMemory, JobKind, JobResult};
 use crate::policy::PolicyKind;
 
 /// A host pool seen by the core as `HostMemory`; holding it keeps the pool's memory alive.
@@ -478,6 +478,7 @@ impl PyDiskTier {
     /// and their completions panic on the I/O thread (either way the index must disable itself).
     /// "enter_eagain" / "enter_eio": the io_uring engine's next `count` io_uring_enter calls
     /// fail with EAGAIN (retried) / EIO (the engine stops; every I/O then fails).
+    #[cfg(feature = "fault-injection")]
     #[pyo3(signature = (kind, count=1))]
     fn _inject_fault(&self, kind: Option<&str>, count: u32) -> PyResult<()> {
         let fault = match kind {
@@ -486,12 +487,12 @@ impl PyDiskTier {
                 self.inner.index().inject_store_panic();
                 return Ok(());
             }
-            Some("enospc") => Some(Fault::WriteErrno(libc::ENOSPC)),
-            Some("eio_write") => Some(Fault::WriteErrno(libc::EIO)),
-            Some("eio_read") => Some(Fault::ReadErrno(libc::EIO)),
-            Some("completion_panic") => Some(Fault::CompletionPanic),
-            Some("enter_eagain") => Some(Fault::EnterErrno(libc::EAGAIN)),
-            Some("enter_eio") => Some(Fault::EnterErrno(libc::EIO)),
+            Some("enospc") => Some(disk::Fault::WriteErrno(libc::ENOSPC)),
+            Some("eio_write") => Some(disk::Fault::WriteErrno(libc::EIO)),
+            Some("eio_read") => Some(disk::Fault::ReadErrno(libc::EIO)),
+            Some("completion_panic") => Some(disk::Fault::CompletionPanic),
+            Some("enter_eagain") => Some(disk::Fault::EnterErrno(libc::EAGAIN)),
+            Some("enter_eio") => Some(disk::Fault::EnterErrno(libc::EIO)),
             Some(other) => {
                 return Err(invalid(
                     "kind",
@@ -509,6 +510,7 @@ impl PyDiskTier {
 /// Test hook: let the next `after` threads the disk tier starts from the calling thread (engine
 /// and recovery threads, all started by `DiskTier(...)`) succeed and refuse the one after them
 /// with EAGAIN, as the OS does under a pids limit; None disarms it.
+#[cfg(feature = "fault-injection")]
 #[pyfunction]
 pub fn _inject_spawn_failure(after: Option<u32>) {
     disk::spawn::inject_spawn_failure(after);

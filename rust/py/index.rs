@@ -549,6 +549,7 @@ impl BlockIndex {
 
     /// Test hook: `kind="store_panic"` makes the next store that evicts panic midway (after its
     /// evictions), as a bug there would; the index must then disable itself.
+    #[cfg(feature = "fault-injection")]
     fn _inject_fault(&self, kind: &str) -> PyResult<()> {
         match kind {
             "store_panic" => {

@@ -16,10 +16,13 @@ use pyo3::prelude::*;
 // the GIL back on.
 #[pymodule(name = "_core", gil_used = true)]
 mod core_module {
+    #[cfg(feature = "fault-injection")]
+    #[pymodule_export]
+    use super::disk::_inject_spawn_failure;
     #[pymodule_export]
     use super::disk::disk_status;
     #[pymodule_export]
-    use super::disk::{_inject_spawn_failure, io_uring_probe, DiskJobResult, DiskWriteTicket, PyDiskTier};
+    use super::disk::{io_uring_probe, DiskJobResult, DiskWriteTicket, PyDiskTier};
     #[pymodule_export]
     use super::errors::{ClosedError, DirectoryLockedError, DiskIoError, IndexFailedError};
     #[pymodule_export]
@@ -56,6 +59,8 @@ mod core_module {
     fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m.add("MAX_KEY_BYTES", crate::keys::MAX_KEY_BYTES)?;
         m.add("DEFAULT_PRIORITY", crate::policy::DEFAULT_PRIORITY)?;
+        // Whether the `_inject_*` test hooks are compiled in (the development build only).
+        m.add("FAULT_INJECTION", crate::fault::ENABLED)?;
         // The per-key lookups are CPython method descriptors, not pyo3 methods (see fast_calls).
         super::fast_calls::install(&m.py().get_type::<BlockIndex>())?;
         Ok(())

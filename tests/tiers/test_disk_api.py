@@ -112,12 +112,21 @@ def test_clear_forgets_every_block_for_good_and_is_refused_while_jobs_run(tmp_pa
         tier.clear()
 
 
-def test_auto_engine_picks_io_uring_when_the_probe_passes(tmp_path):
+def test_auto_engine_is_the_one_its_measurement_chose(tmp_path):
     with DiskTier(str(tmp_path), 4 * stride(), BLOCK) as tier:
         why = io_uring_probe()
-        assert tier.engine == ("io_uring" if why is None else "pool")
         if why is not None:
+            assert tier.engine == "pool" and tier.engine_probe is None
             assert any("io_uring unavailable" in n for n in tier.notes)
+            return
+        probe = tier.engine_probe
+        assert probe is not None and probe["cached"] is False
+        assert tier.engine == probe["chosen"] in ("io_uring", "pool")
+        assert any(n.startswith(f"engine: auto chose {tier.engine}") for n in tier.notes)
+    # Reopened with the same geometry, the kept figures answer without a new measurement.
+    with DiskTier(str(tmp_path), 4 * stride(), BLOCK) as tier:
+        assert tier.engine_probe is not None and tier.engine_probe["cached"] is True
+        assert tier.engine == probe["chosen"]
 
 
 def test_default_admission_is_second_use(tmp_path):

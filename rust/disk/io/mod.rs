@@ -122,6 +122,7 @@ pub trait IoEngine: Send + Sync {
     }
     /// Test hook: the engine's next `count` submissions to the kernel (`io_uring_enter`) fail
     /// with `errno`. False for an engine without that step (the pool).
+    #[cfg(any(test, feature = "fault-injection"))]
     fn inject_enter_failure(&self, _errno: i32, _count: u32) -> bool {
         false
     }

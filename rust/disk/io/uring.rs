@@ -34,6 +34,7 @@ use parking_lot::{Condvar, Mutex};
 
 use super::{after_transfer, iovecs_after, Chain, ChainResult, DoneFn, IoEngine, IoFailure, IoOp, OpKind, StartError};
 use crate::disk::spawn;
+use crate::fault::FaultPoint;
 
 const WAKE: u64 = u64::MAX;
 const MAX_OPS_PER_CHAIN: usize = 4;
@@ -92,8 +93,8 @@ struct Shared {
     efd: AtomicI32,
     helpers: Mutex<Helpers>,
     helper_cv: Condvar,
-    /// Test hook: the next `count` `io_uring_enter` calls fail with this errno.
-    enter_fault: Mutex<Option<(i32, u32)>>,
+    /// Test hook: the next `io_uring_enter` calls fail with this errno.
+    enter_fault: FaultPoint<i32>,
     /// Chain ops the kernel has taken from the submission queue (tests wait on it).
     ops_taken: AtomicU64,
 }
@@ -170,10 +171,7 @@ impl Shared {
 
     /// The errno of an injected `io_uring_enter` failure, using up one count of it.
     fn take_enter_fault(&self) -> Option<i32> {
-        let mut f = self.enter_fault.lock();
-        let (errno, count) = (*f)?;
-        *f = (count > 1).then_some((errno, count - 1));
-        Some(errno)
+        self.enter_fault.take_as(Some)
     }
 }
 
@@ -201,7 +199,7 @@ impl UringEngine {
                 efd: AtomicI32::new(efd),
                 helpers: Mutex::new(Helpers { tasks: VecDeque::new(), preps_outstanding: 0, stopping: false }),
                 helper_cv: Condvar::new(),
-                enter_fault: Mutex::new(None),
+                enter_fault: FaultPoint::default(),
                 ops_taken: AtomicU64::new(0),
             }),
             thread: Mutex::new(None),
@@ -542,8 +540,9 @@ impl IoEngine for UringEngine {
     fn failure(&self) -> Option<i32> {
         self.shared.queue.lock().failed
     }
+    #[cfg(any(test, feature = "fault-injection"))]
     fn inject_enter_failure(&self, errno: i32, count: u32) -> bool {
-        *self.shared.enter_fault.lock() = (count > 0).then_some((errno, count));
+        self.shared.enter_fault.arm((count > 0).then_some(errno), count);
         true
     }
     fn shutdown(&self) {
