@@ -692,9 +692,9 @@ def test_grafana_dashboard_uses_only_exported_series():
     assert any("histogram_quantile(0.99" in e for e in exprs)
 
 
-def test_readme_table_is_generated_from_names():
-    readme = (ROOT / "README.md").read_text()
-    assert markdown_table() in readme, "README's metrics table is stale: paste `python -m kvtier_rs.metrics`"
+def test_docs_metrics_table_is_generated_from_names():
+    page = (ROOT / "docs" / "operations.md").read_text()
+    assert markdown_table() in page, "docs/operations.md's metrics table is stale: paste `python -m kvtier_rs.metrics`"
 
 
 def test_orchestrator_stats_keep_their_keys_and_add_histograms_on_request(tmp_path):
