@@ -18,7 +18,7 @@ It checks, then measures, in one run:
    device-side gather for the scattered case) in the same run.
 4. Overlap: copies on kvtier's streams while a matmul loop runs on the compute stream.
 
-Targets (issue 4): >= 90% of torch's bandwidth on large blocks, >= 80% on batched small blocks,
+Targets: >= 90% of torch's bandwidth on large blocks, >= 80% on batched small blocks,
 and copies overlapping with compute.
 """
 

@@ -1,9 +1,9 @@
 //! Doubly linked lists threaded through one array indexed by each key's dense id
 //! (`PolicyKey::dense_id`: the index's slot number, the planner's prefix-tree node id).
 //!
-//! This is what the LRU, FIFO, ARC and S3-FIFO policies order their resident keys with. It did
-//! the job of a linked hash map (hashlink's `LinkedHashMap`), which hashed the key on every
-//! operation and allocated a node per block: ~68 bytes a resident block and a hash lookup per
+//! This is what the LRU, FIFO, ARC and S3-FIFO policies order their resident keys with, in
+//! place of a linked hash map (hashlink's `LinkedHashMap`), which hashes the key on every
+//! operation and allocates a node per block: ~68 bytes a resident block and a hash lookup per
 //! insert, touch, removal and victim. Here a key's node sits at its dense id, so every
 //! operation is a few array accesses, and each id costs one node up front (32 bytes for the
 //! index's keys, one per slot; 16 for the planner's). A node also holds one spare byte for the policy (S3-FIFO keeps

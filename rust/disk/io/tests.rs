@@ -81,7 +81,7 @@ fn after_a_failed_enter_an_op_the_kernel_took_keeps_its_buffer_until_it_complete
     engine.shutdown();
 }
 
-// ---- short transfers (review S2): the io_uring engine goes on as the pool engine does --------
+// ---- short transfers: the io_uring engine goes on as the pool engine does --------------------
 
 const PAGE: usize = crate::disk::layout::PAGE;
 
