@@ -588,6 +588,7 @@ class TierOrchestrator:
             # The same chain's read, started for a reservation that was given back and still in
             # flight (a request asked again), is taken over: its slots are held, its read runs on.
             orphan = self._orphan_reads.pop(tuple(ld.disk.keys), None)
+            assert self.stager is not None  # a plan loads from disk only with a disk tier
             job = self.stager.promote(ld.disk.keys) if orphan is None else orphan.job
             ld.read_started = ld.started if orphan is None else orphan.started
             if job is None:

@@ -203,7 +203,7 @@ def recommend(report: dict) -> dict[str, Any]:
     asked = report["tiers"]
     if asked and any(t["name"] != "gpu" for t in asked["tiers"]):
         return _judge_asked(rec, asked, report["cost"], best)
-    if no_knee_summary is not None:
+    if knee is None:  # `_no_knee` wrote the summary
         rec["summary"] = no_knee_summary
         return rec
     if asked:  # a GPU prefix cache only: a CPU tier pays only for what it adds to it

@@ -196,7 +196,7 @@ def detect_format(path: Path) -> str:
     fmt = _record_format(first)
     if fmt is not None:
         return fmt
-    later = next((f for _, rec in _records(path) if (f := _record_format(rec)) is not None), None)
+    later = next((lf for _, rec in _records(path) if (lf := _record_format(rec)) is not None), None)
     if later is not None:
         return later
     if isinstance(first, dict):

@@ -33,6 +33,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TypedDict
 
 from kvtier_rs._core import InvalidArgumentError
 from kvtier_rs.checks import check_count
@@ -50,6 +51,14 @@ class BlockEvent:
     keys: tuple[Key, ...]  # in chain order where the batch was a chain
     reason: str | None = None  # why a block was removed
     timestamp: float = 0.0  # time.time() at publication
+
+
+class EventStats(TypedDict):
+    published: dict[str, int]  # events published, by kind
+    dropped: int  # oldest events dropped from a full ring
+    queued: int
+    capacity: int
+    last_seq: int
 
 
 class EventStream:
@@ -125,7 +134,7 @@ class EventStream:
     def __len__(self) -> int:
         return len(self._ring)
 
-    def stats(self) -> dict[str, object]:
+    def stats(self) -> EventStats:
         with self._lock:
             return {
                 "published": dict(self._published),

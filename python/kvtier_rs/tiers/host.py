@@ -33,7 +33,8 @@ class HostTier:
             tier="cpu",
             block_bytes=int(config.block_bytes),
         )
-        self._bytes = np.frombuffer(self.pool, dtype=np.uint8)
+        # Through a memoryview: numpy's stubs on 3.11 take only the buffer types they list.
+        self._bytes = np.frombuffer(memoryview(self.pool), dtype=np.uint8)
         self._block_bytes = int(config.block_bytes)
 
     @property

@@ -23,12 +23,16 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
 from kvtier_rs._core import HostPool, InvalidArgumentError
 from kvtier_rs.transfer.base import TransferEngine, _Job
 from kvtier_rs.transfer.layout import BlockLayout
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 
 @dataclass(frozen=True)
@@ -92,7 +96,8 @@ class CpuTransferEngine(TransferEngine):
             spans[:, 0] = host + rc.host_offset if sub is None else host + rc.host_offset + sub * rc.sub_stride
             spans[:, 1] = rc.start + ids * rc.stride
             spans[:, 2] = rc.nbytes
-            self.pool.copy_spans(rc.storage, spans, into_pool=direction == "d2h")
+            # numpy's stubs make ndarray a Buffer (PEP 688) only from Python 3.12 on.
+            self.pool.copy_spans(cast("Buffer", rc.storage), cast("Buffer", spans), into_pool=direction == "d2h")
 
     def _run(self) -> None:
         while True:

@@ -73,7 +73,7 @@ class Region:
         block 0's chunk in it; block b's chunk starts `b * block_stride_bytes` further on."""
         t = self.tensor
         base = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
-        return base, t.storage_offset() * t.element_size() + self.offset_bytes
+        return base, int(t.storage_offset()) * t.element_size() + self.offset_bytes
 
     def byte_rows(self) -> torch.Tensor:
         """A uint8 view (num_blocks, bytes_per_block) over this region's chunks (no copy)."""
