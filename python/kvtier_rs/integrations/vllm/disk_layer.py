@@ -142,7 +142,7 @@ class _HostSide:
 _MEDIUM = {"cpu": Medium.CPU, "disk": Medium.STORAGE}
 
 
-class DiskLayer:
+class DiskLayer:  # noqa: PLR0904 - the manager's whole interface to the disk tier
     def __init__(
         self,
         disk: DiskTier,

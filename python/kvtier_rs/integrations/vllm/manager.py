@@ -150,7 +150,7 @@ def _pin_ready(index: BlockIndex, keys: list[OffloadKey]) -> list[OffloadKey]:
         return []  # nothing is evicted any more
 
 
-class KvtierOffloadingManager(OffloadingManager):
+class KvtierOffloadingManager(OffloadingManager):  # noqa: PLR0904 - vLLM's OffloadingManager interface
     """Scheduler-side manager over a kvtier ``BlockIndex`` of CPU chunk slots.
 
     ``lower``: an optional lower tier (kvtier's disk tier, see ``disk_layer``). Chunks that become
