@@ -228,8 +228,8 @@ class TierOrchestrator:  # noqa: PLR0904 - split by job in the data-path refacto
             raise InvalidArgumentError(
                 f"invalid argument `guards`: unknown tiers {sorted(map(str, unknown))}; expected cpu, disk"
             )
-        # Checked here: a rule given as its fields (a dict) or a number was taken before, and the
-        # first poll(), plan() or stats() raised a bare AttributeError on the engine thread.
+        # Checked here, naming the tier: a rule of any other type (its fields as a dict, a number)
+        # would fail only later, on the engine thread, in the first poll(), plan() or stats().
         for tier, rule in (guards or {}).items():
             if not isinstance(rule, GuardRule):
                 raise InvalidArgumentError(

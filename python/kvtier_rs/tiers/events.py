@@ -146,7 +146,6 @@ class EventStream:
 
 
 def _max_events(value: int | None) -> int | None:
-    """A consumer's `max_events`: None (all) or an int >= 0. Every consumer call checks its
-    cursor and count alike: since() took any max_events (-1 answered nothing, "2" was a
-    TypeError), missed_since() took any seq (-5 answered 6 missed), and bools passed as ints."""
+    """A consumer's `max_events`: None (all) or an int >= 0 (a bool, a negative count or a
+    string is refused by name). Every consumer call checks its cursor and count alike."""
     return None if value is None else check_count("max_events", value, minimum=0)

@@ -5,7 +5,7 @@ engines running on CPU (vLLM's CPU build) can offload at all.
 A job is one native call per region (`HostPool.copy_spans`: a memcpy per block chunk, bounds
 checked, GIL released), however scattered the blocks: engines hand out recycled blocks in any
 order, so runs of adjacent blocks are the exception, and per-run torch copies or an
-index_select/index_put gather (what this engine did before) cost 2-4x more per request. The
+index_select/index_put gather cost 2-4x more per request. The
 engine holds a view of each region tensor's storage from construction on: the tensors must not
 be resized or reallocated while it lives (KV caches are allocated once).
 Copies run on one background thread in submission order.

@@ -98,7 +98,7 @@ class WorkerCore:
         self._save_jobs: dict[int, set[int]] = {}  # request id -> its offloads' copy jobs
         self._saving: set[int] = set()  # finished requests whose saves we must report
         self._known: set[int] = set()  # request ids seen in any SaveSpec
-        # Bounded: it was a list appended to for every load and never trimmed.
+        # Bounded: one result per load would otherwise grow for the life of the engine.
         self.load_results: deque[Any] = deque(maxlen=type(self).keep_load_results)
         self.counts = {
             "loaded_blocks": 0,
@@ -192,8 +192,8 @@ class WorkerCore:
         meta = self._meta("start_load_kv")
         # Loads of an earlier step still in flight: its forward pass failed before its last
         # layer. Their copies must land before this step's copies and forward pass touch the
-        # same blocks. (This used to raise, outside TensorRT-LLM's forward error handler, which
-        # ended the executor loop after any failed step with a load.)
+        # same blocks. They are waited for, not raised about: this runs outside TensorRT-LLM's
+        # forward error handler, where an exception would end the executor loop.
         self._retire_pending_loads()
         if self._stale_loads:
             self._poll_until(
