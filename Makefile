@@ -60,6 +60,7 @@ lint: venv
 	PYO3_PYTHON=$(PYO3_PYTHON) cargo clippy --features python --lib -- -D warnings
 	$(VENV)/bin/ruff check python tests benches examples
 	$(VENV)/bin/ruff format --check python tests benches examples
+	$(VENV)/bin/mypy python/kvtier_rs
 
 # The type stub of the Rust module against the built module itself (names, parameters,
 # defaults); deliberate differences are listed, with reasons, in the allowlist.

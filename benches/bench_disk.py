@@ -267,7 +267,7 @@ def summarize(reps: list[dict]) -> dict:
     return out
 
 
-def main() -> int:
+def main() -> int:  # noqa: PLR0912, PLR0915 - argument parsing, then one pass per engine
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument(

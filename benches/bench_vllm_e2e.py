@@ -158,7 +158,7 @@ def configs(tmp: Path, cpu_chunks: int) -> dict[str, Any]:
     }
 
 
-def one(model: str, cfg: Any, gpu_blocks: int, plan, reuse: bool, seed: int, end_hook=None) -> dict[str, float]:
+def one(model: str, cfg: Any, gpu_blocks: int, plan, reuse: bool, seed: int, end_hook=None) -> dict[str, float]:  # noqa: PLR0917 - one run's settings
     llm = E.make_llm(
         model,
         cfg,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-from typing import Any
+from typing import Any, SupportsIndex, cast
 
 from kvtier_rs._core import InvalidArgumentError
 
@@ -27,7 +27,8 @@ def integer(value: object, name: str, what: str = "must be an integer") -> int:
     scalars), never a float, which int() would silently truncate (ids, offsets and byte counts
     feed address arithmetic), nor a bool, an int only by accident."""
     try:
-        out = None if isinstance(value, bool) else operator.index(value)
+        # Anything may come in: operator.index itself refuses what is not an integer (TypeError).
+        out = None if isinstance(value, bool) else operator.index(cast(SupportsIndex, value))
     except TypeError:
         out = None
     if out is None:

@@ -118,7 +118,7 @@ def test_the_data_path_keeps_serving_and_an_inflight_load_stays_byte_identical()
     assert KvTierCollector(orch).snapshot()["kvtier_index_failed"] == {("cpu",): 1}
 
 
-def make_failure_machine(policy: str):
+def make_failure_machine(policy: str):  # noqa: C901 - a state machine: one rule per operation
     """Random stores (some left open), pins, unpins, completions and lookups, with the store
     panic armed at a random point: it fires at the next store that evicts, whatever the
     index holds then. From the failure on, every operation must keep the closed contract, and

@@ -212,7 +212,7 @@ def d(delta, name, **labels) -> float:
     return delta.get((name, frozenset(labels.items())), 0.0)
 
 
-def test_series_move_as_the_tiers_are_driven(tmp_path):
+def test_series_move_as_the_tiers_are_driven(tmp_path):  # noqa: PLR0915 - one scenario, checked step by step
     events = EventStream(capacity=4)
     # A disk guard that never trips (threshold 1000 s): its p99 gauge follows disk promotions.
     # Its window outlasts the test, so a slow machine cannot age the samples out before a scrape.
@@ -399,7 +399,7 @@ REFUSALS = ["cost", "backpressure", "guard", "admission", "no_space", "disk_admi
 
 
 @pytest.mark.parametrize("case", REFUSALS)
-def test_refusal_series(tmp_path, case):
+def test_refusal_series(tmp_path, case):  # noqa: C901, PLR0915 - one scenario per refusal reason
     kw: dict = {}
     if case == "cost":
         # Recomputing is nearly free: no load is ever worth it, and no probe lets one through

@@ -440,7 +440,7 @@ def test_an_empty_job_does_not_turn_the_batch_call_off(runtime, monkeypatch):
     would send every later job through one call per piece."""
     calls = []
 
-    def batch(dsts, srcs, sizes, count, attrs, attr_idxs, num_attrs, stream):
+    def batch(dsts, srcs, sizes, count, attrs, attr_idxs, num_attrs, stream):  # noqa: PLR0917 - the signature of cudaMemcpyBatchAsync
         calls.append(count)
         if count == 0 or num_attrs > count:
             return (rt.cudaError_t.cudaErrorInvalidValue,)

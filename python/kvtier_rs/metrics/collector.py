@@ -203,14 +203,14 @@ class KvTierCollector(Collector):
             for labelset in s.labelsets:
                 labels = [*self.const_labels.values(), *labelset]
                 value = got.get(labelset)
-                if s.type == "histogram":
+                if isinstance(fam, HistogramMetricFamily):  # s.type == "histogram"
                     buckets, _count, total = value if value is not None else _EMPTY_HISTOGRAM
                     fam.add_metric(labels, [(_le(b), n) for b, n in buckets], total)
                 else:
                     fam.add_metric(labels, float(value or 0))
             yield fam
 
-    def _family(self, s: Series) -> Metric:
+    def _family(self, s: Series) -> CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily:
         labelnames = [*self.const_labels, *s.labelnames]
         if s.type == "counter":
             return CounterMetricFamily(s.name, s.help, labels=labelnames)

@@ -20,11 +20,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from kvtier_rs._core import (
+    BlockIndex,
     ClosedError,
     DiskIoError,
+    HostPool,
     IndexFailedError,
     InvalidArgumentError,
     KvTierError,
@@ -34,7 +36,6 @@ from kvtier_rs._core import (
 from kvtier_rs.orchestrator.completions import handle_each
 from kvtier_rs.orchestrator.latency import LatencyRecorder
 from kvtier_rs.tiers.events import EventStream
-from kvtier_rs.tiers.host import HostTier
 from kvtier_rs.tiers.keys import Key, key_list
 from kvtier_rs.tiers.shared_region import SlotSeals, seals_of
 
@@ -72,10 +73,22 @@ class StagerCounters:
     read_latency: LatencyRecorder = field(default_factory=LatencyRecorder)
 
 
+class StagingHost(Protocol):
+    """The CPU tier as the stager uses it: a ``HostTier``, or an index and pool owned by an
+    engine's own manager (vLLM's)."""
+
+    @property
+    def index(self) -> BlockIndex: ...
+    @property
+    def pool(self) -> HostPool: ...
+    @property
+    def block_bytes(self) -> int: ...
+
+
 class DiskStager:
     def __init__(
         self,
-        host: HostTier,
+        host: StagingHost,
         disk: Any,
         *,
         max_write_backlog: int = 1024,

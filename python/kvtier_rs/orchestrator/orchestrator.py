@@ -203,7 +203,7 @@ class _Load:
         return ready
 
 
-class TierOrchestrator:
+class TierOrchestrator:  # noqa: PLR0904 - split by job in the data-path refactor
     def __init__(
         self,
         host: HostTier,
@@ -228,8 +228,8 @@ class TierOrchestrator:
             raise InvalidArgumentError(
                 f"invalid argument `guards`: unknown tiers {sorted(map(str, unknown))}; expected cpu, disk"
             )
-        # Checked here: a rule given as its fields (a dict) or a number was taken before, and the
-        # first poll(), plan() or stats() raised a bare AttributeError on the engine thread.
+        # Checked here, naming the tier: a rule of any other type (its fields as a dict, a number)
+        # would fail only later, on the engine thread, in the first poll(), plan() or stats().
         for tier, rule in (guards or {}).items():
             if not isinstance(rule, GuardRule):
                 raise InvalidArgumentError(
@@ -588,6 +588,7 @@ class TierOrchestrator:
             # The same chain's read, started for a reservation that was given back and still in
             # flight (a request asked again), is taken over: its slots are held, its read runs on.
             orphan = self._orphan_reads.pop(tuple(ld.disk.keys), None)
+            assert self.stager is not None  # a plan loads from disk only with a disk tier
             job = self.stager.promote(ld.disk.keys) if orphan is None else orphan.job
             ld.read_started = ld.started if orphan is None else orphan.started
             if job is None:

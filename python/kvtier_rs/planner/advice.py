@@ -182,28 +182,13 @@ def recommend(report: dict) -> dict[str, Any]:
             f"at that size, the most any eviction order can ({best}: {knee['all_block_hit_rate']:.1%}); it "
             "bounds that, not the measured token-weighted rates"
         )
-    # Admission: recommend the smallest threshold that costs under half a point of gain.
     if knee and not knee["underfilled"]:
-        for t in q["admission"]["threshold_effect"]:
-            if (
-                t["policy"] == best
-                and t["capacity_blocks"] == knee["capacity_blocks"]
-                and t["gain_rate"] is not None
-                and knee["gain_rate"] is not None
-            ):
-                if t["gain_rate"] >= knee["gain_rate"] - ADMISSION_SLACK:
-                    saved = 1 - t["insertions"] / max(knee["insertions"], 1)
-                    rec["admission"] = t["admission"]
-                    reasons.append(
-                        f"admission {t['admission']} keeps the hit rate ({t['hit_rate']:.1%}) and "
-                        f"cuts tier writes by {saved:.0%}"
-                    )
-                    break
+        _choose_admission(rec, reasons, q["admission"]["threshold_effect"], knee, best)
     rec["reasons"] = reasons
     asked = report["tiers"]
     if asked and any(t["name"] != "gpu" for t in asked["tiers"]):
         return _judge_asked(rec, asked, report["cost"], best)
-    if no_knee_summary is not None:
+    if knee is None:  # `_no_knee` wrote the summary
         rec["summary"] = no_knee_summary
         return rec
     if asked:  # a GPU prefix cache only: a CPU tier pays only for what it adds to it
@@ -213,6 +198,25 @@ def recommend(report: dict) -> dict[str, Any]:
         size += f" ({fmt_bytes(rec['capacity_bytes'])})"
     rec["summary"] = f"Tier it: a CPU tier of {size} with policy {best} and admission {rec['admission']}."
     return rec
+
+
+def _choose_admission(rec: dict, reasons: list[str], threshold_effect: list[dict], knee: dict, best: str) -> None:
+    """Recommend the smallest admission threshold that costs under half a point of gain."""
+    for t in threshold_effect:
+        if (
+            t["policy"] == best
+            and t["capacity_blocks"] == knee["capacity_blocks"]
+            and t["gain_rate"] is not None
+            and knee["gain_rate"] is not None
+        ):
+            if t["gain_rate"] >= knee["gain_rate"] - ADMISSION_SLACK:
+                saved = 1 - t["insertions"] / max(knee["insertions"], 1)
+                rec["admission"] = t["admission"]
+                reasons.append(
+                    f"admission {t['admission']} keeps the hit rate ({t['hit_rate']:.1%}) and "
+                    f"cuts tier writes by {saved:.0%}"
+                )
+                break
 
 
 def _tier_name(t: dict) -> str:

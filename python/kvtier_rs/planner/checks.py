@@ -50,22 +50,7 @@ def check_options(opts: PlanOptions) -> ModelBytes | None:
         raise PlanError(f"--warmup: must be in [0, 1), got {opts.warmup}")
     if opts.mode not in ("tree", "flat"):
         raise PlanError(f"--mode: expected tree or flat, got {opts.mode!r}")
-    if not opts.policies:
-        raise PlanError("--policies: give at least one policy")
-    for pol in opts.policies:
-        if pol not in ALL_POLICIES:
-            raise PlanError(f"--policies: unknown policy {pol!r}; expected some of {', '.join(ALL_POLICIES)}")
-    if opts.capacities is not None and any(not 0 < c <= MAX_BLOCKS for c in opts.capacities):
-        raise PlanError(f"--capacities: every capacity must be between 1 and {MAX_BLOCKS} (10^12) blocks")
-    for k in opts.admission_thresholds:
-        _admission("--admission-thresholds", f"uses:{k}")
-    if opts.tier_policy is not None and opts.tier_policy not in ONLINE_POLICIES:
-        why = " (opt is offline: it needs the future, no live tier can run it)" if opts.tier_policy == "opt" else ""
-        raise PlanError(
-            f"--tier-policy: unknown policy {opts.tier_policy!r}{why}; expected one of {', '.join(ONLINE_POLICIES)}"
-        )
-    _admission("--cpu-admission", opts.cpu_admission)
-    _admission("--disk-admission", opts.disk_admission)
+    _check_policies(opts)
     for option, value in (
         ("--pcie-gbps", opts.pcie_gbps),
         ("--disk-gbps", opts.disk_gbps),
@@ -84,6 +69,26 @@ def check_options(opts: PlanOptions) -> ModelBytes | None:
         if size is not None:
             _early_tier_check(f"--{name}", size, model, opts.block_size)
     return model
+
+
+def _check_policies(opts: PlanOptions) -> None:
+    """The policies, capacities and admissions to replay, and the tiers' own."""
+    if not opts.policies:
+        raise PlanError("--policies: give at least one policy")
+    for pol in opts.policies:
+        if pol not in ALL_POLICIES:
+            raise PlanError(f"--policies: unknown policy {pol!r}; expected some of {', '.join(ALL_POLICIES)}")
+    if opts.capacities is not None and any(not 0 < c <= MAX_BLOCKS for c in opts.capacities):
+        raise PlanError(f"--capacities: every capacity must be between 1 and {MAX_BLOCKS} (10^12) blocks")
+    for k in opts.admission_thresholds:
+        _admission("--admission-thresholds", f"uses:{k}")
+    if opts.tier_policy is not None and opts.tier_policy not in ONLINE_POLICIES:
+        why = " (opt is offline: it needs the future, no live tier can run it)" if opts.tier_policy == "opt" else ""
+        raise PlanError(
+            f"--tier-policy: unknown policy {opts.tier_policy!r}{why}; expected one of {', '.join(ONLINE_POLICIES)}"
+        )
+    _admission("--cpu-admission", opts.cpu_admission)
+    _admission("--disk-admission", opts.disk_admission)
 
 
 def _model(opts: PlanOptions) -> ModelBytes | None:

@@ -77,6 +77,38 @@ def bytes_per_token_from_config(path: str | Path, kv_dtype: str | None = None) -
     notes: list[str] = []
 
     layers = _need(cfg, p, "num_hidden_layers", "n_layer", "num_layers")
+    dtype_name = _kv_dtype(cfg, p, kv_dtype, notes)
+    dbytes = DTYPE_BYTES[dtype_name]
+    full_layers = _full_attention_layers(cfg, p, layers, notes)
+
+    rank = _get(cfg, p, "kv_lora_rank")
+    if rank is not None:
+        rope = _get(cfg, p, "qk_rope_head_dim", minimum=0) or 0
+        per_layer = (rank + rope) * dbytes
+        notes.append(f"MLA: one latent of {rank}+{rope} values per token and layer (no separate K and V)")
+        bpt = per_layer * full_layers
+        return _bounded(ModelBytes(bpt, f"{p.name} (MLA, {full_layers} layers, {dtype_name})", notes), p)
+
+    heads = _need(cfg, p, "num_attention_heads", "n_head")
+    kv_heads = _get(cfg, p, "num_key_value_heads", "n_head_kv", "num_kv_heads")
+    if kv_heads is None:
+        kv_heads = 1 if cfg.get("multi_query") else heads
+    head_dim = _get(cfg, p, "head_dim")
+    if head_dim is None:
+        hidden = _need(cfg, p, "hidden_size", "n_embd", "d_model")
+        if hidden < heads:
+            raise PlanError(
+                f"--model-config: {p}: field 'hidden_size' ({hidden}) is smaller than "
+                f"'num_attention_heads' ({heads}): no head dimension; give 'head_dim'"
+            )
+        head_dim = hidden // heads
+    bpt = 2 * full_layers * kv_heads * head_dim * dbytes
+    src = f"{p.name} ({full_layers} layers x {kv_heads} KV heads x {head_dim} head dim x {dbytes} B x K,V)"
+    return _bounded(ModelBytes(bpt, src, notes), p)
+
+
+def _kv_dtype(cfg: dict, p: Path, kv_dtype: str | None, notes: list[str]) -> str:
+    """The KV dtype's name: --kv-dtype, else the config's, else bfloat16 (with a note)."""
     dtype_name = kv_dtype or ""
     if not dtype_name:
         for key in ("torch_dtype", "dtype"):
@@ -93,8 +125,12 @@ def bytes_per_token_from_config(path: str | Path, kv_dtype: str | None = None) -
         raise PlanError(
             f"--kv-dtype/--model-config: unknown dtype {dtype_name!r}; expected one of {sorted(DTYPE_BYTES)}"
         )
-    dbytes = DTYPE_BYTES[dtype_name]
+    return dtype_name
 
+
+def _full_attention_layers(cfg: dict, p: Path, layers: int, notes: list[str]) -> int:
+    """The layers whose KV grows with every token: all of them but sliding-window (or other
+    bounded-state) layers; a model with none is refused."""
     full_layers = layers
     layer_types = cfg.get("layer_types")
     window = cfg.get("sliding_window")
@@ -129,31 +165,7 @@ def bytes_per_token_from_config(path: str | Path, kv_dtype: str | None = None) -
                 "--bytes-per-token "
                 "if you still want to plan"
             )
-
-    rank = _get(cfg, p, "kv_lora_rank")
-    if rank is not None:
-        rope = _get(cfg, p, "qk_rope_head_dim", minimum=0) or 0
-        per_layer = (rank + rope) * dbytes
-        notes.append(f"MLA: one latent of {rank}+{rope} values per token and layer (no separate K and V)")
-        bpt = per_layer * full_layers
-        return _bounded(ModelBytes(bpt, f"{p.name} (MLA, {full_layers} layers, {dtype_name})", notes), p)
-
-    heads = _need(cfg, p, "num_attention_heads", "n_head")
-    kv_heads = _get(cfg, p, "num_key_value_heads", "n_head_kv", "num_kv_heads")
-    if kv_heads is None:
-        kv_heads = 1 if cfg.get("multi_query") else heads
-    head_dim = _get(cfg, p, "head_dim")
-    if head_dim is None:
-        hidden = _need(cfg, p, "hidden_size", "n_embd", "d_model")
-        if hidden < heads:
-            raise PlanError(
-                f"--model-config: {p}: field 'hidden_size' ({hidden}) is smaller than "
-                f"'num_attention_heads' ({heads}): no head dimension; give 'head_dim'"
-            )
-        head_dim = hidden // heads
-    bpt = 2 * full_layers * kv_heads * head_dim * dbytes
-    src = f"{p.name} ({full_layers} layers x {kv_heads} KV heads x {head_dim} head dim x {dbytes} B x K,V)"
-    return _bounded(ModelBytes(bpt, src, notes), p)
+    return full_layers
 
 
 def _bounded(m: ModelBytes, p: Path) -> ModelBytes:

@@ -264,7 +264,7 @@ def _result(r: dict, block_bytes: int | None, trace, cost) -> dict[str, Any]:
     return out
 
 
-def _questions(trace, analysis, model, cost, results, admission_results, best_policy) -> dict[str, Any]:
+def _questions(trace, analysis, model, cost, results, admission_results, best_policy) -> dict[str, Any]:  # noqa: PLR0917 - one input per section of the questions
     total_tokens = trace.total_tokens
     tops = []
     for p in analysis["top_prefixes"]:

@@ -26,7 +26,7 @@ def _fill_note(row: dict[str, Any]) -> str:
     return ""
 
 
-def render_table(rep: dict[str, Any]) -> str:
+def render_table(rep: dict[str, Any]) -> str:  # noqa: C901, PLR0912, PLR0915 - one table section after another
     t = rep["trace"]
     lines = [
         f"trace     {t['path']} ({t['format']}, {t['block_size']}-token blocks)",

@@ -164,7 +164,7 @@ def synthesize(cfg: SynthConfig) -> list[dict]:
     return records
 
 
-def _emit(records, keys, when, segs, rng, cfg, queue, tiebreak, sess, fresh) -> None:
+def _emit(records, keys, when, segs, rng, cfg, queue, tiebreak, sess, fresh) -> None:  # noqa: PLR0917 - the generator loop's state, passed through
     n_in = sum(length for _, length in segs)
     out = rng.randint(50, 800)
     ms = when * 1000

@@ -196,7 +196,7 @@ def detect_format(path: Path) -> str:
     fmt = _record_format(first)
     if fmt is not None:
         return fmt
-    later = next((f for _, rec in _records(path) if (f := _record_format(rec)) is not None), None)
+    later = next((lf for _, rec in _records(path) if (lf := _record_format(rec)) is not None), None)
     if later is not None:
         return later
     if isinstance(first, dict):
@@ -359,10 +359,8 @@ def _tester_documents(p: Path, raw: bytes, data: TraceData, skip_bad: bool) -> l
     return [("", doc)]
 
 
-def _read_tester(p: Path, block_size: int | None, skip_bad: bool, limit: int | None) -> TraceData:
-    with _open_binary(p) as f:
-        raw = f.read()
-    data = TraceData(str(p), "kvcache-tester", 0)  # block size: the conversations'
+def _tester_conversations(p: Path, raw: bytes, data: TraceData, skip_bad: bool) -> list[tuple[str, dict, int]]:
+    """(where, conversation, its block size) of each well-formed conversation in the file."""
     convs = []
     for where, d in _tester_documents(p, raw, data, skip_bad):
         try:
@@ -370,13 +368,21 @@ def _read_tester(p: Path, block_size: int | None, skip_bad: bool, limit: int | N
                 raise _Bad("requests", "expected an object with a list of requests")
             conv_bs = _int(d, "block_size", minimum=1, maximum=MAX_BLOCK_SIZE)
             # "local" (ids unique inside one conversation, the default when absent) or "global";
-            # anything else ("Local", 1, a list) was read as global, merging the ids of
-            # different conversations, so it is a bad conversation like any bad field.
+            # anything else ("Local", 1, a list) would merge the ids of different conversations,
+            # so it is a bad conversation like any bad field.
             if d.get("hash_id_scope", "local") not in HASH_ID_SCOPES:
                 raise _Bad("hash_id_scope", f"expected 'local' or 'global', got {show(d['hash_id_scope'])}")
             convs.append((where, d, conv_bs))
         except _Bad as bad:
             _skip_or_raise(data, skip_bad, p, where, bad)
+    return convs
+
+
+def _read_tester(p: Path, block_size: int | None, skip_bad: bool, limit: int | None) -> TraceData:
+    with _open_binary(p) as f:
+        raw = f.read()
+    data = TraceData(str(p), "kvcache-tester", 0)  # block size: the conversations'
+    convs = _tester_conversations(p, raw, data, skip_bad)
     if not convs:
         if data.skipped:
             raise PlanError(f"{p}: no usable requests (skipped {data.skipped} bad records)")

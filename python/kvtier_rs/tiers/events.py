@@ -33,6 +33,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TypedDict
 
 from kvtier_rs._core import InvalidArgumentError
 from kvtier_rs.checks import check_count
@@ -50,6 +51,14 @@ class BlockEvent:
     keys: tuple[Key, ...]  # in chain order where the batch was a chain
     reason: str | None = None  # why a block was removed
     timestamp: float = 0.0  # time.time() at publication
+
+
+class EventStats(TypedDict):
+    published: dict[str, int]  # events published, by kind
+    dropped: int  # oldest events dropped from a full ring
+    queued: int
+    capacity: int
+    last_seq: int
 
 
 class EventStream:
@@ -125,7 +134,7 @@ class EventStream:
     def __len__(self) -> int:
         return len(self._ring)
 
-    def stats(self) -> dict[str, object]:
+    def stats(self) -> EventStats:
         with self._lock:
             return {
                 "published": dict(self._published),
@@ -137,7 +146,6 @@ class EventStream:
 
 
 def _max_events(value: int | None) -> int | None:
-    """A consumer's `max_events`: None (all) or an int >= 0. Every consumer call checks its
-    cursor and count alike: since() took any max_events (-1 answered nothing, "2" was a
-    TypeError), missed_since() took any seq (-5 answered 6 missed), and bools passed as ints."""
+    """A consumer's `max_events`: None (all) or an int >= 0 (a bool, a negative count or a
+    string is refused by name). Every consumer call checks its cursor and count alike."""
     return None if value is None else check_count("max_events", value, minimum=0)

@@ -20,8 +20,8 @@ from kvtier_rs.tiers.keys import Key, as_list, key_list
 
 class HostTier:
     def __init__(self, config: TierConfig) -> None:
-        # Checked here: a dict (or anything else) failed below with a bare AttributeError
-        # ("'dict' object has no attribute 'capacity_bytes'") naming no argument.
+        # Checked here, so that anything else (a dict of its fields) is refused by name rather
+        # than with an AttributeError below.
         if not isinstance(config, TierConfig):
             raise InvalidArgumentError(f"invalid argument `config`: expected a TierConfig, got {show(config)}")
         self.config = config
@@ -33,7 +33,8 @@ class HostTier:
             tier="cpu",
             block_bytes=int(config.block_bytes),
         )
-        self._bytes = np.frombuffer(self.pool, dtype=np.uint8)
+        # Through a memoryview: numpy's stubs on 3.11 take only the buffer types they list.
+        self._bytes = np.frombuffer(memoryview(self.pool), dtype=np.uint8)
         self._block_bytes = int(config.block_bytes)
 
     @property
@@ -46,8 +47,8 @@ class HostTier:
 
     def slot_array(self, slot: int) -> np.ndarray:
         """Writable uint8 view of a slot's payload bytes (no copy)."""
-        # Checked here: the core takes the slot as an unsigned int, so -1 was pyo3's bare
-        # OverflowError naming nothing, and True was slot 1.
+        # Checked here: the core takes the slot as an unsigned int, which would turn -1 into an
+        # OverflowError naming nothing and True into slot 1.
         slot = integer(slot, "slot")
         if slot < 0:
             raise InvalidArgumentError(f"invalid argument `slot`: slot {slot} out of range 0..{self.num_slots}")
@@ -64,9 +65,9 @@ class HostTier:
         """Store whole blocks from host memory (a convenience path; engines write slots directly).
         Payloads are checked before the index is asked for slots, so bad input changes nothing."""
         keys = key_list(keys)
-        # Listed once, as keys are: any iterable was taken for keys while payloads needed a
-        # len() (a generator was a bare TypeError); one bytes payload where a list of them is
-        # expected is refused by name rather than iterated into ints.
+        # Listed once, as keys are, so that any iterable (a generator too) works; one bytes
+        # payload where a list of them is expected is refused by name rather than iterated
+        # into ints.
         payloads = as_list(payloads, "payloads", "payload")
         if len(keys) != len(payloads):
             raise InvalidArgumentError(f"payloads: {len(payloads)} payloads for {len(keys)} keys")
@@ -101,9 +102,9 @@ class HostTier:
     def _payload_bytes(self, key: Key, payload: Any) -> np.ndarray:
         """A payload as a flat, contiguous uint8 array of exactly one block, or an
         InvalidArgumentError naming its key. Everything that can fail is done here, before the
-        index hands out slots: a str or a list of the right size was stored as its UTF-32 or
-        int64 encoding, and an object or non-contiguous array passed the size check only to fail
-        in the copy (a bare ValueError/TypeError) with the chain's earlier blocks stored."""
+        index hands out slots, so that a bad payload (a str or list, whose encoding could have
+        the right size; an object or a non-contiguous array) is refused before any block of the
+        chain is stored."""
         where = f"payloads: the payload for key {show(key)}"
         if isinstance(payload, (bytes, bytearray)):
             data = np.frombuffer(payload, dtype=np.uint8)

@@ -83,7 +83,7 @@ class SlotSeals:
         self.table = table
         self.ranks = table.shape[1]
 
-    def seal(self, rows: Sequence[int], seals: np.ndarray, rank: int | None = None) -> None:
+    def seal(self, rows: Sequence[int] | np.ndarray, seals: np.ndarray, rank: int | None = None) -> None:
         """Record that `rows` now hold the blocks sealed `seals`: one rank's part, or every
         rank's (`rank=None`: a whole row written at once, as a disk read does)."""
         idx = np.asarray(rows, dtype=np.int64)
@@ -96,7 +96,7 @@ class SlotSeals:
         """Forget what `rows` held: they are about to be written for other blocks."""
         self.table[np.asarray(rows, dtype=np.int64), :] = 0
 
-    def matches(self, rows: Sequence[int], seals: np.ndarray, rank: int | None = None) -> np.ndarray:
+    def matches(self, rows: Sequence[int] | np.ndarray, seals: np.ndarray, rank: int | None = None) -> np.ndarray:
         """Per row: whether it holds the block sealed so (in `rank`'s part, or in every rank's)."""
         idx = np.asarray(rows, dtype=np.int64)
         want = np.asarray(seals, dtype=np.uint64)

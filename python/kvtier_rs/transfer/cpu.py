@@ -5,7 +5,7 @@ engines running on CPU (vLLM's CPU build) can offload at all.
 A job is one native call per region (`HostPool.copy_spans`: a memcpy per block chunk, bounds
 checked, GIL released), however scattered the blocks: engines hand out recycled blocks in any
 order, so runs of adjacent blocks are the exception, and per-run torch copies or an
-index_select/index_put gather (what this engine did before) cost 2-4x more per request. The
+index_select/index_put gather cost 2-4x more per request. The
 engine holds a view of each region tensor's storage from construction on: the tensors must not
 be resized or reallocated while it lives (KV caches are allocated once).
 Copies run on one background thread in submission order.
@@ -23,12 +23,16 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
 from kvtier_rs._core import HostPool, InvalidArgumentError
 from kvtier_rs.transfer.base import TransferEngine, _Job
 from kvtier_rs.transfer.layout import BlockLayout
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 
 @dataclass(frozen=True)
@@ -92,7 +96,8 @@ class CpuTransferEngine(TransferEngine):
             spans[:, 0] = host + rc.host_offset if sub is None else host + rc.host_offset + sub * rc.sub_stride
             spans[:, 1] = rc.start + ids * rc.stride
             spans[:, 2] = rc.nbytes
-            self.pool.copy_spans(rc.storage, spans, into_pool=direction == "d2h")
+            # numpy's stubs make ndarray a Buffer (PEP 688) only from Python 3.12 on.
+            self.pool.copy_spans(cast("Buffer", rc.storage), cast("Buffer", spans), into_pool=direction == "d2h")
 
     def _run(self) -> None:
         while True:

@@ -144,7 +144,7 @@ class _PinnedRanges:
 _PINS = _PinnedRanges()
 
 
-def copy_plan(
+def copy_plan(  # noqa: PLR0917 - the copy's geometry, in the order the engines pass it
     layout: BlockLayout,
     host_ptr: int,
     slot_stride: int,

@@ -73,7 +73,7 @@ class Region:
         block 0's chunk in it; block b's chunk starts `b * block_stride_bytes` further on."""
         t = self.tensor
         base = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
-        return base, t.storage_offset() * t.element_size() + self.offset_bytes
+        return base, int(t.storage_offset()) * t.element_size() + self.offset_bytes
 
     def byte_rows(self) -> torch.Tensor:
         """A uint8 view (num_blocks, bytes_per_block) over this region's chunks (no copy)."""
@@ -83,6 +83,21 @@ class Region:
     def data_ptr(self) -> int:
         """Address of block 0's chunk."""
         return self.tensor.data_ptr() + self.offset_bytes
+
+
+def _check_region(i: int, r: Region) -> None:
+    """Region `i`'s chunks: non-empty, not overlapping the next row, inside the tensor's storage."""
+    if r.bytes_per_block <= 0:
+        raise InvalidArgumentError(f"invalid argument `regions[{i}]`: bytes_per_block must be positive")
+    if r.offset_bytes < 0 or r.block_stride_bytes < r.offset_bytes + r.bytes_per_block and r.tensor.shape[0] > 1:
+        raise InvalidArgumentError(
+            f"invalid argument `regions[{i}]`: chunk [{r.offset_bytes}, +{r.bytes_per_block}) "
+            f"overlaps the next row (stride {r.block_stride_bytes})"
+        )
+    end = r.tensor.storage_offset() * r.tensor.element_size() + r.offset_bytes
+    end += (r.tensor.shape[0] - 1) * r.block_stride_bytes + r.bytes_per_block
+    if r.tensor.shape[0] and end > r.tensor.untyped_storage().nbytes():
+        raise InvalidArgumentError(f"invalid argument `regions[{i}]`: chunks run past the tensor's storage")
 
 
 class BlockLayout:
@@ -107,21 +122,7 @@ class BlockLayout:
         if len(counts) != 1:
             raise InvalidArgumentError(f"invalid argument `regions`: block counts differ: {sorted(counts)}")
         for i, r in enumerate(regions):
-            if r.bytes_per_block <= 0:
-                raise InvalidArgumentError(f"invalid argument `regions[{i}]`: bytes_per_block must be positive")
-            if (
-                r.offset_bytes < 0
-                or r.block_stride_bytes < r.offset_bytes + r.bytes_per_block
-                and r.tensor.shape[0] > 1
-            ):
-                raise InvalidArgumentError(
-                    f"invalid argument `regions[{i}]`: chunk [{r.offset_bytes}, +{r.bytes_per_block}) "
-                    f"overlaps the next row (stride {r.block_stride_bytes})"
-                )
-            end = r.tensor.storage_offset() * r.tensor.element_size() + r.offset_bytes
-            end += (r.tensor.shape[0] - 1) * r.block_stride_bytes + r.bytes_per_block
-            if r.tensor.shape[0] and end > r.tensor.untyped_storage().nbytes():
-                raise InvalidArgumentError(f"invalid argument `regions[{i}]`: chunks run past the tensor's storage")
+            _check_region(i, r)
         self.regions = tuple(regions)
         self.num_blocks = counts.pop()
         self.device = devices.pop()

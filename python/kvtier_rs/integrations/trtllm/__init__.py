@@ -59,7 +59,7 @@ class _FallbackWorkerBase:
 
     def __init__(self, llm_args: Any) -> None:
         self._llm_args = llm_args
-        self._metadata = None
+        self._metadata: object = None
 
     def bind_connector_meta(self, metadata: object) -> None:
         self._metadata = metadata
@@ -83,6 +83,7 @@ from kvtier_rs.integrations.trtllm.scheduler import SchedulerCore  # noqa: E402
 from kvtier_rs.integrations.trtllm.worker import WorkerCore  # noqa: E402
 
 
+# The ignores below (misc): the base class is chosen at import time, which mypy cannot follow.
 class KvtierScheduler(SchedulerCore, _SchedBase or _FallbackSchedulerBase):  # type: ignore[misc]
     """TensorRT-LLM ``connector_scheduler_class``; runs on rank 0."""
 

@@ -300,8 +300,9 @@ class SchedulerCore:
     def _retention(self, r: _Req, block: int) -> tuple[int, float | None]:
         """(priority, duration_s) of one of the request's blocks."""
         prio, dur = block_retention(r.retention, r.prompt_len, self.tokens_per_block, block)
-        if r.priorities[block] is not None:
-            prio = int(r.priorities[block])  # the engine's own view of the block wins
+        engine_prio = r.priorities[block]
+        if engine_prio is not None:
+            prio = int(engine_prio)  # the engine's own view of the block wins
         return prio, dur
 
     def _renew_held(self, r: _Req, first: int, upto: int) -> None:

@@ -20,7 +20,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -98,7 +98,7 @@ class WorkerCore:
         self._save_jobs: dict[int, set[int]] = {}  # request id -> its offloads' copy jobs
         self._saving: set[int] = set()  # finished requests whose saves we must report
         self._known: set[int] = set()  # request ids seen in any SaveSpec
-        # Bounded: it was a list appended to for every load and never trimmed.
+        # Bounded: one result per load would otherwise grow for the life of the engine.
         self.load_results: deque[Any] = deque(maxlen=type(self).keep_load_results)
         self.counts = {
             "loaded_blocks": 0,
@@ -109,8 +109,10 @@ class WorkerCore:
             "stale_loads": 0,  # loads of a failed step, landed (or failed) after it
         }
 
-    # ---- base-class surface when TensorRT-LLM is absent -------------------------------------
-    # (the real base defines the same three; ours are only used without it)
+    if TYPE_CHECKING:
+        # Provided by the connector base class: TensorRT-LLM's, or _FallbackWorkerBase without it.
+        def get_connector_meta(self) -> object: ...
+        def _clear_connector_meta(self) -> None: ...
 
     # ---- registration ------------------------------------------------------------------------
     def register_kv_caches(self, kv_cache_tensor: torch.Tensor) -> None:
@@ -139,6 +141,7 @@ class WorkerCore:
             # reads another's blocks.
             sub = f"{self.engine.replace('/', '_')}_{layout.bytes_per_block}b_{len(layout.regions)}l"
             path = Path(o.disk_root) / sub
+            assert o.disk_bytes is not None  # load_options requires it with disk_root
             with READER.naming(DISK_TIER_KEYS, path_key="disk_root"):
                 disk = open_disk_tier(
                     path,
@@ -168,10 +171,13 @@ class WorkerCore:
     def register_forward_pass_callable(self) -> None:
         return None
 
-    def _orch(self, where: str) -> TierOrchestrator:
+    def _tiers(self, where: str) -> shared.EngineTiers:
         if self.tiers is None:
             raise KvTierError(f"kvtier: {where} before register_kv_caches")
-        return self.tiers.orchestrator
+        return self.tiers
+
+    def _orch(self, where: str) -> TierOrchestrator:
+        return self._tiers(where).orchestrator
 
     def _meta(self, where: str) -> KvtierConnectorMetadata | None:
         meta = self.get_connector_meta()
@@ -181,12 +187,13 @@ class WorkerCore:
 
     # ---- per iteration -----------------------------------------------------------------------
     def start_load_kv(self, stream: Any) -> None:
-        orch = self._orch("start_load_kv")
+        tiers = self._tiers("start_load_kv")
+        orch = tiers.orchestrator
         meta = self._meta("start_load_kv")
         # Loads of an earlier step still in flight: its forward pass failed before its last
         # layer. Their copies must land before this step's copies and forward pass touch the
-        # same blocks. (This used to raise, outside TensorRT-LLM's forward error handler, which
-        # ended the executor loop after any failed step with a load.)
+        # same blocks. They are waited for, not raised about: this runs outside TensorRT-LLM's
+        # forward error handler, where an exception would end the executor loop.
         self._retire_pending_loads()
         if self._stale_loads:
             self._poll_until(
@@ -201,10 +208,10 @@ class WorkerCore:
         self._loads_done = True
         if meta is None:
             return
-        groups = [[layer] for layer in range(self.tiers.num_layers)]
+        groups = [[layer] for layer in range(tiers.num_layers)]
         # Copies into the destination blocks wait for the work queued on the engine's stream:
         # a forward pass still running may read those blocks for the requests that held them.
-        after = stream if self.tiers.layout.device.type == "cuda" else None
+        after = stream if tiers.layout.device.type == "cuda" else None
         for n, spec in enumerate(meta.loads):
             # The scheduler reserved these blocks when it matched them (CPU hits pinned, disk
             # hits being read into reserved CPU slots): give the reservation its destinations.
@@ -307,11 +314,12 @@ class WorkerCore:
     def wait_for_save(self, stream: Any) -> None:
         """Submit this step's offloads. They do not block: a CUDA copy is ordered after the
         forward pass on `stream`; completion is reported through get_finished."""
-        orch = self._orch("wait_for_save")
+        tiers = self._tiers("wait_for_save")
+        orch = tiers.orchestrator
         meta = self._meta("wait_for_save")
         if meta is None:
             return
-        after = stream if self.tiers.layout.device.type == "cuda" else None
+        after = stream if tiers.layout.device.type == "cuda" else None
         for spec in meta.saves:
             self._known.add(spec.request_id)
             # One offload per run of equal (priority, duration): the orchestrator takes one hint per call.

@@ -28,10 +28,10 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import canonical_format_id
-from vllm.v1.kv_offload.base import LookupResult, Medium, OffloadingEvent
+from vllm.v1.kv_offload.base import LookupResult, Medium, OffloadingEvent, OffloadKey
 
 from kvtier_rs._core import BlockIndex, DiskTier, HostPool, IndexFailedError, KvTierError
 from kvtier_rs.integrations.vllm import metrics as m
@@ -142,7 +142,7 @@ class _HostSide:
 _MEDIUM = {"cpu": Medium.CPU, "disk": Medium.STORAGE}
 
 
-class DiskLayer:
+class DiskLayer:  # noqa: PLR0904 - the manager's whole interface to the disk tier
     def __init__(
         self,
         disk: DiskTier,
@@ -197,6 +197,7 @@ class DiskLayer:
     ) -> DiskLayer:
         from kvtier_rs.integrations.vllm.options import DISK_TIER_KEYS, READER
 
+        assert options.disk_root is not None and options.disk_bytes is not None  # opened only with a disk tier
         path = tier_dir(options.disk_root, config, host.slot_bytes)
         _log_earlier_formats(path)
         # What only the tier can check (a capacity holding no slot of this chunk size, a
@@ -275,7 +276,7 @@ class DiskLayer:
             return
         for done in self.stager.poll():
             res = self._reads.pop(done.job_id, None)
-            ok = done.keys[: done.ok_prefix]
+            ok = cast("list[bytes]", done.keys[: done.ok_prefix])  # the keys promoted: vLLM's
             if ok:
                 self.promoted.update(ok)
                 if self.cost is not None:
@@ -300,9 +301,8 @@ class DiskLayer:
             if ev.kind == "removed" and ev.tier == "cpu":
                 self.promoted.difference_update(ev.keys)
             if self.events_enabled and ev.kind in ("stored", "removed"):
-                self._events.append(
-                    OffloadingEvent(keys=list(ev.keys), medium=_MEDIUM[ev.tier], removed=ev.kind == "removed")
-                )
+                keys = cast("list[OffloadKey]", list(ev.keys))  # the keys the manager gave: vLLM's
+                self._events.append(OffloadingEvent(keys=keys, medium=_MEDIUM[ev.tier], removed=ev.kind == "removed"))
 
     def release(self, keys: list[bytes] | None, req_context: Any) -> None:
         """Drop the request's reservation pins: on ``keys`` (it loads them now) or on all of them

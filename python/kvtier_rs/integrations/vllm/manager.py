@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Iterable
-from typing import Any
+from typing import Any, Protocol, cast
 
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
@@ -58,6 +58,14 @@ _PROBE_KEY = b"kvtier-lookup-probe"
 # (ARC moves the chunk to its frequent list), which a request's own store is not: for them a
 # finished request's stored-only chunks are refreshed (`BlockIndex.refresh`) instead.
 _RECENCY_ONLY_TOUCH = frozenset({"lru", "fifo", "priority"})
+
+
+class _LookupResultFn(Protocol):
+    """`BlockIndex.lookup_result` once its results are vLLM's LookupResult members."""
+
+    def __call__(self, key: OffloadKey, context: object = None, /) -> LookupResult: ...
+
+
 # Longest a quiet engine goes without a metrics report (see KvtierOffloadingManager.get_stats).
 STATS_INTERVAL_S = 1.0
 
@@ -142,7 +150,7 @@ def _pin_ready(index: BlockIndex, keys: list[OffloadKey]) -> list[OffloadKey]:
         return []  # nothing is evicted any more
 
 
-class KvtierOffloadingManager(OffloadingManager):
+class KvtierOffloadingManager(OffloadingManager):  # noqa: PLR0904 - vLLM's OffloadingManager interface
     """Scheduler-side manager over a kvtier ``BlockIndex`` of CPU chunk slots.
 
     ``lower``: an optional lower tier (kvtier's disk tier, see ``disk_layer``). Chunks that become
@@ -179,9 +187,11 @@ class KvtierOffloadingManager(OffloadingManager):
                 raise InvalidArgumentError(
                     "invalid argument `cpu_index`: its lookup results were set to other objects"
                 ) from None
-        self._lookup_result = cpu_index.lookup_result
+        # Answers with the LookupResult members set above; the context is ignored.
+        self._lookup_result = cast(_LookupResultFn, cpu_index.lookup_result)
         if lower is None:
-            self.lookup = self._lookup_result  # type: ignore[method-assign]
+            # The bound Rust call replaces the method on this instance (mypy types it unbound).
+            self.lookup = self._lookup_result  # type: ignore[method-assign, assignment]
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         self._generation = 0
         # Keys now in the CPU tier because a disk read put them there: their next load is
@@ -343,8 +353,9 @@ class KvtierOffloadingManager(OffloadingManager):
             # None: vLLM takes None as "cannot store now" and would count an allocation
             # failure and offer the same chunks again on every step, for good.
             return PrepareStoreOutput(keys_to_store=[], store_spec=CPULoadStoreSpec([]), evicted_keys=[])
-        to_store = out.keys
-        evicted = out.evicted
+        # The index hands back the keys it was given, vLLM's OffloadKeys.
+        to_store = cast("list[OffloadKey]", out.keys)
+        evicted = cast("list[OffloadKey]", out.evicted)
         if evicted:
             if self._from_lower:
                 self._from_lower.difference_update(evicted)
@@ -355,7 +366,7 @@ class KvtierOffloadingManager(OffloadingManager):
         # Recorded as vLLM's manager does: the chunks placed now (stored only, unless the
         # request reuses them later) and those offered again while ready (a reuse). Chunks still
         # being written for another request, or refused by admission, are not this one's.
-        skipped = out.skipped
+        skipped = cast("list[OffloadKey]", out.skipped)
         if skipped:
             ready = [k for k, ok in zip(skipped, self._cpu.contains(skipped), strict=True) if ok]
             mine = set(to_store).union(ready)

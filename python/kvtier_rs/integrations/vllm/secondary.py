@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from vllm.platforms import current_platform
@@ -36,6 +36,7 @@ from vllm.v1.kv_offload.base import (
     LookupResult,
     Medium,
     OffloadingWorker,
+    OffloadKey,
     ReqContext,
     RequestOffloadingContext,
 )
@@ -123,10 +124,14 @@ class KvtierDiskTier(SecondaryTierManager):
                 self.pool = None
                 raise
         # disk job id -> (vLLM job id, keys, True for a read)
-        self._jobs: dict[int, tuple[int, list[bytes], bool]] = {}
+        self._jobs: dict[int, tuple[int, list[OffloadKey], bool]] = {}
         self._done: list[JobResult] = []
         self._last_stats: dict[str, int] = {}
         self.counters = {"loads": 0, "stores": 0, "stores_no_space": 0, "failed_reads": 0}
+
+    def _live_pool(self) -> HostPool:
+        assert self.pool is not None, "the tier was shut down"
+        return self.pool
 
     # ---- SecondaryTierManager ---------------------------------------------------------------
 
@@ -137,8 +142,9 @@ class KvtierDiskTier(SecondaryTierManager):
         # vLLM keeps the rows pinned (ref_cnt + 1) until this job is reported: the disk tier
         # reads them in place. Keys already on disk are skipped by the disk tier itself.
         keys = list(job_metadata.keys)
+        pool = self._live_pool()
         try:
-            ticket = self.disk.submit_write(keys, self.pool, np.asarray(job_metadata.chunk_ids).tolist())
+            ticket = self.disk.submit_write(keys, pool, np.asarray(job_metadata.chunk_ids).tolist())
         except IndexFailedError:
             ticket = None  # the disk tier's index disabled itself: it stores nothing any more
         except NoSpaceError:
@@ -155,14 +161,16 @@ class KvtierDiskTier(SecondaryTierManager):
                 self.disk.try_take(ticket.job_id)
             self._done.append(JobResult(job_metadata.job_id, success=True))
             return
-        self._jobs[ticket.job_id] = (job_metadata.job_id, list(ticket.keys), False)
+        # The disk tier hands back the keys it was given: vLLM's OffloadKeys.
+        self._jobs[ticket.job_id] = (job_metadata.job_id, cast("list[OffloadKey]", list(ticket.keys)), False)
         self.counters["stores"] += len(ticket.keys)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         # The rows were allocated for this promotion (ref_cnt -1): read straight into them.
         keys = list(job_metadata.keys)
+        pool = self._live_pool()
         try:
-            job = self.disk.submit_read(keys, self.pool, np.asarray(job_metadata.chunk_ids).tolist())
+            job = self.disk.submit_read(keys, pool, np.asarray(job_metadata.chunk_ids).tolist())
         except KvTierError:
             # The tier is closed or failed: the promotion fails, its keys become misses.
             self.counters["failed_reads"] += len(keys)
@@ -189,7 +197,7 @@ class KvtierDiskTier(SecondaryTierManager):
                     JobResult(
                         job_id,
                         success=r.success,
-                        successful_keys=None if r.success else list(r.ok_keys),
+                        successful_keys=None if r.success else cast("list[OffloadKey]", list(r.ok_keys)),
                         transfer_time=r.seconds,
                         transfer_bytes=r.bytes,
                     )
@@ -232,11 +240,13 @@ class KvtierTieringOffloadingSpec(TieringOffloadingSpec):
         extra = dict(config.extra_config)
         extra["cpu_bytes_to_use"] = cpu_bytes_to_use(extra)
         super().__init__(dataclasses.replace(config, extra_config=extra))
+        # kvtier's worker where vLLM's refuses the platform (vLLM's `_worker` slot is typed for its own).
+        self._kvtier_worker: KvtierWorker | None = None
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if current_platform.is_cuda_alike() or current_platform.is_xpu():
             return super().get_worker(kv_caches)
-        if self._worker is None:
+        if self._kvtier_worker is None:
             if self.config.canonical_layout:
                 raise InvalidArgumentError(
                     "kv_connector_extra_config['canonical_layout']: not supported by kvtier's CPU worker"
@@ -258,6 +268,7 @@ class KvtierTieringOffloadingSpec(TieringOffloadingSpec):
                     f"kvtier worker: the KV caches need {need} bytes per chunk, vLLM's shared region "
                     f"gives each worker {self.cpu_page_size_per_worker}"
                 )
+            assert region.mmap_obj is not None  # mapped by the constructor
             pool = HostPool.wrap(region.mmap_obj, self.kv_bytes_per_chunk)
             worker = KvtierWorker(
                 kv_caches, pool, self.blocks_per_chunk, slot_offset=rank * self.cpu_page_size_per_worker
@@ -266,5 +277,5 @@ class KvtierTieringOffloadingSpec(TieringOffloadingSpec):
             # drops it in shutdown before calling this: the mmap cannot close while exported.
             del pool
             worker.on_shutdown = region.cleanup
-            self._worker = worker
-        return self._worker
+            self._kvtier_worker = worker
+        return self._kvtier_worker

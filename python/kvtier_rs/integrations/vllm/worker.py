@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -42,15 +43,21 @@ from kvtier_rs.transfer.base import TransferResult as EngineResult
 # Under vLLM's logger, so that the lines reach vLLM's own log handler and format.
 log = logging.getLogger("vllm." + __name__)
 
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
 
 def chunk_bytes(kv_caches: CanonicalKVCaches, blocks_per_chunk: int) -> int:
     """Bytes one host slot needs: every tensor's (padded) page, times blocks per chunk."""
     return sum(int(t.page_size_bytes) for t in kv_caches.tensors) * blocks_per_chunk
 
 
-def group_layouts(kv_caches: CanonicalKVCaches, blocks_per_chunk: int, slot_offset: int = 0) -> list[BlockLayout]:
+def group_layouts(
+    kv_caches: CanonicalKVCaches, blocks_per_chunk: int, slot_offset: int = 0
+) -> list[BlockLayout | None]:
     """One ``BlockLayout`` per KV group, placing each tensor's pages at that tensor's area of a
-    host slot (``slot_offset`` is where this worker's part of a slot starts)."""
+    host slot (``slot_offset`` is where this worker's part of a slot starts); None for a group
+    with no offloaded layers."""
     bpc = int(blocks_per_chunk)
     area, off = [], slot_offset
     for t in kv_caches.tensors:
@@ -99,9 +106,9 @@ class _Pending:
     seals: np.ndarray | None = None
 
 
-def _compute_stream(layout: BlockLayout) -> object:
+def _compute_stream(layout: BlockLayout | None) -> object:
     """The stream the model computes on, for a layout on a CUDA device; None on the CPU."""
-    if layout.device.type != "cuda":
+    if layout is None or layout.device.type != "cuda":
         return None
     return torch.cuda.current_stream(layout.device)
 
@@ -130,7 +137,7 @@ class KvtierWorker(OffloadingWorker):
         rank: int = 0,
     ) -> None:
         self.bpc = int(blocks_per_chunk)
-        self.pool = pool
+        self.pool: HostPool | None = pool
         self.seals = seals
         self.rank = int(rank)
         self.layouts = group_layouts(kv_caches, self.bpc, slot_offset)
@@ -166,7 +173,7 @@ class KvtierWorker(OffloadingWorker):
         if b0 != len(block_ids) or c0 != len(chunk_slots):
             raise ValueError(f"spec mismatch: {len(block_ids)} blocks / {len(chunk_slots)} chunks, decoded {b0} / {c0}")
 
-    def _check_seals(self, host_spec: LoadStoreSpec) -> None:
+    def _check_seals(self, host_spec: CPULoadStoreSpec) -> None:
         """Refuse to load rows that do not hold the chunks the scheduler names: the scheduler's
         host memory would then not be this worker's (a process layout kvtier cannot serve),
         and loading would put another chunk's KV, or none, under the request's tokens."""
@@ -183,13 +190,16 @@ class KvtierWorker(OffloadingWorker):
                 "memory. Refusing to serve them"
             )
 
-    def _submit(self, job_id: int, gpu: GPULoadStoreSpec, host_spec: LoadStoreSpec, to_host: bool) -> None:
+    def _submit(self, job_id: int, gpu: GPULoadStoreSpec, spec: LoadStoreSpec, to_host: bool) -> None:
+        # The host side of every job is a CPU spec: vLLM's own, or kvtier's KvtierHostSpec.
+        host_spec = cast("CPULoadStoreSpec", spec)
         if not to_host:
             self._check_seals(host_spec)
         job = _Pending(time.perf_counter(), set())
-        if to_host and self.seals is not None and getattr(host_spec, "seals", None) is not None:
+        seals = getattr(host_spec, "seals", None)
+        if to_host and self.seals is not None and seals is not None:
             job.rows = np.asarray(host_spec.block_ids, dtype=np.int64)
-            job.seals = np.asarray(host_spec.seals, dtype=np.uint64)
+            job.seals = np.asarray(seals, dtype=np.uint64)
         self._pending[job_id] = job
         for g, blocks, slots, subs in self._positions(gpu, host_spec.block_ids):
             eng = self.engines[g]
@@ -228,7 +238,7 @@ class KvtierWorker(OffloadingWorker):
         if job.errors:
             # vLLM 0.32 treats a failed transfer as fatal (it asserts); say why first.
             log.error("kvtier: transfer job %d failed: %s", job_id, "; ".join(job.errors))
-        elif job.rows is not None and self.seals is not None:
+        elif job.rows is not None and job.seals is not None and self.seals is not None:
             # Sealed before vLLM hears of the job: the scheduler reads a row (for a load or a
             # disk write) only after the job is reported done.
             self.seals.seal(job.rows, job.seals, self.rank)
@@ -267,6 +277,7 @@ class KvtierWorker(OffloadingWorker):
                 continue
             for g, tid in list(job.parts):
                 eng = self.engines[g]
+                assert eng is not None  # only groups with an engine have jobs
                 for r in eng.wait([tid]):
                     self._record(g, r)
 
