@@ -73,7 +73,7 @@ Replay semantics:
 Output: --format table (default) or json (schema "kvtier.plan/1": "results" holds one entry per
 (policy, capacity): policy, capacity_blocks, hit_rate, hit_tokens, total_tokens, hit_blocks,
 total_blocks, gain_rate, all_block_hit_rate, underfilled, filled_late, ...; "ceiling" has the
-same fields; "bounds" says which rate opt and the ceiling bound; see the README for the rest).
+same fields; "bounds" says which rate opt and the ceiling bound; see docs/planner.md for the rest).
 --plot DIR writes miss_ratio_curves.png, reuse_time_histogram.png, reuse_distance_histogram.png.
 """
 
@@ -118,7 +118,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument(
         "--policies",
         default="fifo,lru,arc,opt",
-        help="policies to sweep (default %(default)s; also priority, s3fifo: slower, see README)",
+        help="policies to sweep (default %(default)s; also priority, s3fifo: slower, see docs/planner.md)",
     )
     r.add_argument(
         "--warmup",

@@ -1,4 +1,4 @@
-"""The documented metric series: the one list the collector exports, the README table shows
+"""The documented metric series: the one list the collector exports, the table in docs/operations.md shows
 (`python -m kvtier_rs.metrics` prints it) and the tests check against.
 
 Each series lists every label combination it exposes. The collector emits all of them from the
