@@ -972,14 +972,7 @@ impl TierIndex {
 
     /// Record a use of each resident key (policy recency/frequency), tail-first.
     pub fn touch(&self, keys: &[BlockKey]) {
-        let Ok(mut inner) = self.write() else { return };
-        let now = self.clock.now_ns();
-        let guard = Guard::new();
-        for k in keys.iter().rev() {
-            if let Some(r) = self.find(&k.as_probe(), &guard) {
-                self.touch_slot(&mut inner, r.slot, now);
-            }
-        }
+        self.each_resident_tail_first(keys, |me, inner, slot, now| me.touch_slot(inner, slot, now));
         self.stats.touches.fetch_add(keys.len() as u64, Ordering::Relaxed);
     }
 
@@ -987,13 +980,20 @@ impl TierIndex {
     /// tail-first like a touch, without counting a use (`EvictionPolicy::refresh`): how an
     /// engine restores prefix order for blocks a request only stored.
     pub fn refresh(&self, keys: &[BlockKey]) {
+        self.each_resident_tail_first(keys, |me, inner, slot, now| {
+            inner.policy.refresh(&Resident { slot, key_hash: me.slot_keys.key_hash(slot) }, now)
+        });
+    }
+
+    /// `apply` to the slot of each of `keys` that is resident, last key first, under the
+    /// writers' lock (nothing on a failed index).
+    fn each_resident_tail_first(&self, keys: &[BlockKey], mut apply: impl FnMut(&Self, &mut Inner, u32, u64)) {
         let Ok(mut inner) = self.write() else { return };
         let now = self.clock.now_ns();
         let guard = Guard::new();
         for k in keys.iter().rev() {
             if let Some(r) = self.find(&k.as_probe(), &guard) {
-                let resident = Resident { slot: r.slot, key_hash: self.slot_keys.key_hash(r.slot) };
-                inner.policy.refresh(&resident, now);
+                apply(self, &mut inner, r.slot, now);
             }
         }
     }
