@@ -799,6 +799,10 @@ impl TierIndex {
     /// store of a chain that is all present (a repeat), are left as they are: nothing of the
     /// chain's order changes, and a repeated offer is not a use. A block present twice in the
     /// batch is touched once, at its first (head-most) position.
+    ///
+    /// Each new block is inserted as an extension of the nearest block before it in the batch
+    /// that was present (`EvictionPolicy::insert_extending`), if any: where FIFO places it,
+    /// since a FIFO has no touches to rank the prefix by.
     #[inline]
     fn apply_chain_tail_first(
         &self,
@@ -812,6 +816,14 @@ impl TierIndex {
         let meta = (hint.priority, self.config.block_bytes, 0);
         let last_new = placed_pos.last().copied().unwrap_or(0);
         present.retain(|&(pos, _)| pos < last_new);
+        present.sort_unstable();
+        // Per new block, tail first: the slot of the nearest present block before it.
+        let mut prefixes: Vec<Option<u32>> = Vec::with_capacity(placed.len());
+        let mut before = present.iter().rev().peekable();
+        for &pos in placed_pos.iter().rev() {
+            while before.next_if(|&&(p, _)| p > pos).is_some() {}
+            prefixes.push(before.peek().map(|&&(_, slot)| slot));
+        }
         // By position, one entry per block (its first, head-most position). A chain stored
         // anew has none, and its loop below is inserts only.
         if present.len() > 1 {
@@ -820,13 +832,13 @@ impl TierIndex {
             present.sort_unstable();
         }
         let mut touches = present.iter().rev().peekable();
-        for (i, (k, slot)) in placed.iter().enumerate().rev() {
+        for ((i, (k, slot)), prefix) in placed.iter().enumerate().rev().zip(prefixes) {
             // The present blocks after this new one in the batch, tail first.
             while let Some(&(_, touched)) = touches.next_if(|&&(pos, _)| pos > placed_pos[i]) {
                 self.touch_slot(inner, touched, now);
             }
             let generation = self.occupy(inner, *slot, k, BlockState::Writing, meta);
-            self.publish(inner, *k, *slot, generation, hint, now);
+            self.publish(inner, *k, SlotRef { slot: *slot, generation }, prefix, hint, now);
         }
         for &(_, touched) in touches {
             self.touch_slot(inner, touched, now);
@@ -839,11 +851,19 @@ impl TierIndex {
         inner.policy.touch(&Resident { slot, key_hash: self.slot_keys.key_hash(slot) }, now);
     }
 
-    /// Make an occupied slot's block findable: map entry, policy entry.
-    fn publish(&self, inner: &mut Inner, key: BlockKey, slot: u32, generation: u32, hint: InsertHint, now: u64) {
+    /// Make an occupied slot's block findable: map entry, policy entry (as an extension of the
+    /// present block in slot `prefix`, if given).
+    fn publish(&self, inner: &mut Inner, key: BlockKey, at: SlotRef, prefix: Option<u32>, hint: InsertHint, now: u64) {
         debug_assert!(self.find(&key.as_probe(), &Guard::new()).is_none(), "a key was inserted twice");
-        self.map.insert(&key, SlotRef { slot, generation });
-        inner.policy.insert(&Resident::of(slot, &key), hint, now);
+        self.map.insert(&key, at);
+        let resident = Resident::of(at.slot, &key);
+        match prefix {
+            Some(p) => {
+                let prefix = Resident { slot: p, key_hash: self.slot_keys.key_hash(p) };
+                inner.policy.insert_extending(&resident, &prefix, hint, now);
+            }
+            None => inner.policy.insert(&resident, hint, now),
+        }
     }
 
     /// Put back a block found on disk at open (the disk tier's recovery): a Ready entry in
@@ -875,7 +895,7 @@ impl TierIndex {
             return Err(KvError::invalid("slot", format!("slot {slot} recovered twice")));
         }
         let generation = self.occupy(&mut inner, slot, &key, BlockState::Ready, (hint.priority, size, checksum));
-        self.publish(&mut inner, key, slot, generation, hint, now);
+        self.publish(&mut inner, key, SlotRef { slot, generation }, None, hint, now);
         Ok(())
     }
 

@@ -91,6 +91,31 @@ impl<K: DenseId, const N: usize> DenseLists<K, N> {
         ends.len += 1;
     }
 
+    /// Put `key` (on no list) just ahead of `at` on `at`'s list, with `aux`; at the back of
+    /// `list` when `at` is on none.
+    pub fn insert_before(&mut self, list: usize, key: K, at: &K, aux: u8) {
+        let Some(next) = self.node(at).copied() else {
+            return self.push_back(list, key, aux);
+        };
+        let (at_id, list) = (at.dense_id(), next.list as usize);
+        // Appended, then moved into place: the growth and the "listed twice" checks are push_back's.
+        self.push_back(list, key, aux);
+        let id = key.dense_id();
+        // Off the back (it is the tail, with `at` before it somewhere)...
+        let prev = self.nodes[id as usize].prev;
+        self.nodes[prev as usize].next = NIL;
+        self.ends[list].tail = prev;
+        // ...and in between `at`'s predecessor and `at`.
+        let before = self.nodes[at_id as usize].prev;
+        self.nodes[id as usize].prev = before;
+        self.nodes[id as usize].next = at_id;
+        self.nodes[at_id as usize].prev = id;
+        match before {
+            NIL => self.ends[list].head = id,
+            b => self.nodes[b as usize].next = id,
+        }
+    }
+
     /// Take `key` off its list; its list and aux, or None if it was on none.
     pub fn unlink(&mut self, key: &K) -> Option<(usize, u8)> {
         let n = *self.node(key)?;
@@ -158,6 +183,7 @@ mod tests {
         Push(usize, u32, u8),
         Unlink(u32),
         ToBack(u32),
+        Before(u32, u32, u8),
         SetAux(u32, u8),
         Clear,
     }
@@ -167,6 +193,7 @@ mod tests {
             4 => (0usize..3, 0u32..40, any::<u8>()).prop_map(|(l, k, a)| Op::Push(l, k, a)),
             2 => (0u32..40).prop_map(Op::Unlink),
             2 => (0u32..40).prop_map(Op::ToBack),
+            3 => (0u32..40, 0u32..40, any::<u8>()).prop_map(|(k, at, a)| Op::Before(k, at, a)),
             1 => (0u32..40, any::<u8>()).prop_map(|(k, a)| Op::SetAux(k, a)),
             1 => Just(Op::Clear),
         ]
@@ -209,6 +236,16 @@ mod tests {
                         if let Some((l, p)) = find(&model, k) {
                             let e = model[l].remove(p).unwrap();
                             model[l].push_back(e);
+                        }
+                    }
+                    Op::Before(k, at, a) => {
+                        if find(&model, k).is_none() {
+                            // On `at`'s list just ahead of it; list 0's back when `at` is unlisted.
+                            lists.insert_before(0, k, &at, a);
+                            match find(&model, at) {
+                                Some((l, p)) => model[l].insert(p, (k, a)),
+                                None => model[0].push_back((k, a)),
+                            }
                         }
                     }
                     Op::SetAux(k, a) => {

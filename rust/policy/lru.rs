@@ -1,4 +1,12 @@
 //! LRU and FIFO: one list in insertion order; LRU moves a key to the back on use, FIFO does not.
+//!
+//! FIFO evicts in order of first insertion: a hit (touch, refresh, renewal, a repeated store)
+//! never moves a key. A key that extends a cached chain (`insert_extending`) joins the chain's
+//! place in the queue, just ahead of the chain's block before it, rather than the back: a
+//! conversation leaves in the order its first blocks arrived, its newest blocks first, and a
+//! block never outlives the prefix that makes it reachable. Under prefix-tree rules (only
+//! leaves evicted) a key is then always ahead of its ancestors, so the front is a leaf. LRU
+//! ranks an extension through the touches of its present blocks and inserts at the back.
 
 use super::dense_lists::DenseLists;
 use super::{first_n_evictable, EvictionPolicy, InsertHint, PolicyKey, PolicyKind};
@@ -34,6 +42,14 @@ impl<K: PolicyKey> EvictionPolicy<K> for Lru<K> {
         // A resident key stays where it is.
         if self.order.list_of(key).is_none() {
             self.order.push_back(ORDER, *key, 0);
+        }
+    }
+
+    fn insert_extending(&mut self, key: &K, prefix: &K, hint: InsertHint, now_ns: u64) {
+        if self.refresh_on_touch {
+            self.insert(key, hint, now_ns);
+        } else if self.order.list_of(key).is_none() {
+            self.order.insert_before(ORDER, *key, prefix, 0);
         }
     }
 

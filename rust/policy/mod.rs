@@ -12,7 +12,8 @@
 //!   interior node of the prefix tree) is never chosen. `evictable` must give the same answer for
 //!   a key throughout one call.
 //! - Prefix awareness comes from the index: it applies a request's chain in reverse (tail first),
-//!   so every policy sees the head as the more recent and evicts the tail first.
+//!   so every policy sees the head as the more recent and evicts the tail first, and it names
+//!   the cached prefix of the blocks a store adds to a chain (`insert_extending`).
 
 mod arc;
 mod dense_lists;
@@ -75,6 +76,16 @@ pub trait EvictionPolicy<K: PolicyKey>: Send {
     fn kind(&self) -> PolicyKind;
     /// `key` became resident. Inserting a resident key is a caller bug; policies ignore it.
     fn insert(&mut self, key: &K, hint: InsertHint, now_ns: u64);
+    /// `key` became resident as an extension of a cached chain: `prefix` is the nearest block
+    /// before it in the same call (store, request) that was resident before the call. The
+    /// default is `insert`, right for every policy that ranks by use: the caller then touches
+    /// the chain's present blocks, which ranks them behind `key`. FIFO has no use to rank by
+    /// and puts `key` just ahead of `prefix` instead, so an extension leaves with its chain (and
+    /// before it), never after it. An unknown `prefix` makes it a plain `insert`.
+    fn insert_extending(&mut self, key: &K, prefix: &K, hint: InsertHint, now_ns: u64) {
+        let _ = prefix;
+        self.insert(key, hint, now_ns);
+    }
     /// `key` was used. Unknown keys are ignored.
     fn touch(&mut self, key: &K, now_ns: u64);
     /// `key`, resident, was claimed again with `hint` (TensorRT-LLM: "a later claim with a new

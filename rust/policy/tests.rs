@@ -11,6 +11,8 @@ use super::*;
 #[derive(Clone, Debug)]
 enum Op {
     Insert(u8, u8),
+    /// Insert the first key as an extension of a chain whose cached block is the second.
+    Extend(u8, u8),
     Touch(u8),
     Refresh(u8),
     Renew(u8, u8, Option<u64>),
@@ -23,6 +25,7 @@ enum Op {
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         4 => (0u8..24, prop_oneof![Just(35u8), 0u8..=100]).prop_map(|(k, p)| Op::Insert(k, p)),
+        2 => (0u8..24, 0u8..24).prop_map(|(k, at)| Op::Extend(k, at)),
         3 => (0u8..24).prop_map(Op::Touch),
         1 => (0u8..24).prop_map(Op::Refresh),
         1 => (0u8..24, 0u8..=100, prop_oneof![Just(None), Just(Some(25u64))]).prop_map(|(k, p, d)| Op::Renew(k, p, d)),
@@ -33,6 +36,13 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
+fn op_prefix(op: &Op) -> u8 {
+    match *op {
+        Op::Extend(_, at) => at,
+        _ => unreachable!("only extensions name a prefix"),
+    }
+}
+
 fn check_contract(kind: PolicyKind, ops: &[Op]) {
     let capacity = 8;
     let mut p: Box<dyn EvictionPolicy<u8>> = kind.build(capacity);
@@ -41,7 +51,7 @@ fn check_contract(kind: PolicyKind, ops: &[Op]) {
     for (now, op) in ops.iter().enumerate() {
         let now = now as u64 * 10;
         match *op {
-            Op::Insert(k, prio) => {
+            Op::Insert(k, _) | Op::Extend(k, _) => {
                 if resident.contains(&k) {
                     continue;
                 }
@@ -56,7 +66,10 @@ fn check_contract(kind: PolicyKind, ops: &[Op]) {
                         None => continue,
                     }
                 }
-                p.insert(&k, InsertHint { priority: prio, duration_ns: Some(25) }, now);
+                match *op {
+                    Op::Insert(_, prio) => p.insert(&k, InsertHint { priority: prio, duration_ns: Some(25) }, now),
+                    _ => p.insert_extending(&k, &op_prefix(op), InsertHint::default(), now),
+                }
                 resident.insert(k);
             }
             Op::Touch(k) => p.touch(&k, now),
@@ -123,6 +136,11 @@ proptest! {
                     p.insert(&k, InsertHint::default(), 0);
                     model.push(k);
                 }
+                // LRU ranks an extension as an insert: its touches come from the caller.
+                Op::Extend(k, at) if !model.contains(&k) && model.len() < 8 => {
+                    p.insert_extending(&k, &at, InsertHint::default(), 0);
+                    model.push(k);
+                }
                 Op::Touch(k) | Op::Refresh(k) => {
                     if matches!(op, Op::Touch(_)) { p.touch(&k, 0) } else { p.refresh(&k, 0) }
                     if let Some(i) = model.iter().position(|&x| x == k) {
@@ -143,6 +161,47 @@ proptest! {
                 }
                 _ => {}
             }
+        }
+    }
+
+    /// FIFO: first insertion order; nothing but an extension's prefix places a key elsewhere
+    /// than the back, and no use, refresh or renewal moves one.
+    #[test]
+    fn fifo_matches_vec_model(ops in proptest::collection::vec(op(), 1..120)) {
+        let mut p: Box<dyn EvictionPolicy<u8>> = PolicyKind::Fifo.build(8);
+        let mut model: Vec<u8> = Vec::new(); // front = first in
+        for op in ops {
+            match op {
+                Op::Insert(k, _) if !model.contains(&k) && model.len() < 8 => {
+                    p.insert(&k, InsertHint::default(), 0);
+                    model.push(k);
+                }
+                Op::Extend(k, at) if !model.contains(&k) && model.len() < 8 => {
+                    p.insert_extending(&k, &at, InsertHint::default(), 0);
+                    match model.iter().position(|&x| x == at) {
+                        Some(i) => model.insert(i, k),
+                        None => model.push(k),
+                    }
+                }
+                Op::Touch(k) => p.touch(&k, 0),
+                Op::Refresh(k) => p.refresh(&k, 0),
+                Op::Renew(k, prio, d) => p.renew(&k, InsertHint { priority: prio, duration_ns: d }, 0),
+                Op::Remove(k) => {
+                    p.remove(&k);
+                    model.retain(|&x| x != k);
+                }
+                Op::Evict(n) => {
+                    let got = p.select_victims(n as usize, 0, &mut |_| true);
+                    if model.len() >= n as usize {
+                        let want: Vec<u8> = model.drain(..n as usize).collect();
+                        prop_assert_eq!(got, Some(want));
+                    } else {
+                        prop_assert_eq!(got, None);
+                    }
+                }
+                _ => {}
+            }
+            prop_assert_eq!(p.len(), model.len());
         }
     }
 }

@@ -16,7 +16,9 @@
 //!   therefore only admitted when its parent (the previous block of the chain) is cached.
 //! - Apply: the policy then sees the request's chain tail first, as the live index applies it
 //!   and as vLLM frees a finished request's blocks: `insert` for blocks placed by this request,
-//!   `touch` for the rest, so the head of a chain is always more recent than its tail.
+//!   `touch` for the rest, so the head of a chain is always more recent than its tail. A placed
+//!   block extends the nearest block before it that the request did not place
+//!   (`insert_extending`): FIFO puts it just ahead of that block in its queue.
 //! - Hit rate is token-weighted over the measured requests (all but the first `warmup` share).
 //! - `opt` needs a prefix-chained trace (each block id always follows the same one) and refuses
 //!   any other: only there is Belady a bound on every policy's block hits.

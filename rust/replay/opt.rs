@@ -49,7 +49,7 @@ impl Strategy for Opt<'_> {
         self.leaves.insert((self.nu[k as usize], k));
     }
 
-    fn apply(&mut self, _cache: &Cache, _k: u32, _placed: bool, _now_ns: u64) {}
+    fn apply(&mut self, _cache: &Cache, _k: u32, _placed: bool, _prefix: u32, _now_ns: u64) {}
 
     fn request_done(&mut self, cache: &Cache, trace: &Trace, r: usize) {
         // Every resident block of the request was used now (hit, placed, or, in flat mode,

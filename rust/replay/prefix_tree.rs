@@ -2,7 +2,6 @@
 //! per-request lookup / placement / apply steps. Victim choice is delegated to a `Strategy`:
 //! one of the core's `EvictionPolicy` implementations (online) or Belady (`opt`).
 
-use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::opt::Opt;
@@ -71,6 +70,9 @@ pub(crate) struct Cache {
     placed: Vec<u32>,
     applied: Vec<u32>,
     uses: Vec<u32>,
+    /// Per position of the request being applied: the nearest block before it that this
+    /// request did not place (NONE: none), the prefix a placed block extends.
+    prefixes: Vec<u32>,
     admission: AdmissionRule,
     /// The request whose placement first filled the cache.
     filled_at: Option<u32>,
@@ -92,6 +94,7 @@ impl Cache {
             placed: vec![0; n_keys],
             applied: vec![0; n_keys],
             uses: vec![0; n_keys],
+            prefixes: Vec::new(),
             admission,
             filled_at: None,
             insertions: 0,
@@ -200,12 +203,21 @@ impl Cache {
         if self.len >= self.capacity && self.filled_at.is_none() {
             self.filled_at = Some(r as u32);
         }
+        let mut prefix = NONE;
+        self.prefixes.clear();
+        for &k in &keys[..end] {
+            self.prefixes.push(prefix);
+            if self.placed[k as usize] != stamp {
+                prefix = k;
+            }
+        }
         // Tail first, each key once: the head of the chain ends up the most recent.
-        for &k in keys[..end].iter().rev() {
+        for (i, &k) in keys[..end].iter().enumerate().rev() {
             let ki = k as usize;
             if self.applied[ki] != stamp {
                 self.applied[ki] = stamp;
-                strat.apply(self, k, self.placed[ki] == stamp, now);
+                let placed = self.placed[ki] == stamp;
+                strat.apply(self, k, placed, if placed { self.prefixes[i] } else { NONE }, now);
             }
         }
         strat.request_done(self, trace, r);
@@ -222,8 +234,10 @@ pub(crate) trait Strategy {
     fn leaf_lost(&mut self, _cache: &Cache, _k: u32) {}
     /// `k` lost its last cached child (eviction).
     fn leaf_gained(&mut self, _cache: &Cache, _k: u32) {}
-    /// The request's chain, tail first: `placed` for blocks this request inserted.
-    fn apply(&mut self, cache: &Cache, k: u32, placed: bool, now_ns: u64);
+    /// The request's chain, tail first: `placed` for blocks this request inserted, with the
+    /// block they extend (`prefix`: the nearest one before them in the request that was
+    /// cached before it; NONE: none, and always for blocks not placed).
+    fn apply(&mut self, cache: &Cache, k: u32, placed: bool, prefix: u32, now_ns: u64);
     fn request_done(&mut self, _cache: &Cache, _trace: &Trace, _r: usize) {}
 }
 
@@ -245,55 +259,13 @@ impl Strategy for Online {
         // must answer the same for a key throughout one call.
         self.policy.select_victims(1, now_ns, &mut |k: &u32| cache.evictable(*k, stamp)).map(|v| v[0])
     }
-    fn apply(&mut self, _cache: &Cache, k: u32, placed: bool, now_ns: u64) {
-        if placed {
+    fn apply(&mut self, _cache: &Cache, k: u32, placed: bool, prefix: u32, now_ns: u64) {
+        if placed && prefix != NONE {
+            self.policy.insert_extending(&k, &prefix, InsertHint::default(), now_ns);
+        } else if placed {
             self.policy.insert(&k, InsertHint::default(), now_ns);
         } else {
             self.policy.touch(&k, now_ns);
-        }
-    }
-}
-
-/// FIFO over evictable blocks: the victim is the block inserted earliest (the core FIFO's
-/// order: `insert` calls, made in the apply step) among leaves outside the current request.
-pub(crate) struct LeafFifo {
-    seq: u64,
-    inserted_at: Vec<u64>,
-    in_policy: Vec<bool>,
-    candidates: BTreeSet<(u64, u32)>,
-}
-
-impl LeafFifo {
-    pub(crate) fn new(n_keys: usize) -> Self {
-        LeafFifo { seq: 0, inserted_at: vec![0; n_keys], in_policy: vec![false; n_keys], candidates: BTreeSet::new() }
-    }
-}
-
-impl Strategy for LeafFifo {
-    fn victim(&mut self, cache: &Cache, stamp: u32, _incoming: usize, _now_ns: u64) -> Option<u32> {
-        // Only this request's own blocks can be skipped here, so the scan stays short.
-        let found = self.candidates.iter().find(|&&(_, k)| cache.evictable(k, stamp)).copied()?;
-        self.candidates.remove(&found);
-        self.in_policy[found.1 as usize] = false;
-        Some(found.1)
-    }
-    fn leaf_lost(&mut self, _cache: &Cache, k: u32) {
-        self.candidates.remove(&(self.inserted_at[k as usize], k));
-    }
-    fn leaf_gained(&mut self, _cache: &Cache, k: u32) {
-        if self.in_policy[k as usize] {
-            self.candidates.insert((self.inserted_at[k as usize], k));
-        }
-    }
-    fn apply(&mut self, cache: &Cache, k: u32, placed: bool, _now_ns: u64) {
-        if placed {
-            let ki = k as usize;
-            self.seq += 1;
-            self.inserted_at[ki] = self.seq;
-            self.in_policy[ki] = true;
-            if cache.mode() == Mode::Flat || cache.children(k) == 0 {
-                self.candidates.insert((self.seq, k));
-            }
         }
     }
 }
@@ -305,7 +277,7 @@ impl Strategy for Unbounded {
     fn victim(&mut self, _: &Cache, _: u32, _: usize, _: u64) -> Option<u32> {
         None
     }
-    fn apply(&mut self, _: &Cache, _: u32, _: bool, _: u64) {}
+    fn apply(&mut self, _: &Cache, _: u32, _: bool, _: u32, _: u64) {}
 }
 
 /// Which replay to run.
@@ -332,14 +304,6 @@ pub fn replay_one(
         return Err(KvError::invalid("capacity", "must be at least 1 block"));
     }
     Ok(match which {
-        // FIFO through the core's `Lru::fifo` rescans every interior block at the queue's
-        // head on each eviction (they never move), which is quadratic on multi-turn traces;
-        // `LeafFifo` keeps the same victim order with an index of leaves (checked equal to
-        // the core policy by `leaf_fifo_equals_core_fifo`).
-        Replayer::Policy(PolicyKind::Fifo) => {
-            let mut cache = Cache::new(trace.n_keys(), capacity, mode, admission);
-            run(trace, &mut cache, &mut LeafFifo::new(trace.n_keys()), warmup, progress, true)
-        }
         Replayer::Policy(kind) => {
             let mut cache = Cache::new(trace.n_keys(), capacity, mode, admission);
             run(trace, &mut cache, &mut Online::new(kind, capacity, trace.n_keys()), warmup, progress, true)

@@ -181,3 +181,42 @@ TestArc = make_machine("arc", key_domain=16).TestCase
 TestPriority = make_machine("priority").TestCase
 TestS3Fifo = make_machine("s3fifo", key_domain=40).TestCase
 TestLruWithPriorityAdmission = make_machine("lru", min_priority=30).TestCase
+
+
+@pytest.mark.parametrize("side", ["index", "model"])
+def test_fifo_by_hand_an_extension_leaves_with_its_chain(side):
+    # Capacity 4, stores of chains given head first, inserted tail first:
+    #   [H, T]     -> queue T, H              (T first in: the tail leaves first)
+    #   [X]        -> queue T, H, X
+    #   [H, T, U]  -> U extends the stored chain: it takes the chain's place, just ahead of T
+    #                 (the present block before it), not the back: queue U, T, H, X.
+    #                 H and T are hits and do not move.
+    #   [Y] evicts U, [Z] evicts T, [W] evicts H: the chain leaves in the order it arrived,
+    #   its extension first, and the extension never outlives its prefix.
+    # Without the rule U went to the back (queue T, H, X, U) and the same stores evicted T, H, X,
+    # leaving U cached behind a missing prefix.
+    H, T, X, U, Y, Z, W = 1, 2, 3, 4, 5, 6, 7
+    if side == "index":
+        ix = kv.BlockIndex(4, policy="fifo", admission="always")
+
+        def store(keys):
+            out = ix.prepare_store(keys)
+            ix.complete_store(out.keys, True)
+            return list(out.evicted)
+    else:
+        ix = IndexModel(4, "fifo")
+
+        def store(keys):
+            *_, evicted = ix.prepare_store(keys)
+            ix.complete_store(keys, True)
+            return evicted
+
+    assert store([H, T]) == []
+    assert store([X]) == []
+    assert store([H, T, U]) == []
+    assert ix.lookup_prefix([H, T, U]) == 3
+    assert store([Y]) == [U]
+    assert ix.lookup_prefix([H, T, U]) == 2
+    assert store([Z]) == [T]
+    assert store([W]) == [H]
+    assert ix.lookup_prefix([X]) == 1

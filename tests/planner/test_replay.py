@@ -176,6 +176,23 @@ def test_random_chained_traces_equal_reference(reqs, cap, mode, warmup, admit):
         assert all(r["all_hit_blocks"] <= opt for r in res[:-1])
 
 
+@pytest.mark.parametrize("side", ["rust", "reference"])
+def test_fifo_by_hand_in_prefix_tree_mode(side):
+    # Capacity 3, tree mode, chains applied tail first; the queue's front is the next victim.
+    #   [1,2] -> queue 2, 1;  [3] -> 2, 1, 3 (full)
+    #   [1,4]: hit 1; 2 goes; 4 extends the cached 1: just ahead of it -> 4, 1, 3 (1 not moved)
+    #   [5,6]: 4 goes, then 1 (now a leaf) -> 3, 6, 5
+    #   [1,7]: 1 misses; 3 goes, then 6 (5 is not a leaf)
+    # One block hit (r2), victims 2, 4, 1, 3, 6. LRU keeps the reused 1: two hits, four victims.
+    reqs = [([1, 2], 8), ([3], 4), ([1, 4], 8), ([5, 6], 8), ([1, 7], 8)]
+    for policy, want in [("fifo", (1, 5)), ("lru", (2, 4))]:
+        if side == "rust":
+            got = rust(to_trace(reqs), policy, 3, warmup=0.0)
+        else:
+            got = ref.replay(reqs, 4, policy, 3, warmup=0.0)
+        assert (got["all_hit_blocks"], got["evictions"]) == want, policy
+
+
 def test_bad_arguments_name_the_argument():
     trace = to_trace([([1, 2], 8)])
     with pytest.raises(InvalidArgumentError, match="policy"):

@@ -22,7 +22,19 @@ def at_least(n: int, items) -> bool:
     return sum(1 for _ in islice(items, n)) == n
 
 
+class PlainExtension:
+    """`insert_extending` for the policies that rank by use: a plain insert (the index then
+    touches the chain's present blocks, which ranks them behind the new key)."""
+
+    def insert_extending(self, key, prefix, priority, duration_ns, now):
+        self.insert(key, priority, duration_ns, now)
+
+
 class FifoModel:
+    """First insertion order; a hit never moves a key. A key that extends a cached chain goes
+    just ahead of `prefix` (the nearest block before it in the store that was present), so it
+    leaves with its chain and before it; LRU (`refresh_on_touch`) puts it at the back."""
+
     refresh_on_touch = False
 
     def __init__(self, capacity: int) -> None:
@@ -30,6 +42,14 @@ class FifoModel:
 
     def insert(self, key, priority, duration_ns, now):
         self.order.setdefault(key, None)
+
+    def insert_extending(self, key, prefix, priority, duration_ns, now):
+        if self.refresh_on_touch or prefix not in self.order or key in self.order:
+            self.insert(key, priority, duration_ns, now)
+            return
+        keys = list(self.order)
+        keys.insert(keys.index(prefix), key)
+        self.order = OrderedDict.fromkeys(keys)
 
     def touch(self, key, now):
         if self.refresh_on_touch and key in self.order:
@@ -63,7 +83,7 @@ class LruModel(FifoModel):
     refresh_on_touch = True
 
 
-class ArcModel:
+class ArcModel(PlainExtension):
     def __init__(self, capacity: int) -> None:
         self.c = max(1, capacity)
         self.p = 0
@@ -141,7 +161,7 @@ class ArcModel:
         return set(self.t1) | set(self.t2)
 
 
-class PriorityModel:
+class PriorityModel(PlainExtension):
     def __init__(self, capacity: int) -> None:
         self.seq = 0
         self.meta: dict = {}  # key -> [level, seq, expires_at or None]
@@ -190,7 +210,7 @@ class PriorityModel:
         return set(self.meta)
 
 
-class S3FifoModel:
+class S3FifoModel(PlainExtension):
     def __init__(self, capacity: int) -> None:
         self.c = max(1, capacity)
         self.small: OrderedDict = OrderedDict()  # key -> freq
@@ -339,6 +359,7 @@ class IndexModel:
         # The chain is applied tail first: each new key inserted, and each key present before
         # the store that comes before the last new key touched, once, at its first position; so
         # the head ranks as the most recent even when the store extends a stored chain.
+        # A new key extends the chain of the nearest key before it that was present, if any.
         new_slot = dict(placed)
         last_new = max((keys.index(k) for k in new_slot), default=-1)
         done = set()
@@ -346,7 +367,11 @@ class IndexModel:
             k = keys[i]
             if k in new_slot and k not in done and keys.index(k) == i:
                 self.entries[k] = {"state": "writing", "pins": 0, "slot": new_slot[k]}
-                self.policy.insert(k, priority, duration_ns, self.now)
+                prefix = next((p for p in reversed(keys[:i]) if p in present_before), None)
+                if prefix is None:
+                    self.policy.insert(k, priority, duration_ns, self.now)
+                else:
+                    self.policy.insert_extending(k, prefix, priority, duration_ns, self.now)
                 done.add(k)
             elif k in present_before and i < last_new and keys.index(k) == i:
                 self.policy.touch(k, self.now)

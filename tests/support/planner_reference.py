@@ -9,6 +9,8 @@ Semantics (as documented in `kvtier plan --help`):
   when the cache is full, one victim is chosen among cached blocks outside the request (leaves
   only in tree mode); placement stops at the first block that cannot be placed;
 - apply: the chain tail first, each key once: insert blocks placed by this request, touch others;
+  a placed block extends the nearest block before it that the request did not place (FIFO puts
+  it just ahead of that block in its queue, see models.FifoModel);
 - opt: evict the candidate with the farthest next use (ties: the key first seen latest); refuse a
   block whose next use is later than that candidate's.
 """
@@ -29,6 +31,9 @@ class _OneVictimAtATime:
 
     def insert(self, k):
         self.model.insert(k, DEFAULT_PRIORITY, None, 0)
+
+    def insert_extending(self, k, prefix):
+        self.model.insert_extending(k, prefix, DEFAULT_PRIORITY, None, 0)
 
     def touch(self, k):
         self.model.touch(k, 0)
@@ -131,10 +136,18 @@ class Cache:
                     self.nu[k] = self.next[r][i]
         elif self.policy_name != "ceiling":
             seen: set = set()
-            for k in reversed(keys[:end]):
-                if k not in seen:
-                    seen.add(k)
-                    (self.pol.insert if k in placed else self.pol.touch)(k)
+            for i in range(end - 1, -1, -1):
+                k = keys[i]
+                if k in seen:
+                    continue
+                seen.add(k)
+                prefix = next((p for p in reversed(keys[:i]) if p not in placed), None)
+                if k not in placed:
+                    self.pol.touch(k)
+                elif prefix is None:
+                    self.pol.insert(k)
+                else:
+                    self.pol.insert_extending(k, prefix)
         return hits
 
     def _victim(self, r, pos, evictable):

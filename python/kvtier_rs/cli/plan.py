@@ -38,7 +38,9 @@ Replay semantics:
     Then the policy sees the request's chain tail first (insert for new blocks, touch for the
     rest), as the live index applies it. --mode flat drops the tree rules (any block may be
     admitted or evicted; hits must still be contiguous).
-  - Policies: fifo, lru, arc, priority (no priorities in traces: all blocks at the default level),
+  - Policies: fifo (first in, first out: a hit never moves a block; blocks a request adds under a
+    cached prefix join that prefix's place in the queue, so a chain leaves in the order it first
+    arrived), lru, arc, priority (no priorities in traces: all blocks at the default level),
     s3fifo (scan-resistant), and opt (Belady: evict the leaf whose next use is farthest; do not
     admit a block whose next use is later than every evictable leaf's). opt bounds the block
     hits of every policy at the same capacity over the whole replay (all_block_hit_rate,
