@@ -117,6 +117,19 @@ fn check_contract(kind: PolicyKind, ops: &[Op]) {
     }
 }
 
+/// `n` victims from `p`, checked against the front of a queue model (front = next victim),
+/// which loses them too; None from both when fewer than `n` are left.
+fn evicts_like_the_model(p: &mut dyn EvictionPolicy<u8>, model: &mut Vec<u8>, n: u8) -> Result<(), TestCaseError> {
+    let got = p.select_victims(n as usize, 0, &mut |_| true);
+    if model.len() >= n as usize {
+        let want: Vec<u8> = model.drain(..n as usize).collect();
+        prop_assert_eq!(got, Some(want));
+    } else {
+        prop_assert_eq!(got, None);
+    }
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(200))]
     #[test]
@@ -150,15 +163,7 @@ proptest! {
                 }
                 // Not a use: LRU's order ignores the hint, so a renewal leaves it as it was.
                 Op::Renew(k, prio, d) => p.renew(&k, InsertHint { priority: prio, duration_ns: d }, 0),
-                Op::Evict(n) => {
-                    let got = p.select_victims(n as usize, 0, &mut |_| true);
-                    if model.len() >= n as usize {
-                        let want: Vec<u8> = model.drain(..n as usize).collect();
-                        prop_assert_eq!(got, Some(want));
-                    } else {
-                        prop_assert_eq!(got, None);
-                    }
-                }
+                Op::Evict(n) => evicts_like_the_model(p.as_mut(), &mut model, n)?,
                 _ => {}
             }
         }
@@ -190,15 +195,7 @@ proptest! {
                     p.remove(&k);
                     model.retain(|&x| x != k);
                 }
-                Op::Evict(n) => {
-                    let got = p.select_victims(n as usize, 0, &mut |_| true);
-                    if model.len() >= n as usize {
-                        let want: Vec<u8> = model.drain(..n as usize).collect();
-                        prop_assert_eq!(got, Some(want));
-                    } else {
-                        prop_assert_eq!(got, None);
-                    }
-                }
+                Op::Evict(n) => evicts_like_the_model(p.as_mut(), &mut model, n)?,
                 _ => {}
             }
             prop_assert_eq!(p.len(), model.len());

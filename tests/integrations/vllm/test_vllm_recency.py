@@ -162,11 +162,15 @@ def test_out_of_order_stores_keep_the_prefix_head_longest(policy, store_jobs):
     assert both(scenario) == [K3, K2]
 
 
+# Two KV-cache groups of a two-chunk prefix, and the end-token position of each chunk.
+G0 = [key(1, 0), key(2, 0)]
+G1 = [key(1, 1), key(2, 1)]
+GROUP_POSITIONS = {G0[0]: 32, G0[1]: 64, G1[0]: 32, G1[1]: 64}
+
+
 @pytest.mark.parametrize("policy", ["lru", "arc"])
 def test_hybrid_groups_keep_every_group_s_head_over_any_tail(policy):
-    g0 = [key(1, 0), key(2, 0)]
-    g1 = [key(1, 1), key(2, 1)]
-    positions = {g0[0]: 32, g0[1]: 64, g1[0]: 32, g1[1]: 64}
+    g0, g1, positions = G0, G1, GROUP_POSITIONS
 
     def scenario(make: Manager) -> list[bytes]:
         mg = make(4, policy)
@@ -180,9 +184,7 @@ def test_hybrid_groups_keep_every_group_s_head_over_any_tail(policy):
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])
 def test_reused_chunks_of_hybrid_groups_rank_by_position(policy):
-    g0 = [key(1, 0), key(2, 0)]
-    g1 = [key(1, 1), key(2, 1)]
-    positions = {g0[0]: 32, g0[1]: 64, g1[0]: 32, g1[1]: 64}
+    g0, g1, positions = G0, G1, GROUP_POSITIONS
 
     def scenario(make: Manager) -> list[bytes]:
         mg = make(4, policy)
