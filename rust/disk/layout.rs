@@ -9,10 +9,11 @@
 //!
 //! The header sits *after* the payload so that a read is one positioned vector read of one
 //! contiguous range: the payload lands straight in a host-pool slot and the header in a small
-//! aligned buffer, with no bounce copy. A write is two linked writes, payload first and header
-//! second, so a header on disk normally means its payload was written in full; the checksum
-//! catches the cases where that ordering does not hold (power loss, a write torn by a fatal
-//! signal, tampering).
+//! aligned buffer, with no bounce copy. A write is the same: one vectored write of payload and
+//! header, one op per block (two linked writes, header after payload, halved the blocks in the
+//! device's queue at small block sizes). The device may persist the two parts in any order, so
+//! a header on disk does not prove its payload: the payload checksum in the header does, and
+//! every read checks it (power loss, a write torn by a fatal signal, tampering).
 //!
 //! Header fields (little endian):
 //!

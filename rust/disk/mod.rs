@@ -1193,20 +1193,14 @@ impl Shared {
                 Ok(())
             }) as PrepFn
         };
-        let ops = vec![
-            IoOp {
-                kind: OpKind::Write,
-                file: file.clone(),
-                offset: payload_off,
-                bufs: vec![IoBuf { ptr: src, len: geo.data_bytes }],
-            },
-            IoOp {
-                kind: OpKind::Write,
-                file,
-                offset: payload_off + geo.data_bytes as u64,
-                bufs: vec![IoBuf { ptr: ctx.header.ptr(), len: HEADER_BYTES }],
-            },
-        ];
+        // One vectored write of payload and header: the slot is one contiguous range, and one
+        // op per block keeps as many blocks in the device's queue as the queue depth allows.
+        let ops = vec![IoOp {
+            kind: OpKind::Write,
+            file,
+            offset: payload_off,
+            bufs: vec![IoBuf { ptr: src, len: geo.data_bytes }, IoBuf { ptr: ctx.header.ptr(), len: HEADER_BYTES }],
+        }];
         let done = {
             let (me, job) = (self.clone(), job.clone());
             Box::new(move |res: Result<(), IoFailure>| {

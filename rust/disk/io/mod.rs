@@ -1,10 +1,11 @@
 //! I/O engines behind one interface.
 //!
 //! The disk tier hands an engine *chains*: a few positioned vector reads or writes on slab files
-//! that must run in order (payload before header), an optional `prep` step run on the engine's
-//! thread just before the first op (the write checksum, so the caller's thread never spends
-//! time on it), and a `done` callback run on the engine's thread when the chain finished or
-//! failed. A chain stops at its first failed or short op.
+//! that run in order, an optional `prep` step run on the engine's thread just before the first
+//! op (the write checksum, so the caller's thread never spends time on it), and a `done`
+//! callback run on the engine's thread when the chain finished or failed. A chain stops at its
+//! first failed or short op. The tier's own chains are one op each (a slot's payload and header
+//! are one contiguous range).
 //!
 //! Two engines: `pool` (positioned I/O on a thread pool; works everywhere) and `io_uring`
 //! (one ring thread, ops of a chain linked with IOSQE_IO_LINK). `auto` takes the pool where

@@ -112,8 +112,8 @@ fn a_chain_settles_like_the_pool_engine_runs_it() {
     let (page, cancelled) = (PAGE as i32, -libc::ECANCELED);
     // Both ops complete.
     assert_eq!(settled(0, [8 * page, 2 * page], &mut [0, 0]), Settled::Done(Ok(())));
-    // The payload write stops at a page boundary (the kernel cancels the linked header write):
-    // it goes on from there, then the header follows.
+    // The first op stops at a page boundary (the kernel cancels the op linked after it): it
+    // goes on from there, then the second follows.
     let mut moved = [0, 0];
     assert_eq!(settled(0, [3 * page, cancelled], &mut moved), Settled::GoOnFrom(0));
     assert_eq!(moved, [3 * PAGE, 0]);

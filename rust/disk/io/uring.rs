@@ -1,8 +1,9 @@
 //! io_uring engine: one ring thread owns the ring. Chains arrive through a queue; an eventfd
 //! read kept armed in the ring wakes the thread when new chains are queued, so it only ever
-//! sleeps in `io_uring_enter`. The ops of one chain are linked (IOSQE_IO_LINK): the kernel
-//! starts the header write only after the payload write completed in full, and a failed or
-//! short op cancels the rest of its chain.
+//! sleeps in `io_uring_enter`; a helper wakes it only for a chain queued into an empty queue,
+//! since the thread takes the whole queue when it wakes. The ops of one chain are linked
+//! (IOSQE_IO_LINK): the kernel starts an op only after the one before it completed in full,
+//! and a failed or short op cancels the rest of its chain.
 //!
 //! The ring thread only moves I/O. Checksums (a chain's `prep` for writes, its `done` for
 //! read verification) run on two helper threads, so the ring keeps the device busy while a
@@ -135,10 +136,15 @@ fn helper(shared: &Shared) {
                             drop((q, ops));
                             done(Err(IoFailure::Os(errno)));
                         }
+                        // One wake per batch: the ring thread takes the whole queue when it
+                        // wakes, so a chain queued behind others rides on their wake.
                         None => {
+                            let was_empty = q.chains.is_empty();
                             q.chains.push_back(Prepared { ops, done });
                             drop(q);
-                            shared.wake();
+                            if was_empty {
+                                shared.wake();
+                            }
                         }
                     }
                 }
