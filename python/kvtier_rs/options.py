@@ -17,11 +17,16 @@ from typing import Any
 from kvtier_rs._core import DirectoryLockedError, DiskIoError, InvalidArgumentError, parse_admission, policy_names
 from kvtier_rs.checks import check_number, show
 from kvtier_rs.config import MAX_BYTES, parse_bytes
+from kvtier_rs.orchestrator.guard import GuardRule
 
 #: The disk tier's I/O engines, as every adapter spells them.
 DISK_IO_ENGINES = ("auto", "io_uring", "pool")
 #: Disk I/O requests in flight: the pool engine runs one thread per request.
 QUEUE_DEPTH_MAX = 1024
+#: An SLO guard's fields, as every adapter spells them (``OptionReader.guard_rule``).
+GUARD_FIELDS = ("p99_ms", "window_s", "recover_s", "min_samples")
+#: The most samples a guard's window may ask for before it can trip.
+MIN_SAMPLES_MAX = 100_000
 
 # The core's InvalidArgumentError text: "invalid argument `<arg>`: <reason>".
 _CORE_ARG = re.compile(r"invalid argument `([^`]+)`: (.*)", re.S)
@@ -120,3 +125,26 @@ class OptionReader:
             if path_key is None:
                 raise
             raise self.error(path_key, f"cannot open the disk tier there: {e}") from None
+
+
+def guard_rule(reader: OptionReader, key: str, value: Any) -> GuardRule | None:
+    """A tier's SLO guard, the value of `key` in `reader`'s dict: null (off) or a dict with
+    ``p99_ms`` (the budget for the p99 wait on the tier's promotions) and optionally
+    ``window_s``, ``recover_s`` and ``min_samples`` (``GuardRule``'s defaults otherwise)."""
+    if value is None:
+        return None
+    fields = GUARD_FIELDS
+    if not isinstance(value, Mapping):
+        raise reader.error(
+            key, f"expected null or a dict with p99_ms (and optionally {', '.join(fields[1:])}), got {show(value)}"
+        )
+    unknown = sorted(map(str, set(value) - set(fields)))
+    if unknown:
+        raise reader.error(key, f"unknown field(s) {unknown}; expected {', '.join(fields)}")
+    if "p99_ms" not in value:
+        raise reader.error(key, "p99_ms is required: the budget for the p99 wait on the tier's promotions, in ms")
+    rates = {f: reader.positive(key, value[f], field=f) for f in fields[:3] if f in value}
+    samples = value.get("min_samples", GuardRule.min_samples)
+    if isinstance(samples, bool) or not isinstance(samples, int) or not 1 <= samples <= MIN_SAMPLES_MAX:
+        raise reader.error(key, f"min_samples must be an int in 1..{MIN_SAMPLES_MAX}, got {show(samples)}")
+    return GuardRule(**rates, min_samples=samples)

@@ -710,3 +710,27 @@ def test_orchestrator_stats_keep_their_keys_and_add_histograms_on_request(tmp_pa
     h = t.orch.stats(histograms=True)["tiers"]["disk"]["store_histogram"]
     buckets, count, total = h
     assert buckets[-1] == (float("inf"), 0) and (count, total) == (0, 0.0)
+
+
+def test_trtllm_config_turns_on_the_slo_guard_and_the_promotion_cap(tmp_path):
+    """The connector's cpu_slo_guard and cpu_max_promotions_in_flight reach the data path: a
+    tripped guard turns the CPU tier's hits into recomputes, counted by reason."""
+    from support.trtllm.driver import Request
+
+    rule = {"p99_ms": 5, "window_s": 30, "recover_s": 60, "min_samples": 3}
+    eng = trtllm_engine(tmp_path, cpu_slo_guard=rule, cpu_max_promotions_in_flight=7)
+    try:
+        orch = eng.worker.tiers.orchestrator
+        assert orch.max_in_flight["cpu"] == 7
+        guard = orch.guards["cpu"]
+        assert (guard.rule.p99_ms, guard.rule.window_s, guard.rule.recover_s, guard.rule.min_samples) == (5, 30, 60, 3)
+        shared = [1000 + i for i in range(12)]
+        eng.run_request(Request(1, shared + [7, 8, 9]))
+        guard.trip_hung(1.0)  # as when every CPU load in flight stalled past the budget
+        eng.step([Request(2, shared + [5, 6])])
+        assert eng.matched[2] == 0, "a bypassed tier's hits are recomputed"
+        s = orch.stats()
+        assert s["tiers"]["cpu"]["refused"]["guard"] == 3
+        assert s["guards"]["cpu"]["state"] == "bypassed"
+    finally:
+        eng.worker.close()

@@ -28,7 +28,7 @@ import itertools
 import math
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -44,15 +44,13 @@ from kvtier_rs.checks import check_count, check_number, show
 from kvtier_rs.orchestrator.completions import handle_each
 from kvtier_rs.orchestrator.cost import CostModel
 from kvtier_rs.orchestrator.disk_stager import DiskStager
-from kvtier_rs.orchestrator.guard import GuardRule, SloGuard
+from kvtier_rs.orchestrator.gate import REFUSAL_REASONS, TIERS, LoadGate
+from kvtier_rs.orchestrator.guard import GuardRule
 from kvtier_rs.orchestrator.latency import LatencyRecorder
 from kvtier_rs.tiers.events import EventStream
 from kvtier_rs.tiers.host import HostTier
 from kvtier_rs.tiers.keys import Key, index_list, key_list
 from kvtier_rs.transfer import TransferEngine, TransferResult
-
-TIERS = ("cpu", "disk")
-REFUSAL_REASONS = ("cost", "backpressure", "guard")
 
 
 @dataclass(frozen=True)
@@ -219,25 +217,8 @@ class TierOrchestrator:  # noqa: PLR0904 - split by job in the data-path refacto
     ) -> None:
         if engine.pool is not host.pool:
             raise InvalidArgumentError("invalid argument `engine`: it must copy into this host tier's pool")
-        if guards is not None and not isinstance(guards, Mapping):
-            raise InvalidArgumentError(
-                f"invalid argument `guards`: expected a dict of tier -> GuardRule, got {show(guards)}"
-            )
-        unknown = set(guards or {}) - set(TIERS)
-        if unknown:
-            raise InvalidArgumentError(
-                f"invalid argument `guards`: unknown tiers {sorted(map(str, unknown))}; expected cpu, disk"
-            )
-        # Checked here, naming the tier: a rule of any other type (its fields as a dict, a number)
-        # would fail only later, on the engine thread, in the first poll(), plan() or stats().
-        for tier, rule in (guards or {}).items():
-            if not isinstance(rule, GuardRule):
-                raise InvalidArgumentError(
-                    f"invalid argument `guards[{tier!r}]`: expected a GuardRule, got {show(rule)}"
-                )
-        if cost is not None and not isinstance(cost, CostModel):
-            raise InvalidArgumentError(f"invalid argument `cost`: expected a CostModel or None, got {show(cost)}")
-        in_flight = self._in_flight_limits(max_promotions_in_flight)
+        # Checked here (naming the argument), not on the engine thread at the first plan().
+        gate = LoadGate(guards=guards, max_in_flight=max_promotions_in_flight, cost=cost)
         max_disk_write_backlog = check_count("max_disk_write_backlog", max_disk_write_backlog)
         #: A bound load whose disk read is still in flight this long after bind gives up its
         #: disk part (recomputed; the read lands in the CPU tier, owned by no load).
@@ -251,9 +232,11 @@ class TierOrchestrator:  # noqa: PLR0904 - split by job in the data-path refacto
             if disk is not None
             else None
         )
+        #: Load or recompute, per tier: SLO guard, back-pressure, cost rule.
+        self.gate = gate
         self.cost = cost
-        self.guards = {t: SloGuard(t, r) for t, r in (guards or {}).items()}
-        self.max_in_flight = in_flight
+        self.guards = gate.guards
+        self.max_in_flight = gate.max_in_flight
         self._ids = itertools.count(1)
         self._stores: dict[int, tuple[list[Key], float, dict[str, Any]]] = {}
         self._loads: dict[Any, _Load] = {}
@@ -270,26 +253,6 @@ class TierOrchestrator:  # noqa: PLR0904 - split by job in the data-path refacto
             "disk_load": LatencyRecorder(),
             "cpu_store": LatencyRecorder(),
         }
-
-    @staticmethod
-    def _in_flight_limits(limits: dict[str, int] | None) -> dict[str, int]:
-        """The back-pressure limits, per tier: the defaults, overridden by `limits` (checked
-        here, not at the first plan that reads them)."""
-        out = {"cpu": 64, "disk": 16}
-        if limits is None:
-            return out
-        if not isinstance(limits, dict):
-            raise InvalidArgumentError(
-                f"invalid argument `max_promotions_in_flight`: expected a dict of tier -> count, got {show(limits)}"
-            )
-        unknown = sorted(map(str, set(limits) - set(TIERS)))
-        if unknown:
-            raise InvalidArgumentError(
-                f"invalid argument `max_promotions_in_flight`: unknown tiers {unknown}; expected cpu, disk"
-            )
-        for tier, n in limits.items():
-            out[tier] = check_count(f"max_promotions_in_flight['{tier}']", n)
-        return out
 
     # ---- offload -------------------------------------------------------------------------
     def offload(
@@ -400,19 +363,7 @@ class TierOrchestrator:  # noqa: PLR0904 - split by job in the data-path refacto
             return 0
 
     def _admit(self, tier: str, n: int, refused: dict[str, dict[str, int]]) -> int:
-        if n == 0:
-            return 0
-        reason = None
-        guard = self.guards.get(tier)
-        if guard is not None and not guard.allows():
-            reason = "guard"
-        elif self._promotions_in_flight(tier) >= self.max_in_flight[tier]:
-            reason = "backpressure"
-        elif self.cost is not None:
-            if self.cost.worth_loading(tier, n):
-                self.cost.admitted(tier)
-            elif not self.cost.take_probe(tier):
-                reason = "cost"
+        reason = self.gate.refusal(tier, n, self._promotions_in_flight(tier)) if n else None
         if reason is None:
             return n
         refused.setdefault(tier, {})[reason] = n

@@ -523,6 +523,15 @@ def test_bad_metadata_and_unknown_ids_are_clear_errors(tmp_path, engines):
         ({"cpu_bytes": "1MiB", "disk_root": "/x", "disk_bytes": "1GiB", "disk_queue_depth": "16"}, "disk_queue_depth"),
         ({"cpu_bytes": "1MiB", "disk_root": "/tmp/a\x00b", "disk_bytes": "1GiB"}, "disk_root"),
         ({"cpu_bytes": "1MiB", 1: 2, "zz": 3}, 1),  # unknown keys of mixed types: a TypeError before
+        ({"cpu_bytes": "1MiB", "cpu_slo_guard": {"window_s": 1}}, "cpu_slo_guard"),
+        ({"cpu_bytes": "1MiB", "cpu_slo_guard": {"p99_ms": float("nan")}}, "cpu_slo_guard"),
+        ({"cpu_bytes": "1MiB", "cpu_slo_guard": [50]}, "cpu_slo_guard"),
+        ({"cpu_bytes": "1MiB", "disk_slo_guard": {"p99_ms": 50}}, "disk_slo_guard"),  # needs disk_root
+        ({"cpu_bytes": "1MiB", "cpu_max_promotions_in_flight": 0}, "cpu_max_promotions_in_flight"),
+        (
+            {"cpu_bytes": "1MiB", "disk_root": "/x", "disk_bytes": "1GiB", "disk_max_promotions_in_flight": 1.5},
+            "disk_max_promotions_in_flight",
+        ),
     ],
 )
 def test_config_errors_name_the_key(cfg, key):

@@ -52,9 +52,10 @@ def store(mg, keys, c=None):
     return out
 
 
-def disk_layer(tmp_path, *, cpu_slots: int = 2, disk_slots: int = 16, **extra):
+def disk_layer(tmp_path, *, cpu_slots: int = 2, disk_slots: int = 16, clock=None, **extra):
     """kvtier's disk tier (4 KiB chunks, in tmp_path/d) under a CPU index of `cpu_slots`, as
-    the vLLM disk layer: (cpu index, disk tier, layer). `extra`: more connector options."""
+    the vLLM disk layer: (cpu index, disk tier, layer). `extra`: more connector options;
+    `clock`: the layer's clock (its guard's and its promotions' waits)."""
     from kvtier_rs import DiskTier, HostPool
     from kvtier_rs.integrations.vllm.disk_layer import DiskLayer
 
@@ -64,7 +65,8 @@ def disk_layer(tmp_path, *, cpu_slots: int = 2, disk_slots: int = 16, **extra):
     opts = parse_options(
         {"cpu_bytes_to_use": cpu_slots * 4096, "disk_root": str(tmp_path), "disk_bytes_to_use": 1 << 20, **extra}
     )
-    return cpu, disk, DiskLayer(disk, pool, cpu, opts, tokens_per_chunk=16)
+    timing = {} if clock is None else {"clock": clock}
+    return cpu, disk, DiskLayer(disk, pool, cpu, opts, tokens_per_chunk=16, **timing)
 
 
 def disk_backed(tmp_path, *, events: bool = False, **extra):
@@ -385,6 +387,96 @@ def test_a_disk_hit_skipped_by_the_cost_rule_counts_once_per_request_and_chunk(t
     mg.shutdown()
 
 
+def _disk_only(tmp_path, n: int, *, clock=None, **extra):
+    """A manager over a 2-chunk CPU tier whose disk tier holds key(1)..key(n) that the CPU tier
+    no longer holds (written through, then pushed out by key(n + 1) and key(n + 2))."""
+    cpu, disk, layer = disk_layer(tmp_path, clock=clock, **extra)
+    mg = KvtierOffloadingManager(cpu, lower=layer)
+    for i in range(1, n + 3):
+        store(mg, [key(i)])
+        assert disk.wait_idle(WAIT_S)
+        mg.on_schedule_end(None)  # collects the write-through
+    assert disk.contains([key(i) for i in range(1, n + 1)]) == [True] * n
+    assert [cpu.state(key(i)) for i in range(1, n + 1)] == [None] * n
+    return mg, disk
+
+
+def test_disk_hits_beyond_the_promotion_cap_are_recomputed_and_counted_once(tmp_path):
+    # No poll between the lookups, so every promotion started stays in flight: the third and
+    # fourth disk hits find the cap (2) reached and are misses, never queued.
+    mg, disk = _disk_only(tmp_path, 4, disk_max_promotions_in_flight=2)
+    r = ctx("burst")
+    assert [mg.lookup(key(i), r) for i in (1, 2)] == [LookupResult.HIT_PENDING] * 2
+    assert [mg.lookup(key(i), r) for i in (3, 4)] == [LookupResult.MISS] * 2
+    assert mg.lookup(key(3), r) is LookupResult.MISS  # vLLM asks again next step: counted once
+    assert mg.lower.counters.disk_refused_backpressure == 2
+    assert mg.lower.stats()["promotions_in_flight"] == 2
+    assert disk.wait_idle(WAIT_S)
+    mg.on_schedule_end(None)  # the two reads land: room again
+    mg.on_request_finished(r)  # (its promoted chunks are no longer held for it)
+    assert mg.lookup(key(3), ctx("later")) is LookupResult.HIT_PENDING
+    values = mg.get_stats().data["data"]
+    assert values[m.PREFIX + "disk_refused_backpressure"] == {(): 2}
+    mg.shutdown()
+
+
+def test_a_slow_disk_trips_the_guard_its_hits_are_recomputed_then_it_is_reprobed(tmp_path, caplog):
+    now = [0.0]
+    rule = {"p99_ms": 100, "window_s": 60, "recover_s": 30, "min_samples": 2}
+    mg, disk = _disk_only(tmp_path, 4, clock=lambda: now[0], disk_slo_guard=rule)
+
+    def promote_slowly(k):
+        """Promote `k`, the request waiting 0.5 s (on the layer's clock) for its read."""
+        r = ctx()
+        assert mg.lookup(k, r) is LookupResult.HIT_PENDING
+        assert disk.wait_idle(WAIT_S)
+        now[0] += 0.5
+        mg.on_schedule_end(None)
+        mg.on_request_finished(r)  # (its promoted chunk is no longer held for it)
+
+    promote_slowly(key(1))
+    assert mg.lower.gate.guards["disk"].allows(), "one slow sample is not a trip"
+    promote_slowly(key(2))
+    # Two waits of 500 ms against a 100 ms budget: bypassed; its hits are misses, counted.
+    assert not mg.lower.gate.guards["disk"].allows()
+    waiting = ctx("waiting")
+    assert mg.lookup(key(3), waiting) is LookupResult.MISS
+    assert mg.lookup(key(3), waiting) is LookupResult.MISS
+    assert mg.lower.counters.disk_refused_guard == 1
+    assert "SLO guard tripped: the disk tier is bypassed for 30 s" in caplog.text
+    values = mg.get_stats().data["data"]
+    assert values[m.PREFIX + "guard_bypassed"] == {("disk",): 1}
+    assert values[m.PREFIX + "guard_trips"] == {("disk",): 1}
+    assert values[m.PREFIX + "disk_refused_guard"] == {(): 1}
+    # After the cool-down the tier is back on probation: a disk hit is promoted again.
+    now[0] += 31
+    assert mg.lookup(key(3), ctx("after")) is LookupResult.HIT_PENDING
+    assert "the disk tier is back in service" in caplog.text
+    assert disk.wait_idle(WAIT_S)
+    mg.on_schedule_end(None)
+    values = mg.get_stats().data["data"]
+    assert values[m.PREFIX + "guard_bypassed"] == {("disk",): 0}
+    assert m.PREFIX + "guard_trips" not in values or values[m.PREFIX + "guard_trips"] == {}
+    mg.shutdown()
+
+
+def test_a_hung_disk_trips_the_guard_from_its_reads_in_flight(tmp_path):
+    # Reads that never complete produce no completions: the reads in flight past the budget are
+    # the guard's samples. Here they have landed but are not polled, so they look in flight.
+    now = [0.0]
+    rule = {"p99_ms": 100, "min_samples": 2}
+    mg, _ = _disk_only(tmp_path, 3, clock=lambda: now[0], disk_slo_guard=rule)
+    layer = mg.lower
+    assert [mg.lookup(key(i), ctx()) for i in (1, 2)] == [LookupResult.HIT_PENDING] * 2
+    now[0] += 0.5
+    layer.gate.stalled("disk", {job: now[0] - r.started for job, r in layer._reads.items()})
+    assert not layer.gate.guards["disk"].allows()
+    # Their completions, when they come, are not counted again.
+    mg.on_schedule_end(None)
+    assert layer.gate.guards["disk"].state()["trips"] == 1
+    mg.shutdown()
+
+
 def test_admission_store_threshold():
     opts = parse_options({"cpu_bytes_to_use": 1 << 20, "store_threshold": 2})
     assert opts.cpu_admission == "uses:2"
@@ -535,6 +627,39 @@ def test_package_imports_without_vllm():
 def test_bad_extra_config_names_the_key(extra, key_name):
     with pytest.raises(InvalidArgumentError, match=rf"kv_connector_extra_config\[{re.escape(repr(key_name))}\]"):
         parse_options(extra)
+
+
+_DISK = {"cpu_bytes_to_use": 1 << 20, "disk_root": "/x", "disk_bytes_to_use": "1GiB"}
+
+
+@pytest.mark.parametrize(
+    ("key_name", "value", "reason"),
+    [
+        ("disk_slo_guard", 50, "expected null or a dict with p99_ms"),
+        ("disk_slo_guard", {"window_s": 10}, "p99_ms is required"),
+        ("disk_slo_guard", {"p99_ms": 50, "budget": 1}, r"unknown field\(s\) \['budget'\]"),
+        ("disk_slo_guard", {"p99_ms": 0}, "p99_ms must be a positive finite number"),
+        ("disk_slo_guard", {"p99_ms": "50ms"}, "p99_ms must be a positive finite number"),
+        ("disk_slo_guard", {"p99_ms": 50, "window_s": float("inf")}, "window_s must be a positive"),
+        ("disk_slo_guard", {"p99_ms": 50, "recover_s": -1}, "recover_s must be a positive"),
+        ("disk_slo_guard", {"p99_ms": 50, "min_samples": 0}, r"min_samples must be an int in 1\.\.100000"),
+        ("disk_slo_guard", {"p99_ms": 50, "min_samples": True}, "min_samples must be an int"),
+        ("disk_max_promotions_in_flight", 0, r"expected an int in 1\.\.1048576"),
+        ("disk_max_promotions_in_flight", "16", "expected an int"),
+    ],
+)
+def test_bad_guard_and_back_pressure_options_name_the_key(key_name, value, reason):
+    with pytest.raises(InvalidArgumentError, match=rf"kv_connector_extra_config\['{key_name}'\]: {reason}"):
+        parse_options({**_DISK, key_name: value})
+
+
+def test_guard_and_back_pressure_options_need_the_disk_tier_and_have_defaults():
+    with pytest.raises(InvalidArgumentError, match=r"\['disk_slo_guard'\]: needs disk_root"):
+        parse_options({"cpu_bytes_to_use": 1 << 20, "disk_slo_guard": {"p99_ms": 50}})
+    opts = parse_options(_DISK)
+    assert opts.disk_slo_guard is None and opts.disk_max_promotions_in_flight == 1024
+    opts = parse_options({**_DISK, "disk_slo_guard": {"p99_ms": 50, "min_samples": 5}})
+    assert (opts.disk_slo_guard.p99_ms, opts.disk_slo_guard.window_s, opts.disk_slo_guard.min_samples) == (50, 10, 5)
 
 
 @pytest.mark.parametrize("key_name", ["offload_prompt_only", "self_describing_kv_events", "canonical_layout"])

@@ -17,14 +17,16 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvtier_rs._core import InvalidArgumentError
 from kvtier_rs.checks import show
 from kvtier_rs.integrations.trtllm.identity import SCHEMES
-from kvtier_rs.options import OptionReader
+from kvtier_rs.options import OptionReader, guard_rule
+from kvtier_rs.orchestrator.gate import DEFAULT_MAX_IN_FLIGHT
+from kvtier_rs.orchestrator.guard import GuardRule
 
 ENV_VAR = "KVTIER_TRTLLM_CONFIG"
 
@@ -49,6 +51,14 @@ KEYS: dict[str, str] = {
     "load_timeout_s": "seconds wait_for_layer_load waits for a load before failing (default 60)",
     "block_identity": "\"auto\" (default: the engine's own block hash when TensorRT-LLM's hasher imports, "
     'else kvtier\'s chain), "engine" or "kvtier"',
+    "cpu_slo_guard": "null (default: off) or a dict with p99_ms and optionally window_s (default 10), "
+    "recover_s (default 30) and min_samples (default 20): when the p99 wait on the CPU tier's loads over "
+    "window_s exceeds p99_ms, the tier is bypassed (its hits recomputed) for recover_s, then re-probed",
+    "disk_slo_guard": "the same rule for the disk tier's promotions (needs disk_root)",
+    "cpu_max_promotions_in_flight": "loads from the CPU tier in flight at most; a hit beyond them is "
+    f"recomputed (default {DEFAULT_MAX_IN_FLIGHT['cpu']})",
+    "disk_max_promotions_in_flight": "loads with a disk part in flight at most; a disk hit beyond them is "
+    f"recomputed (default {DEFAULT_MAX_IN_FLIGHT['disk']}; needs disk_root)",
 }
 
 _IO_ENGINES = ("auto", "cpu", "cuda")
@@ -105,6 +115,8 @@ class ConnectorOptions:
     namespace: str | None = None
     load_timeout_s: float = 60.0
     block_identity: str = "auto"
+    guards: dict[str, GuardRule] = field(default_factory=dict)
+    max_promotions_in_flight: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_MAX_IN_FLIGHT))
 
 
 def parse_options(raw: Mapping[str, Any]) -> ConnectorOptions:
@@ -148,6 +160,14 @@ def parse_options(raw: Mapping[str, Any]) -> ConnectorOptions:
     kw["namespace"] = ns
     kw["load_timeout_s"] = _opts.positive("load_timeout_s", raw.get("load_timeout_s", 60.0), unit="of seconds")
     kw["block_identity"] = _opts.choice("block_identity", raw.get("block_identity", "auto"), SCHEMES)
+    tiers = ("cpu", "disk") if root is not None else ("cpu",)
+    guards = {t: guard_rule(_opts, f"{t}_slo_guard", raw.get(f"{t}_slo_guard")) for t in tiers}
+    kw["guards"] = {t: g for t, g in guards.items() if g is not None}
+    kw["max_promotions_in_flight"] = {
+        t: _opts.int_in(f"{t}_max_promotions_in_flight", raw.get(f"{t}_max_promotions_in_flight", n), 1, 1 << 20)
+        for t, n in DEFAULT_MAX_IN_FLIGHT.items()
+        if t in tiers
+    }
     return ConnectorOptions(**kw)
 
 

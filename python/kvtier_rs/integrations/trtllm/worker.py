@@ -155,7 +155,14 @@ class WorkerCore:
         cost = None
         if o.prefill_tokens_per_s is not None:
             cost = CostModel(o.prefill_tokens_per_s, self.tokens_per_block, layout.bytes_per_block)
-        orch = TierOrchestrator(host, engine, disk=disk, cost=cost)
+        orch = TierOrchestrator(
+            host,
+            engine,
+            disk=disk,
+            cost=cost,
+            guards=o.guards,
+            max_promotions_in_flight=dict(o.max_promotions_in_flight),
+        )
         self.tiers = shared.EngineTiers(orch, layout, len(layout.regions), self.tokens_per_block)
         shared.publish(self.engine, self.tiers)
 

@@ -25,10 +25,11 @@ import hashlib
 import json
 import logging
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import canonical_format_id
 from vllm.v1.kv_offload.base import LookupResult, Medium, OffloadingEvent, OffloadKey
@@ -37,6 +38,7 @@ from kvtier_rs._core import BlockIndex, DiskTier, HostPool, IndexFailedError, Kv
 from kvtier_rs.integrations.vllm import metrics as m
 from kvtier_rs.integrations.vllm.options import KvtierOptions
 from kvtier_rs.orchestrator.disk_stager import DiskStager
+from kvtier_rs.orchestrator.gate import LoadGate
 from kvtier_rs.tiers.disk import DIR_FORMAT, earlier_format, open_disk_tier
 from kvtier_rs.tiers.events import EventStream
 from kvtier_rs.tiers.shared_region import SlotSeals
@@ -48,15 +50,15 @@ _PENDING = LookupResult.HIT_PENDING
 _MISS = LookupResult.MISS
 
 
-class _SkippedByCost:
-    """The chunks of a request that the cost rule already sent to recomputation: vLLM asks
-    about a waiting request's chunks again on every step it is not scheduled, and each chunk
-    counts once in `disk_skipped_by_cost`, not once a step."""
+class _Refused:
+    """The chunks of a request that the load gate already sent to recomputation, by reason:
+    vLLM asks about a waiting request's chunks again on every step it is not scheduled, and each
+    chunk counts once per reason, not once a step."""
 
-    __slots__ = ("keys",)
+    __slots__ = ("seen",)
 
     def __init__(self) -> None:
-        self.keys: set[bytes] = set()
+        self.seen: set[tuple[str, bytes]] = set()
 
 
 class _Reserved:
@@ -74,6 +76,13 @@ class _Reserved:
         self.keys: set[bytes] = set()
         self.finished = False
         self.generation = generation
+
+
+class _Read(NamedTuple):
+    """A promotion in flight: the reservation of the request whose lookup started it, and when."""
+
+    reserved: _Reserved
+    started: float
 
 
 def _log_earlier_formats(path: Path) -> None:
@@ -153,6 +162,7 @@ class DiskLayer:  # noqa: PLR0904 - the manager's whole interface to the disk ti
         *,
         max_write_backlog: int = 1024,
         seals: SlotSeals | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.disk = disk
         self.host = host
@@ -171,8 +181,19 @@ class DiskLayer:  # noqa: PLR0904 - the manager's whole interface to the disk ti
             seals=seals,
         )
         self.cost = options.cost_model.build(tokens_per_chunk, host.slot_bytes)
-        # promotion job id -> the reservation of the request whose lookup started it
-        self._reads: dict[int, _Reserved] = {}
+        #: Load or recompute a disk hit: the SLO guard, back-pressure on promotions in flight,
+        #: the cost rule; the same gate as every adapter's.
+        self.gate = LoadGate(
+            guards=None if options.disk_slo_guard is None else {"disk": options.disk_slo_guard},
+            max_in_flight={"disk": options.disk_max_promotions_in_flight},
+            cost=self.cost,
+            tiers=("disk",),
+            log=log,
+            clock=clock,
+        )
+        self._clock = clock
+        # promotion job id -> the request whose lookup started it, and when
+        self._reads: dict[int, _Read] = {}
         # Chunks promoted from disk and not yet loaded; the manager reads and updates it.
         self.promoted: set[bytes] = set()
         self.counters: m.ManagerCounters = m.ManagerCounters()
@@ -183,6 +204,7 @@ class DiskLayer:  # noqa: PLR0904 - the manager's whole interface to the disk ti
         #: Why the tier serves and stores nothing any more (see `reset`); None while it does.
         self.off_reason: str | None = None
         self._last_stats: dict[str, int] = {}
+        self._guard_trips: dict[str, int] = {}  # trips reported to vLLM so far, per tier
 
     @classmethod
     def open(
@@ -241,14 +263,15 @@ class DiskLayer:  # noqa: PLR0904 - the manager's whole interface to the disk ti
         chunks that already answered HIT to this request's lookups)."""
         if self.off_reason is not None or not self._contains([key])[0]:
             return _MISS
-        if self.cost is not None and not self.cost.worth_loading("disk", 1):
-            skipped = req_context.get_state(_SkippedByCost)
-            if skipped is None:
-                skipped = _SkippedByCost()
-                req_context.set_state(skipped)
-            if key not in skipped.keys:
-                skipped.keys.add(key)
-                self.counters.disk_skipped_by_cost += 1
+        reason = self.gate.refusal("disk", 1, len(self._reads))
+        if reason is not None:
+            refused = req_context.get_state(_Refused)
+            if refused is None:
+                refused = _Refused()
+                req_context.set_state(refused)
+            if (reason, key) not in refused.seen:
+                refused.seen.add((reason, key))
+                self.counters.count_refusal(reason)
             return _MISS
         if protect is not None:
             protect()
@@ -267,7 +290,7 @@ class DiskLayer:  # noqa: PLR0904 - the manager's whole interface to the disk ti
         if res is None or res.generation != self.generation:
             res = _Reserved(self.generation)
             req_context.set_state(res)
-        self._reads[job] = res
+        self._reads[job] = _Read(res, self._clock())
         self.counters.promotions += 1
         return _PENDING
 
@@ -275,7 +298,12 @@ class DiskLayer:  # noqa: PLR0904 - the manager's whole interface to the disk ti
         if not self.stager.write_backlog and not self.stager.reads_in_flight:
             return
         for done in self.stager.poll():
-            res = self._reads.pop(done.job_id, None)
+            read = self._reads.pop(done.job_id, None)
+            res = None if read is None else read.reserved
+            if read is not None and not self.gate.forget_stall("disk", done.job_id):
+                # What the request waited on this chunk: from the lookup that started the read to
+                # this poll, after which its next lookup answers HIT (or MISS).
+                self.gate.record("disk", self._clock() - read.started)
             ok = cast("list[bytes]", done.keys[: done.ok_prefix])  # the keys promoted: vLLM's
             if ok:
                 self.promoted.update(ok)
@@ -292,6 +320,9 @@ class DiskLayer:  # noqa: PLR0904 - the manager's whole interface to the disk ti
             # Checksum mismatch, short read, I/O error: never served. The stager dropped the CPU
             # slot; the next lookup is a MISS and the engine recomputes the chunk.
             self.counters.promotion_failures += len(done.keys) - done.ok_prefix
+        # A hung disk produces no completions: its reads in flight are the guard's samples.
+        now = self._clock()
+        self.gate.stalled("disk", {job: now - r.started for job, r in self._reads.items()})
         self._take_stream()
 
     def _take_stream(self) -> None:
@@ -349,10 +380,12 @@ class DiskLayer:  # noqa: PLR0904 - the manager's whole interface to the disk ti
         return ev
 
     def stats(self) -> dict[str, Any]:
-        d = dict(self.disk.stats())
+        d: dict[str, Any] = dict(self.disk.stats())
         c = self.stager.counters
         d["writes_dropped_backlog"] = c.writes_dropped_backlog
         d["writes_dropped_evicted"] = c.writes_dropped_evicted
+        d["promotions_in_flight"] = len(self._reads)
+        d["guards"] = self.gate.state()
         return d
 
     def emit_stats(self, stats: Any) -> None:
@@ -360,6 +393,13 @@ class DiskLayer:  # noqa: PLR0904 - the manager's whole interface to the disk ti
         now["switched_off"] = int(self.off_reason is not None)
         m.emit_index_stats(stats, "disk", now, self._last_stats)
         self._last_stats = now
+        m.emit_guards(stats, self.gate.state(), self._guard_trips)
+        self.gate.changed = False
+
+    def has_news(self) -> bool:
+        """Whether there is something to report now: work in flight, or a guard that tripped or
+        recovered since the last report."""
+        return self.has_pending_work() or self.gate.changed
 
     def shutdown(self) -> None:
         self.drain()

@@ -487,7 +487,7 @@ class KvtierOffloadingManager(OffloadingManager):  # noqa: PLR0904 - vLLM's Offl
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         now_t = time.monotonic()
-        pending = self._lower is not None and self._lower.has_pending_work()
+        pending = self._lower is not None and self._lower.has_news()
         if not (self._dirty or pending) and now_t - self._last_report < STATS_INTERVAL_S:
             return None
         self._dirty = False

@@ -44,6 +44,23 @@ MANAGER_COUNTERS = {
     "counted as misses and recomputed.",
     "disk_skipped_by_cost": "Disk hits not loaded because recomputing was estimated cheaper (each chunk of a "
     "request once, however often vLLM asks).",
+    "disk_refused_guard": "Disk hits recomputed because the SLO guard bypasses the disk tier (each chunk of a "
+    "request once).",
+    "disk_refused_backpressure": "Disk hits recomputed because disk_max_promotions_in_flight promotions were "
+    "in flight (each chunk of a request once).",
+}
+# The SLO guard of a tier (label "tier"), from LoadGate.state(); only tiers with a guard report.
+GUARD_GAUGES = {
+    "guard_bypassed": "1 while the SLO guard bypasses the tier (its hits are recomputed), 0 while it serves.",
+    "guard_p99_seconds": "p99 wait on the tier's promotions over the guard's window; while bypassed, the p99 "
+    "that tripped it.",
+}
+GUARD_COUNTERS = {"guard_trips": "Times the SLO guard tripped and bypassed the tier."}
+#: A load-gate refusal reason -> the counter of ManagerCounters that counts it.
+_REFUSAL_COUNTERS = {
+    "cost": "disk_skipped_by_cost",
+    "guard": "disk_refused_guard",
+    "backpressure": "disk_refused_backpressure",
 }
 ALLOCATION_SIZE = PREFIX + "allocation_size"
 
@@ -55,10 +72,17 @@ class ManagerCounters:
     promotions: int = 0
     promotion_failures: int = 0
     disk_skipped_by_cost: int = 0
+    disk_refused_guard: int = 0
+    disk_refused_backpressure: int = 0
     store_no_space: int = 0
 
     def __post_init__(self) -> None:
         self._emitted: dict[str, int] = {}
+
+    def count_refusal(self, reason: str) -> None:
+        """One disk hit recomputed for `reason` (a ``LoadGate`` refusal reason)."""
+        name = _REFUSAL_COUNTERS[reason]
+        setattr(self, name, getattr(self, name) + 1)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -88,6 +112,10 @@ def metric_definitions() -> dict[str, Any]:
         d[PREFIX + name] = OffloadingGaugeMetadata(documentation=doc, labelnames=("tier",))
     for name, doc in MANAGER_COUNTERS.items():
         d[PREFIX + name] = OffloadingCounterMetadata(documentation=doc)
+    for name, doc in GUARD_GAUGES.items():
+        d[PREFIX + name] = OffloadingGaugeMetadata(documentation=doc, labelnames=("tier",))
+    for name, doc in GUARD_COUNTERS.items():
+        d[PREFIX + name] = OffloadingCounterMetadata(documentation=doc, labelnames=("tier",))
     d[ALLOCATION_SIZE] = OffloadingHistogramMetadata(
         documentation="Chunks newly allocated in the CPU tier by each prepare_store call.",
         buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384),
@@ -140,3 +168,16 @@ def emit_index_stats(stats: Any, tier: str, now: dict[str, int], before: dict[st
 def emit_manager_counters(stats: Any, counters: ManagerCounters) -> None:
     for name, delta in counters.take_deltas().items():
         stats.increase_counter(PREFIX + name, delta)
+
+
+def emit_guards(stats: Any, guards: Mapping[str, Mapping[str, Any]], trips_before: dict[str, int]) -> None:
+    """Each guarded tier's state (``LoadGate.state()``): gauges as they are, trips as the increase
+    since `trips_before` (updated)."""
+    for tier, st in guards.items():
+        stats.set_gauge(PREFIX + "guard_bypassed", int(st["state"] == "bypassed"), labelvalues=(tier,))
+        stats.set_gauge(PREFIX + "guard_p99_seconds", float(st["p99_ms"]) / 1e3, labelvalues=(tier,))
+        trips = int(st["trips"])
+        delta = trips - trips_before.get(tier, 0)
+        if delta or tier not in trips_before:
+            stats.increase_counter(PREFIX + "guard_trips", delta, labelvalues=(tier,))
+        trips_before[tier] = trips

@@ -16,7 +16,8 @@ from typing import Any
 
 from kvtier_rs._core import policy_names
 from kvtier_rs.checks import show
-from kvtier_rs.options import OptionReader
+from kvtier_rs.options import OptionReader, guard_rule
+from kvtier_rs.orchestrator.guard import GuardRule
 
 # vLLM's keys that KvtierOffloadingSpec honours: those vLLM itself reads from the same dict
 # whichever spec runs (spec_name .. self_describing_kv_events; vLLM validates the chunk sizes,
@@ -55,6 +56,10 @@ OTHER_SPEC_KEYS: dict[str, str] = {
     "tier_poll_interval_s": _TIERING + " (vLLM 0.33)",
 }
 
+#: Default of ``disk_max_promotions_in_flight``: chunks, each one disk read. Far above what one
+#: request's prompt usually promotes, so only a burst from many requests meets it.
+DISK_PROMOTIONS_IN_FLIGHT = 1024
+
 # kvtier's own keys, with a one-line description used in error messages and docs.
 KVTIER_KEYS: dict[str, str] = {
     "cpu_admission": 'CPU tier admission: "always", "uses:K" or "priority:T" (default "always")',
@@ -70,6 +75,11 @@ KVTIER_KEYS: dict[str, str] = {
     "cost_model": 'load-or-recompute rule for disk hits: "always_load" or a dict with '
     "prefill_tokens_per_s and disk_read_bytes_per_s",
     "guard": '"checksum" (default): a disk block whose checksum does not match is a miss',
+    "disk_slo_guard": "null (default: off) or a dict with p99_ms and optionally window_s (default 10), "
+    "recover_s (default 30) and min_samples (default 20): when the p99 wait on disk promotions over "
+    "window_s exceeds p99_ms, the disk tier is bypassed (its hits recomputed) for recover_s, then re-probed",
+    "disk_max_promotions_in_flight": "disk->CPU chunk promotions in flight at most; a disk hit beyond "
+    f"them is recomputed (default {DISK_PROMOTIONS_IN_FLIGHT})",
 }
 
 _GUARDS = ("checksum",)
@@ -158,6 +168,8 @@ class KvtierOptions:
     disk_on_reset: str = "clear"
     cost_model: CostModel = CostModel()
     guard: str = "checksum"
+    disk_slo_guard: GuardRule | None = None
+    disk_max_promotions_in_flight: int = DISK_PROMOTIONS_IN_FLIGHT
 
     @property
     def disk_enabled(self) -> bool:
@@ -229,6 +241,8 @@ def parse_options(extra: Mapping[str, Any]) -> KvtierOptions:
             "disk_queue_depth",
             "disk_on_reset",
             "cost_model",
+            "disk_slo_guard",
+            "disk_max_promotions_in_flight",
         )
         if k in extra
     ]
@@ -263,6 +277,13 @@ def parse_options(extra: Mapping[str, Any]) -> KvtierOptions:
         disk_on_reset=_opts.choice("disk_on_reset", extra.get("disk_on_reset", "clear"), ("clear", "keep")),
         cost_model=_cost_model(extra.get("cost_model", "always_load")),
         guard=guard,
+        disk_slo_guard=guard_rule(_opts, "disk_slo_guard", extra.get("disk_slo_guard")),
+        disk_max_promotions_in_flight=_opts.int_in(
+            "disk_max_promotions_in_flight",
+            extra.get("disk_max_promotions_in_flight", DISK_PROMOTIONS_IN_FLIGHT),
+            1,
+            1 << 20,
+        ),
     )
 
 
