@@ -203,6 +203,9 @@ pub enum Fault {
     /// The io_uring engine's next `count` `io_uring_enter` calls fail with this errno: the
     /// transient ones are retried, any other stops the engine (see `io::uring`).
     EnterErrno(i32),
+    /// The next `count` block reads start this many milliseconds late (a slow device), on the
+    /// engine's thread, then run as usual.
+    ReadDelayMs(u32),
 }
 
 struct Shared {
@@ -1262,7 +1265,12 @@ impl Shared {
         let header = Arc::new(AlignedBuf::new(HEADER_BYTES));
         let prep = {
             let me = self.clone();
-            Box::new(move || me.take_fault(true).map_or(Ok(()), Err)) as PrepFn
+            Box::new(move || {
+                if let Some(ms) = me.take_fault_as(|f| if let Fault::ReadDelayMs(ms) = f { Some(ms) } else { None }) {
+                    std::thread::sleep(std::time::Duration::from_millis(ms.into()));
+                }
+                me.take_fault(true).map_or(Ok(()), Err)
+            }) as PrepFn
         };
         let ops = vec![IoOp {
             kind: OpKind::Read,

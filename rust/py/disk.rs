@@ -478,6 +478,7 @@ impl PyDiskTier {
     /// and their completions panic on the I/O thread (either way the index must disable itself).
     /// "enter_eagain" / "enter_eio": the io_uring engine's next `count` io_uring_enter calls
     /// fail with EAGAIN (retried) / EIO (the engine stops; every I/O then fails).
+    /// "read_delay_ms:<ms>": the next `count` block reads start that late (a slow device).
     #[cfg(feature = "fault-injection")]
     #[pyo3(signature = (kind, count=1))]
     fn _inject_fault(&self, kind: Option<&str>, count: u32) -> PyResult<()> {
@@ -493,15 +494,18 @@ impl PyDiskTier {
             Some("completion_panic") => Some(disk::Fault::CompletionPanic),
             Some("enter_eagain") => Some(disk::Fault::EnterErrno(libc::EAGAIN)),
             Some("enter_eio") => Some(disk::Fault::EnterErrno(libc::EIO)),
-            Some(other) => {
-                return Err(invalid(
-                    "kind",
-                    format!(
-                        "{other:?}: expected \"enospc\", \"eio_write\", \"eio_read\", \"store_panic\", \
-                         \"completion_panic\", \"enter_eagain\" or \"enter_eio\""
-                    ),
-                ))
-            }
+            Some(other) => match other.strip_prefix("read_delay_ms:").map(str::parse::<u32>) {
+                Some(Ok(ms)) => Some(disk::Fault::ReadDelayMs(ms)),
+                _ => {
+                    return Err(invalid(
+                        "kind",
+                        format!(
+                            "{other:?}: expected \"enospc\", \"eio_write\", \"eio_read\", \"read_delay_ms:<ms>\", \
+                             \"store_panic\", \"completion_panic\", \"enter_eagain\" or \"enter_eio\""
+                        ),
+                    ))
+                }
+            },
         };
         Ok(self.inner.inject_fault(fault, count)?)
     }

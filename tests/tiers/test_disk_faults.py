@@ -161,6 +161,36 @@ def test_injected_read_error_is_a_miss(tmp_path, engine):
         still_serving(tier, host)
 
 
+def test_a_read_delay_holds_reads_back_and_then_they_serve_as_before(tmp_path, engine):
+    # The slow device of the SLO guard's end-to-end tests: the delayed read still returns the
+    # right bytes, and the count runs out.
+    host = Host(4)
+    with make_tier(tmp_path, engine) as tier:
+        write(tier, host, [1, 2])
+        tier._inject_fault("read_delay_ms:1", 1)
+        assert read(tier, host, [1, 2]) == {1: payload(1), 2: payload(2)}
+        still_serving(tier, host)
+        with pytest.raises(InvalidArgumentError, match="read_delay_ms:<ms>"):
+            tier._inject_fault("read_delay_ms:soon", 1)
+
+
+def test_a_fault_named_in_the_environment_is_armed_at_open(tmp_path, monkeypatch, engine):
+    from kvtier_rs.tiers.disk import FAULT_ENV, open_disk_tier
+
+    host = Host(4)
+    with make_tier(tmp_path / "w", engine) as tier:
+        write(tier, host, [1, 2])
+    monkeypatch.setenv(FAULT_ENV, "eio_read*1")
+    with open_disk_tier(tmp_path / "w", 16 * stride(BLOCK), BLOCK, engine=engine, queue_depth=4) as tier:
+        assert len(read(tier, host, [1, 2])) == 1 and tier.stats()["read_errors"] == 1
+    monkeypatch.setenv(FAULT_ENV, "read_delay_ms:soon")
+    with pytest.raises(InvalidArgumentError, match=rf"{FAULT_ENV}='read_delay_ms:soon': .*read_delay_ms:<ms>"):
+        open_disk_tier(tmp_path / "w", 16 * stride(BLOCK), BLOCK, engine=engine)
+    monkeypatch.setenv(FAULT_ENV, "eio_read*many")
+    with pytest.raises(InvalidArgumentError, match="the count after"):
+        open_disk_tier(tmp_path / "w", 16 * stride(BLOCK), BLOCK, engine=engine)
+
+
 def test_injected_enospc_stops_admission_keeps_reads(tmp_path, engine):
     host = Host(8)
     with make_tier(tmp_path, engine, full_retry_s=3600) as tier:

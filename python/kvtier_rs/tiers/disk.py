@@ -9,7 +9,7 @@ import os
 import re
 from typing import Any
 
-from kvtier_rs._core import DiskTier
+from kvtier_rs._core import FAULT_INJECTION, DiskTier, InvalidArgumentError
 
 log = logging.getLogger("kvtier_rs.disk")
 
@@ -18,6 +18,7 @@ def open_disk_tier(path: str | os.PathLike[str], capacity_bytes: int, block_byte
     """`DiskTier(path, capacity_bytes, block_bytes, **options)` (which creates the directory,
     0700), with its recovery summary logged at INFO and each of its notes at WARNING."""
     disk = DiskTier(str(path), capacity_bytes, block_bytes, **options)
+    _arm_fault_from_environment(disk)
     s = disk.stats()
     log.info(
         "kvtier disk tier %s: %d blocks recovered, %d discarded; %s I/O on %s",
@@ -30,6 +31,30 @@ def open_disk_tier(path: str | os.PathLike[str], capacity_bytes: int, block_byte
     for note in disk.notes:
         log.warning("kvtier disk tier %s: %s", disk.path, note)
     return disk
+
+
+#: Test hook of the development build: ``<kind>[*<count>]``, a fault (``DiskTier._inject_fault``)
+#: that every disk tier opened in this process arms at open, e.g. ``read_delay_ms:400*2``. For
+#: tests of an engine whose tiers live in processes of their own (``vllm serve``).
+FAULT_ENV = "KVTIER_DISK_FAULT"
+
+
+def _arm_fault_from_environment(disk: DiskTier) -> None:
+    """Arm the fault FAULT_ENV names; a bad one closes `disk` and is refused naming FAULT_ENV."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    kind, _, count = spec.partition("*")
+    try:
+        if not FAULT_INJECTION:
+            raise InvalidArgumentError("this kvtier build has no fault injection (a development build has)")
+        if count and not count.isdigit():
+            raise InvalidArgumentError("the count after '*' must be a whole number")
+        disk._inject_fault(kind, int(count or 1))
+    except InvalidArgumentError as e:
+        disk.close()
+        raise InvalidArgumentError(f"{FAULT_ENV}={spec!r}: {e}") from None
+    log.warning("kvtier disk tier %s: test fault %s armed from %s", disk.path, spec, FAULT_ENV)
 
 
 #: The host format in the name of a vLLM per-model tier directory, "<model>_f2_<digest>": a row

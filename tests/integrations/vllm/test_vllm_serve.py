@@ -5,16 +5,21 @@ outputs compared token by token with a server without offloading.
 The tests of this module run in order and share one disk directory: CPU-tier hits and disk-tier
 hits from one server, then disk hits after a SIGTERM restart and after SIGKILL of the whole
 process tree; then tensor parallelism (two worker processes), vLLM's tiering spec with
-kvtier's disk tier, and a negative control whose
+kvtier's disk tier, the disk tier's SLO guard tripped by a slow disk and back after its
+cool-down, and a negative control whose
 worker loads wrong bytes (the comparison must catch it). kvtier's counters are read from the
 server's own Prometheus exposition, scraped over HTTP.
 """
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from support.vllm import engine as E
 from support.vllm.server import Server, metric
+
+from kvtier_rs.tiers.disk import FAULT_ENV
 
 E.require_vllm()  # fail, never skip: CI installs vLLM
 
@@ -211,6 +216,49 @@ def test_tiering_spec_with_kvtiers_disk_tier_matches_the_baseline(env, prompts, 
         tokens, cached = srv.complete(prompts["A"])
         assert tokens == baseline["A"]
         assert cached == SERVED, cached
+    finally:
+        srv.stop()
+
+
+def test_a_slow_disk_trips_the_slo_guard_and_is_back_after_the_cool_down(env, prompts, baseline):
+    """The disk tier's first two reads are made slow (400 ms each, armed through the environment
+    of the engine's processes): the requests that waited on them trip the disk guard; while it
+    is bypassed, disk hits are recomputed instead of waited on; after the cool-down the tier is
+    re-probed, now fast, and serves again. Greedy outputs match the baseline throughout."""
+    recover_s = 20  # far above one request's time, so the bypassed request runs inside it
+    rule = {"p99_ms": 50, "window_s": 600, "recover_s": recover_s, "min_samples": 2}
+    cfg = kvtier_config(env, disk_root=str(env["tmp"] / "guard-disk"), disk_slo_guard=rule)
+    srv = start(env, "kvtier-guard", cfg, extra_env={FAULT_ENV: "read_delay_ms:400*2"})
+    try:
+        for i, name in enumerate("ABCD", start=1):
+            tokens, _ = srv.complete(prompts[name])
+            assert tokens == baseline[name], name
+            srv.wait_for_metric(K + "stores_completed_total", 3 * i, tier="disk")
+        # A's prefix comes back from disk through the two slow reads (and a fast one, maybe).
+        tokens, cached, moved = served_by(srv, prompts["A"])
+        assert tokens == baseline["A"]
+        assert cached == SERVED and moved["loads_disk"] >= 2, (cached, moved)
+        srv.wait_for_metric(K + "guard_trips_total", 1, tier="disk")
+        tripped_seen = time.monotonic()
+        samples = srv.metrics()
+        assert metric(samples, K + "guard_bypassed", tier="disk") == 1
+        assert metric(samples, K + "guard_p99_seconds", tier="disk") > 0.05  # over the budget
+        # Bypassed: B's disk hits are recomputed (counted), nothing is promoted from disk.
+        refused = metric(samples, K + "disk_refused_guard_total")
+        tokens, _, moved = served_by(srv, prompts["B"])
+        assert tokens == baseline["B"]
+        assert moved["loads_disk"] == 0, moved
+        assert metric(srv.metrics(), K + "disk_refused_guard_total") > refused
+        assert "SLO guard tripped: the disk tier is bypassed" in srv.log_text()
+        # After the cool-down the tier is re-probed: C's prefix is promoted from disk again.
+        time.sleep(max(0.0, recover_s - (time.monotonic() - tripped_seen)) + 0.5)
+        tokens, cached, moved = served_by(srv, prompts["C"])
+        assert tokens == baseline["C"]
+        assert cached == SERVED and moved["loads_disk"] >= 1, (cached, moved)
+        samples = srv.metrics()
+        assert metric(samples, K + "guard_bypassed", tier="disk") == 0
+        assert metric(samples, K + "guard_trips_total", tier="disk") == 1
+        assert "the disk tier is back in service" in srv.log_text()
     finally:
         srv.stop()
 

@@ -160,6 +160,11 @@ class Server:
             for s in fam.samples
         }
 
+    def log_text(self) -> str:
+        """What the server's processes have logged so far."""
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
     def wait_for_metric(self, name: str, at_least: float, **labels: str) -> float:
         """Wait until the sum of `name`'s samples reaches `at_least` (e.g. the disk tier's
         completed writes), sending a one-token request now and then: an idle engine makes no
