@@ -690,6 +690,16 @@ def test_grafana_dashboard_uses_only_exported_series():
     assert "kvtier_latency_seconds_bucket" in used
     assert "kvtier_guard_trips_total" in used
     assert any("histogram_quantile(0.99" in e for e in exprs)
+    # Under vLLM the same guard is exported as vLLM's offloading series: the dashboard shows them
+    # too, by the names the vLLM adapter declares.
+    from kvtier_rs.integrations.vllm import metrics as vm
+
+    declared = {vm.PREFIX + n for n in vm.GUARD_GAUGES} | {vm.PREFIX + n + "_total" for n in vm.GUARD_COUNTERS}
+    declared |= {vm.PREFIX + n for n in vm.INDEX_GAUGES} | {vm.PREFIX + n + "_total" for n in vm.INDEX_COUNTERS}
+    declared |= {vm.PREFIX + n + "_total" for n in vm.MANAGER_COUNTERS}
+    vllm_used = {n for e in exprs for n in re.findall(r"vllm:kv_offload_kvtier_[a-z0-9_]+", e)}
+    assert vllm_used <= declared, vllm_used - declared
+    assert {vm.PREFIX + "guard_trips_total", vm.PREFIX + "guard_bypassed"} <= vllm_used
 
 
 def test_docs_metrics_table_is_generated_from_names():
