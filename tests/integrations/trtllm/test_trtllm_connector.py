@@ -147,6 +147,39 @@ def test_loads_are_byte_identical_after_eviction_to_disk(tmp_path, engines):
             assert torch.equal(eng._slot(r.block_ids[pos // TPB], pos, layer), want)
 
 
+def test_a_slow_disk_trips_the_disk_guard_and_is_back_after_the_cool_down(tmp_path, engines, caplog):
+    """The disk tier's reads made 300 ms slow for two requests' loads: they trip the disk guard
+    (budget 50 ms); the next request's disk hits are recomputed, not waited on; after the
+    cool-down the tier, fast again, serves the one after. The driver's forward pass checks
+    every token's KV at every layer throughout."""
+    recover_s = 5.0
+    rule = {"p99_ms": 50, "window_s": 600, "recover_s": recover_s, "min_samples": 2}
+    eng = make(tmp_path, cpu_blocks=4, disk=True, disk_slo_guard=rule)
+    engines.append(eng)
+    prompts = [prompt(60 + i, 12) for i in range(4)]
+    for i, p in enumerate(prompts):
+        eng.run_request(Request(1 + i, p + [1]))
+        eng.worker.tiers.orchestrator.drain()  # write-throughs pin slots until done
+    orch = _evicted_to_disk(eng, prompt(59, 12))
+    orch.stager.disk._inject_fault("read_delay_ms:300", 6)  # the block reads of two loads
+    guard = orch.guards["disk"]
+    for i in (0, 1):
+        eng.step([Request(20 + i, prompts[i] + [2])])
+        assert eng.matched[20 + i] == 12
+    assert guard.state()["state"] == "bypassed" and guard.state()["trips"] == 1
+    tripped_seen = time.monotonic()
+    refused = orch.stats()["tiers"]["disk"]["refused"]["guard"]
+    eng.step([Request(22, prompts[2] + [2])])
+    assert eng.matched[22] == 0, "a bypassed tier's hits are recomputed"
+    assert orch.stats()["tiers"]["disk"]["refused"]["guard"] == refused + 3
+    time.sleep(max(0.0, recover_s - (time.monotonic() - tripped_seen)) + 0.2)
+    orch.drain()  # request 22's write-throughs pin CPU slots until done; 23 stages through them
+    eng.step([Request(23, prompts[3] + [2])])
+    assert eng.matched[23] == 12, "after the cool-down the tier is re-probed and serves"
+    assert guard.state()["state"] == "active" and guard.state()["trips"] == 1
+    assert "SLO guard tripped: the disk tier" in caplog.text and "disk tier is back in service" in caplog.text
+
+
 def test_a_disk_hit_with_no_cpu_slot_to_stage_through_is_recomputed_not_promised(tmp_path, engines):
     # TensorRT-LLM cannot be told that a load fell short, so a promised disk hit that then found
     # no CPU slot stopped the engine (KvTierError in the forward pass). Now the scheduler
