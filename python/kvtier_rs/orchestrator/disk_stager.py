@@ -34,6 +34,7 @@ from kvtier_rs._core import (
     NotReadyError,
 )
 from kvtier_rs.orchestrator.completions import handle_each
+from kvtier_rs.orchestrator.disk_contract import StagingDisk
 from kvtier_rs.orchestrator.latency import LatencyRecorder
 from kvtier_rs.tiers.events import EventStream
 from kvtier_rs.tiers.keys import Key, key_list
@@ -89,7 +90,7 @@ class DiskStager:
     def __init__(
         self,
         host: StagingHost,
-        disk: Any,
+        disk: StagingDisk,
         *,
         max_write_backlog: int = 1024,
         events: EventStream | None = None,

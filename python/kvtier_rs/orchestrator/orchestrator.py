@@ -43,6 +43,7 @@ from kvtier_rs._core import (
 from kvtier_rs.checks import check_count, check_number, show
 from kvtier_rs.orchestrator.completions import handle_each
 from kvtier_rs.orchestrator.cost import CostModel
+from kvtier_rs.orchestrator.disk_contract import StagingDisk
 from kvtier_rs.orchestrator.disk_stager import DiskStager
 from kvtier_rs.orchestrator.gate import REFUSAL_REASONS, TIERS, LoadGate
 from kvtier_rs.orchestrator.guard import GuardRule
@@ -207,7 +208,7 @@ class TierOrchestrator:  # noqa: PLR0904 - split by job in the data-path refacto
         host: HostTier,
         engine: TransferEngine,
         *,
-        disk: Any = None,
+        disk: StagingDisk | None = None,
         cost: CostModel | None = None,
         guards: dict[str, GuardRule] | None = None,
         max_promotions_in_flight: dict[str, int] | None = None,
@@ -922,7 +923,7 @@ class TierOrchestrator:  # noqa: PLR0904 - split by job in the data-path refacto
                 # or evictable; split here.
                 "store_refused": {
                     "admission": disk_index["store_refused"],
-                    "no_space": disk_index["refused_disk_full"] + sc.writes_no_space,
+                    "no_space": int(disk_index["refused_disk_full"]) + sc.writes_no_space,
                     "backpressure": sc.writes_dropped_backlog,
                     "unavailable": sc.writes_not_started,
                 },
