@@ -433,7 +433,7 @@ def orchestrator_state(orch):
     return (
         orch.host.index.entries(),
         dict(orch.host.stats()),
-        dict(orch.counts),
+        orch.counts.as_dict(),
         dict(orch._loads),
         orch.pending(),
     )
@@ -494,7 +494,7 @@ def test_a_single_key_is_refused_where_a_chain_is_expected(tmp_path, single):
         orch.plan(single)
     with pytest.raises(kv.InvalidArgumentError, match=msg):
         orch.load(single, [3, 4], request_id="r")
-    assert len(orch.host.index) == 0 and orch.pending() == 0 and orch.counts["lookups"] == 0
+    assert len(orch.host.index) == 0 and orch.pending() == 0 and orch.counts.lookups == 0
     # A tuple or a generator of keys is a chain.
     orch.offload((b"\x05", b"\x06"), iter([3, 4]))
     orch.drain()

@@ -27,7 +27,6 @@ import contextlib
 import itertools
 import math
 import time
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -43,9 +42,10 @@ from kvtier_rs._core import (
 from kvtier_rs.checks import check_count, check_number, show
 from kvtier_rs.orchestrator.completions import handle_each
 from kvtier_rs.orchestrator.cost import CostModel
+from kvtier_rs.orchestrator.counters import DataPathCounters
 from kvtier_rs.orchestrator.disk_contract import StagingDisk
 from kvtier_rs.orchestrator.disk_stager import DiskStager
-from kvtier_rs.orchestrator.gate import REFUSAL_REASONS, TIERS, LoadGate
+from kvtier_rs.orchestrator.gate import TIERS, LoadGate
 from kvtier_rs.orchestrator.guard import GuardRule
 from kvtier_rs.orchestrator.latency import LatencyRecorder
 from kvtier_rs.tiers.events import EventStream
@@ -248,7 +248,7 @@ class TierOrchestrator:  # noqa: PLR0904 - split by job in the data-path refacto
         # holds CPU staging slots and the disk's queue (back-pressure and stalls count them).
         self._orphan_reads: dict[tuple[Key, ...], _OrphanRead] = {}
         self._done: list[LoadResult] = []
-        self.counts: Counter[str] = Counter()
+        self.counts = DataPathCounters()
         self.latency = {
             "cpu_load": LatencyRecorder(),
             "disk_load": LatencyRecorder(),
@@ -284,15 +284,15 @@ class TierOrchestrator:  # noqa: PLR0904 - split by job in the data-path refacto
             # The blocks it would have added: a chain's blocks the tier already holds (ready or
             # being written) were not refused, and counting them overstated the refusals.
             index = self.host.index
-            self.counts["cpu_store_no_space_blocks"] += sum(1 for k in dict.fromkeys(keys) if index.state(k) is None)
+            self.counts.cpu_store_no_space_blocks += sum(1 for k in dict.fromkeys(keys) if index.state(k) is None)
             return OffloadTicket(None, [], [], [], [], no_space=True)
         except IndexFailedError:
             # The CPU index disabled itself (an internal error): it stores nothing any more and
             # its lookups miss, so the engine keeps serving by recomputing.
-            self.counts["cpu_store_index_failed_blocks"] += len(keys)
+            self.counts.cpu_store_index_failed_blocks += len(keys)
             return OffloadTicket(None, [], [], [], [])
         ticket = OffloadTicket(None, list(out.keys), list(out.skipped), list(out.refused), list(out.evicted))
-        self.counts["cpu_store_refused"] += len(out.refused)
+        self.counts.cpu_store_refused += len(out.refused)
         if self.events is not None:
             self.events.publish("removed", "cpu", out.evicted, reason="evicted")
         if not out.keys:
@@ -474,7 +474,7 @@ class TierOrchestrator:  # noqa: PLR0904 - split by job in the data-path refacto
             # The read runs on; a reservation of the same chain before it lands takes it over.
             self._read_owner.pop(ld.disk_read, None)
             self._orphan_reads[tuple(ld.disk.keys)] = _OrphanRead(ld.disk_read, ld.read_started)
-        self.counts["load_released_blocks"] += ld.reserved
+        self.counts.load_released_blocks += ld.reserved
         del self._loads[request_id]
 
     def is_reserved(self, request_id: Any) -> bool:
@@ -611,21 +611,7 @@ class TierOrchestrator:  # noqa: PLR0904 - split by job in the data-path refacto
         return None if ld is None else ld.groups_ready()
 
     def _count_plan(self, plan: LoadPlan) -> None:
-        c = self.counts
-        c["lookups"] += 1
-        # Blocks asked of each tier: the GPU sees the whole chain, the CPU tier what the GPU
-        # missed, the disk tier what the CPU tier missed (when there is a disk tier).
-        c["gpu_lookup_blocks"] += plan.total
-        c["cpu_lookup_blocks"] += plan.total - plan.gpu_hits
-        if self.stager is not None:
-            c["disk_lookup_blocks"] += plan.total - plan.gpu_hits - plan.cpu_hits
-        c["gpu_hit_blocks"] += plan.gpu_hits
-        c["cpu_hit_blocks"] += plan.cpu_hits
-        c["disk_hit_blocks"] += plan.disk_hits
-        c["miss_blocks"] += plan.misses
-        for tier, reasons in plan.refused.items():
-            for reason, n in reasons.items():
-                c[f"{tier}_refused_{reason}_blocks"] += n
+        self.counts.count_plan(plan, has_disk=self.stager is not None)
 
     # ---- completion ----------------------------------------------------------------------
     def poll(self) -> list[LoadResult]:
@@ -703,7 +689,7 @@ class TierOrchestrator:  # noqa: PLR0904 - split by job in the data-path refacto
         job, ld.disk_read = ld.disk_read, None
         self._read_owner.pop(job, None)
         self._orphan_reads[tuple(ld.disk.keys)] = _OrphanRead(job, ld.read_started)
-        self.counts["disk_read_timeout_blocks"] += len(ld.disk.keys)
+        self.counts.disk_read_timeout_blocks += len(ld.disk.keys)
         ld.disk.keys = []
         self._maybe_finish(ld)
 
@@ -723,16 +709,16 @@ class TierOrchestrator:  # noqa: PLR0904 - split by job in the data-path refacto
                 return
             self.host.index.complete_store(keys, r.success)
             if not r.success:
-                self.counts["cpu_store_failed_blocks"] += len(keys)
+                self.counts.cpu_store_failed_blocks += len(keys)
                 return
             if self.host.index.failure is not None:
                 # The index failed while the copy ran: the blocks never became readable.
-                self.counts["cpu_store_index_failed_blocks"] += len(keys)
+                self.counts.cpu_store_index_failed_blocks += len(keys)
                 return
-            self.counts["cpu_stored_blocks"] += len(keys)
+            self.counts.cpu_stored_blocks += len(keys)
             if self.events is not None:
                 self.events.publish("stored", "cpu", keys)
-            self.counts["d2h_bytes"] += r.bytes
+            self.counts.d2h_bytes += r.bytes
             self.latency["cpu_store"].observe(r.seconds)
             if self.stager is not None:
                 self.stager.write_through(keys, **hint)
@@ -741,7 +727,7 @@ class TierOrchestrator:  # noqa: PLR0904 - split by job in the data-path refacto
         ld = self._loads.get(request_id)
         if ld is None:
             return
-        self.counts["h2d_bytes"] += r.bytes
+        self.counts.h2d_bytes += r.bytes
         part, tier = (ld.cpu, "cpu") if r.job_id in ld.cpu.jobs else (ld.disk, "disk")
         group = part.jobs.pop(r.job_id)
         part.finished = max(part.finished, r.finished_at)
@@ -822,10 +808,10 @@ class TierOrchestrator:  # noqa: PLR0904 - split by job in the data-path refacto
         res.seconds = time.perf_counter() - ld.bound_at
         res.bytes = res.loaded * self.engine.layout.bytes_per_block
         c = self.counts
-        c["cpu_promoted_blocks"] += res.loaded_cpu
-        c["disk_promoted_blocks"] += res.loaded_disk
-        c["load_failed_blocks"] += res.failed
-        c["load_unreserved_blocks"] += res.unreserved
+        c.cpu.promoted_blocks += res.loaded_cpu
+        c.disk.promoted_blocks += res.loaded_disk
+        c.load_failed_blocks += res.failed
+        c.load_unreserved_blocks += res.unreserved
         if self.events is not None:
             self.events.publish("promoted", "cpu", ld.cpu.keys[: res.loaded_cpu])
             self.events.publish("promoted", "disk", ld.disk.keys[: res.loaded_disk])
@@ -869,23 +855,23 @@ class TierOrchestrator:  # noqa: PLR0904 - split by job in the data-path refacto
         c = self.counts
         cpu_index = self.host.stats()
         tiers: dict[str, Any] = {
-            "gpu": {"hits": c["gpu_hit_blocks"], "lookup_blocks": c["gpu_lookup_blocks"]},
+            "gpu": {"hits": c.gpu.hit_blocks, "lookup_blocks": c.gpu.lookup_blocks},
             "cpu": {
-                "hits": c["cpu_hit_blocks"],
-                "promotions": c["cpu_promoted_blocks"],
-                "stored": c["cpu_stored_blocks"],
-                "store_failed": c["cpu_store_failed_blocks"],
-                "store_no_space": c["cpu_store_no_space_blocks"],
-                "store_index_failed": c["cpu_store_index_failed_blocks"],
-                "refused": {r: c[f"cpu_refused_{r}_blocks"] for r in REFUSAL_REASONS},
+                "hits": c.cpu.hit_blocks,
+                "promotions": c.cpu.promoted_blocks,
+                "stored": c.cpu_stored_blocks,
+                "store_failed": c.cpu_store_failed_blocks,
+                "store_no_space": c.cpu_store_no_space_blocks,
+                "store_index_failed": c.cpu_store_index_failed_blocks,
+                "refused": dict(c.cpu.refused),
                 "load_latency": self.latency["cpu_load"].percentiles(),
                 "store_latency": self.latency["cpu_store"].percentiles(),
                 "index": cpu_index,
-                "lookup_blocks": c["cpu_lookup_blocks"],
+                "lookup_blocks": c.cpu.lookup_blocks,
                 "evictions": cpu_index["evictions"],
                 "store_refused": {
                     "admission": cpu_index["store_refused"],
-                    "no_space": c["cpu_store_no_space_blocks"],
+                    "no_space": c.cpu_store_no_space_blocks,
                 },
                 "promotions_in_flight": self._promotions_in_flight("cpu"),
                 **occupancy(cpu_index, self.host.block_bytes),
@@ -898,9 +884,9 @@ class TierOrchestrator:  # noqa: PLR0904 - split by job in the data-path refacto
             sc = self.stager.counters
             disk_index = dict(self.stager.disk.stats())
             tiers["disk"] = {
-                "hits": c["disk_hit_blocks"],
-                "promotions": c["disk_promoted_blocks"],
-                "refused": {r: c[f"disk_refused_{r}_blocks"] for r in REFUSAL_REASONS},
+                "hits": c.disk.hit_blocks,
+                "promotions": c.disk.promoted_blocks,
+                "refused": dict(c.disk.refused),
                 "load_latency": self.latency["disk_load"].percentiles(),
                 "read_latency": sc.read_latency.percentiles(),
                 "write_latency": sc.write_latency.percentiles(),
@@ -917,7 +903,7 @@ class TierOrchestrator:  # noqa: PLR0904 - split by job in the data-path refacto
                 },
                 "promotion_blocks_failed": sc.promotion_blocks_failed,
                 "index": disk_index,
-                "lookup_blocks": c["disk_lookup_blocks"],
+                "lookup_blocks": c.disk.lookup_blocks,
                 "evictions": disk_index["evictions"],
                 # The stager's `writes.refused` lumps admission, a full device and no slot free
                 # or evictable; split here.
@@ -936,14 +922,14 @@ class TierOrchestrator:  # noqa: PLR0904 - split by job in the data-path refacto
                 tiers["disk"]["store_histogram"] = sc.write_latency.histogram()
                 tiers["disk"]["read_histogram"] = sc.read_latency.histogram()
         return {
-            "lookups": c["lookups"],
-            "misses": c["miss_blocks"],
-            "load_failed": c["load_failed_blocks"],
-            "load_released": c["load_released_blocks"],
-            "load_unreserved": c["load_unreserved_blocks"],
+            "lookups": c.lookups,
+            "misses": c.miss_blocks,
+            "load_failed": c.load_failed_blocks,
+            "load_released": c.load_released_blocks,
+            "load_unreserved": c.load_unreserved_blocks,
             # Planned disk blocks given up after disk_read_timeout_s (recomputed; in load_failed).
-            "load_timed_out": c["disk_read_timeout_blocks"],
-            "bytes": {"d2h": c["d2h_bytes"], "h2d": c["h2d_bytes"]},
+            "load_timed_out": c.disk_read_timeout_blocks,
+            "bytes": {"d2h": c.d2h_bytes, "h2d": c.h2d_bytes},
             "tiers": tiers,
             "guards": {t: g.state() for t, g in self.guards.items()},
             "cost_model": None
