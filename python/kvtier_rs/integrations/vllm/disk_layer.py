@@ -26,7 +26,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, cast
@@ -195,7 +195,7 @@ class DiskLayer:  # noqa: PLR0904 - the manager's whole interface to the disk ti
         # promotion job id -> the request whose lookup started it, and when
         self._reads: dict[int, _Read] = {}
         # Chunks promoted from disk and not yet loaded; the manager reads and updates it.
-        self.promoted: set[bytes] = set()
+        self.promoted: set[OffloadKey] = set()
         self.counters: m.ManagerCounters = m.ManagerCounters()
         self._events: list[OffloadingEvent] = []
         self.events_enabled = False  # set by the manager from the engine's kv_events_config
@@ -249,7 +249,7 @@ class DiskLayer:  # noqa: PLR0904 - the manager's whole interface to the disk ti
 
     # ---- called by the manager ------------------------------------------------------------------
 
-    def write_through(self, keys: list[bytes]) -> None:
+    def write_through(self, keys: Sequence[bytes]) -> None:
         if self.off_reason is not None:
             return
         self.stager.write_through(keys)
@@ -304,7 +304,7 @@ class DiskLayer:  # noqa: PLR0904 - the manager's whole interface to the disk ti
                 # What the request waited on this chunk: from the lookup that started the read to
                 # this poll, after which its next lookup answers HIT (or MISS).
                 self.gate.record("disk", self._clock() - read.started)
-            ok = cast("list[bytes]", done.keys[: done.ok_prefix])  # the keys promoted: vLLM's
+            ok = cast("list[OffloadKey]", done.keys[: done.ok_prefix])  # the keys promoted: vLLM's
             if ok:
                 self.promoted.update(ok)
                 if self.cost is not None:
@@ -335,7 +335,7 @@ class DiskLayer:  # noqa: PLR0904 - the manager's whole interface to the disk ti
                 keys = cast("list[OffloadKey]", list(ev.keys))  # the keys the manager gave: vLLM's
                 self._events.append(OffloadingEvent(keys=keys, medium=_MEDIUM[ev.tier], removed=ev.kind == "removed"))
 
-    def release(self, keys: list[bytes] | None, req_context: Any) -> None:
+    def release(self, keys: Sequence[bytes] | None, req_context: Any) -> None:
         """Drop the request's reservation pins: on ``keys`` (it loads them now) or on all of them
         (``None``: the request finished)."""
         res = req_context.get_state(_Reserved)

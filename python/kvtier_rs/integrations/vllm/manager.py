@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Iterable
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
@@ -45,6 +45,9 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier_rs._core import BlockIndex, IndexFailedError, InvalidArgumentError, NoSpaceError, NotReadyError
 from kvtier_rs.integrations.vllm import metrics as m
 from kvtier_rs.tiers.shared_region import SlotSeals, seals_of
+
+if TYPE_CHECKING:
+    from kvtier_rs.integrations.vllm.disk_layer import DiskLayer
 
 _HIT = LookupResult.HIT
 _MISS = LookupResult.MISS
@@ -166,7 +169,7 @@ class KvtierOffloadingManager(OffloadingManager):  # noqa: PLR0904 - vLLM's Offl
         cpu_index: BlockIndex,
         *,
         enable_events: bool = False,
-        lower: Any = None,
+        lower: DiskLayer | None = None,
         seals: SlotSeals | None = None,
     ) -> None:
         self._cpu = cpu_index
