@@ -28,8 +28,16 @@ import kvtier_rs as kv
     ],
 )
 def test_index_rejects_bad_arguments_naming_them(kwargs, arg):
-    with pytest.raises(kv.InvalidArgumentError, match=f"`{arg}`"):
+    with pytest.raises(kv.InvalidArgumentError, match=f"`{arg}`") as e:
         kv.BlockIndex(**kwargs)
+    assert e.value.arg == arg
+
+
+def test_a_core_invalid_argument_carries_its_arg_and_reason():
+    with pytest.raises(kv.InvalidArgumentError) as e:
+        kv.BlockIndex(capacity=0)
+    assert (e.value.arg, e.value.reason) == ("capacity", "must be positive, got 0")
+    assert str(e.value) == "invalid argument `capacity`: must be positive, got 0"
 
 
 @pytest.mark.parametrize(
