@@ -58,8 +58,8 @@ def parse_admission(spec: str) -> str: ...
 class KvTierError(Exception): ...
 
 class InvalidArgumentError(KvTierError):
-    """Set on every error that names one argument (all of the core's): `arg` is the argument's
-    name, `reason` what is wrong."""
+    """`arg` (the argument's name) and `reason` (what is wrong) are set on every error that
+    names one argument: all of the core's, and those built with kvtier_rs.checks.invalid_argument."""
 
     arg: str
     reason: str

@@ -62,7 +62,7 @@ impl From<KvError> for PyErr {
 /// InvalidArgumentError with `.arg` and `.reason` set on the instance. A create_exception! type
 /// has no fields and no `__init__` of its own, and a `#[pyclass(extends = ...)]` cannot extend a
 /// create_exception! base such as KvTierError, so the attributes go on the instance (exception
-/// instances have a `__dict__`).
+/// instances have a `__dict__`); Python code builds the same with `checks.invalid_argument`.
 fn invalid_argument_error(msg: String, arg: &'static str, reason: String) -> PyErr {
     Python::attach(|py| {
         let err = InvalidArgumentError::new_err(msg);

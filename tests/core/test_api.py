@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import kvtier_rs as kv
+from kvtier_rs.checks import invalid_argument
 
 
 @pytest.mark.parametrize(
@@ -38,6 +39,17 @@ def test_a_core_invalid_argument_carries_its_arg_and_reason():
         kv.BlockIndex(capacity=0)
     assert (e.value.arg, e.value.reason) == ("capacity", "must be positive, got 0")
     assert str(e.value) == "invalid argument `capacity`: must be positive, got 0"
+
+
+def test_a_python_invalid_argument_carries_its_arg_and_reason():
+    with pytest.raises(kv.InvalidArgumentError) as e:
+        kv.TierConfig(capacity_bytes="1KiB", block_bytes="1MiB")
+    assert (e.value.arg, e.value.reason) == ("capacity_bytes", "1024 bytes cannot hold one block of 1048576 bytes")
+    assert str(e.value) == "invalid argument `capacity_bytes`: 1024 bytes cannot hold one block of 1048576 bytes"
+    made = invalid_argument("port", "must be an int in 0..65535, got -1")
+    assert isinstance(made, kv.InvalidArgumentError)
+    assert (made.arg, made.reason) == ("port", "must be an int in 0..65535, got -1")
+    assert str(made) == "invalid argument `port`: must be an int in 0..65535, got -1"
 
 
 @pytest.mark.parametrize(

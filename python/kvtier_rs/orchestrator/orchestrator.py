@@ -35,12 +35,11 @@ from typing import Any, NamedTuple
 from kvtier_rs._core import (
     ClosedError,
     IndexFailedError,
-    InvalidArgumentError,
     KvTierError,
     NoSpaceError,
     NotReadyError,
 )
-from kvtier_rs.checks import check_count, check_number, show
+from kvtier_rs.checks import check_count, check_number, invalid_argument, show
 from kvtier_rs.orchestrator.completions import handle_each
 from kvtier_rs.orchestrator.cost import CostModel
 from kvtier_rs.orchestrator.disk_stager import DiskStager
@@ -218,25 +217,19 @@ class TierOrchestrator:  # noqa: PLR0904 - split by job in the data-path refacto
         events: EventStream | None = None,
     ) -> None:
         if engine.pool is not host.pool:
-            raise InvalidArgumentError("invalid argument `engine`: it must copy into this host tier's pool")
+            raise invalid_argument("engine", "it must copy into this host tier's pool")
         if guards is not None and not isinstance(guards, Mapping):
-            raise InvalidArgumentError(
-                f"invalid argument `guards`: expected a dict of tier -> GuardRule, got {show(guards)}"
-            )
+            raise invalid_argument("guards", f"expected a dict of tier -> GuardRule, got {show(guards)}")
         unknown = set(guards or {}) - set(TIERS)
         if unknown:
-            raise InvalidArgumentError(
-                f"invalid argument `guards`: unknown tiers {sorted(map(str, unknown))}; expected cpu, disk"
-            )
+            raise invalid_argument("guards", f"unknown tiers {sorted(map(str, unknown))}; expected cpu, disk")
         # Checked here, naming the tier: a rule of any other type (its fields as a dict, a number)
         # would fail only later, on the engine thread, in the first poll(), plan() or stats().
         for tier, rule in (guards or {}).items():
             if not isinstance(rule, GuardRule):
-                raise InvalidArgumentError(
-                    f"invalid argument `guards[{tier!r}]`: expected a GuardRule, got {show(rule)}"
-                )
+                raise invalid_argument(f"guards[{tier!r}]", f"expected a GuardRule, got {show(rule)}")
         if cost is not None and not isinstance(cost, CostModel):
-            raise InvalidArgumentError(f"invalid argument `cost`: expected a CostModel or None, got {show(cost)}")
+            raise invalid_argument("cost", f"expected a CostModel or None, got {show(cost)}")
         in_flight = self._in_flight_limits(max_promotions_in_flight)
         max_disk_write_backlog = check_count("max_disk_write_backlog", max_disk_write_backlog)
         #: A bound load whose disk read is still in flight this long after bind gives up its
@@ -279,14 +272,10 @@ class TierOrchestrator:  # noqa: PLR0904 - split by job in the data-path refacto
         if limits is None:
             return out
         if not isinstance(limits, dict):
-            raise InvalidArgumentError(
-                f"invalid argument `max_promotions_in_flight`: expected a dict of tier -> count, got {show(limits)}"
-            )
+            raise invalid_argument("max_promotions_in_flight", f"expected a dict of tier -> count, got {show(limits)}")
         unknown = sorted(map(str, set(limits) - set(TIERS)))
         if unknown:
-            raise InvalidArgumentError(
-                f"invalid argument `max_promotions_in_flight`: unknown tiers {unknown}; expected cpu, disk"
-            )
+            raise invalid_argument("max_promotions_in_flight", f"unknown tiers {unknown}; expected cpu, disk")
         for tier, n in limits.items():
             out[tier] = check_count(f"max_promotions_in_flight['{tier}']", n)
         return out
@@ -309,7 +298,7 @@ class TierOrchestrator:  # noqa: PLR0904 - split by job in the data-path refacto
         keys = key_list(keys)
         gpu_ids = self._gpu_block_ids(gpu_block_ids)
         if len(keys) != len(gpu_ids):
-            raise InvalidArgumentError(f"invalid argument `gpu_block_ids`: {len(gpu_ids)} ids for {len(keys)} keys")
+            raise invalid_argument("gpu_block_ids", f"{len(gpu_ids)} ids for {len(keys)} keys")
         where = dict(zip(keys, gpu_ids, strict=True))
         # The blocks the tiers hold already take this offload's hint; the store gives it to the
         # rest (and the write-through to their disk copies).
@@ -371,7 +360,7 @@ class TierOrchestrator:  # noqa: PLR0904 - split by job in the data-path refacto
         (e.g. only to route blocks to the tier that holds them now)."""
         keys = key_list(keys)
         if not 0 <= gpu_hit_blocks <= len(keys):
-            raise InvalidArgumentError(f"invalid argument `gpu_hit_blocks`: {gpu_hit_blocks} not in 0..{len(keys)}")
+            raise invalid_argument("gpu_hit_blocks", f"{gpu_hit_blocks} not in 0..{len(keys)}")
         rest = keys[gpu_hit_blocks:]
         cpu_hits = self.host.index.lookup_prefix(rest)
         disk_hits = self._disk_hits(rest[cpu_hits:]) if self.stager and cpu_hits < len(rest) else 0
@@ -461,9 +450,7 @@ class TierOrchestrator:  # noqa: PLR0904 - split by job in the data-path refacto
         groups = self._region_groups(region_groups)
         plan, planned_here = self._plan_for(keys, gpu_hit_blocks, plan)
         if len(gpu_ids) < plan.loaded:
-            raise InvalidArgumentError(
-                f"invalid argument `gpu_block_ids`: {len(gpu_ids)} ids for {plan.loaded} blocks to load"
-            )
+            raise invalid_argument("gpu_block_ids", f"{len(gpu_ids)} ids for {plan.loaded} blocks to load")
         ld = self._reserve(keys, self._new_request_id(request_id), plan, planned_here)
         return self._bind(ld, gpu_ids, groups, after_stream)
 
@@ -504,9 +491,7 @@ class TierOrchestrator:  # noqa: PLR0904 - split by job in the data-path refacto
         gpu_ids = self._gpu_block_ids(gpu_block_ids, distinct=True)
         groups = self._region_groups(region_groups)
         if len(gpu_ids) < ld.reserved:
-            raise InvalidArgumentError(
-                f"invalid argument `gpu_block_ids`: {len(gpu_ids)} ids for {ld.reserved} reserved blocks"
-            )
+            raise invalid_argument("gpu_block_ids", f"{len(gpu_ids)} ids for {ld.reserved} reserved blocks")
         return self._bind(ld, gpu_ids, groups, after_stream)
 
     def release(self, request_id: Any) -> None:
@@ -533,9 +518,10 @@ class TierOrchestrator:  # noqa: PLR0904 - split by job in the data-path refacto
     def _unbound(self, request_id: Any, where: str) -> _Load:
         ld = self._loads.get(request_id)
         if ld is None or ld.bound:
-            raise InvalidArgumentError(
-                f"invalid argument `request_id`: {request_id!r} has no unbound reservation to {where} "
-                f"({'already bound' if ld is not None else 'never reserved, or finished or released'})"
+            raise invalid_argument(
+                "request_id",
+                f"{request_id!r} has no unbound reservation to {where} "
+                f"({'already bound' if ld is not None else 'never reserved, or finished or released'})",
             )
         return ld
 
@@ -545,11 +531,12 @@ class TierOrchestrator:  # noqa: PLR0904 - split by job in the data-path refacto
         if plan is not None:
             # A plan made for other keys would copy other blocks into the destinations.
             if not isinstance(plan, LoadPlan):
-                raise InvalidArgumentError(f"invalid argument `plan`: expected a LoadPlan, got {show(plan)}")
+                raise invalid_argument("plan", f"expected a LoadPlan, got {show(plan)}")
             if plan.total != len(keys) or plan.gpu_hits != gpu_hit_blocks:
-                raise InvalidArgumentError(
-                    f"invalid argument `plan`: made for {plan.total} keys with {plan.gpu_hits} GPU hits, "
-                    f"given {len(keys)} keys with gpu_hit_blocks={gpu_hit_blocks}"
+                raise invalid_argument(
+                    "plan",
+                    f"made for {plan.total} keys with {plan.gpu_hits} GPU hits, "
+                    f"given {len(keys)} keys with gpu_hit_blocks={gpu_hit_blocks}",
                 )
             return plan, False
         return self.plan(keys, gpu_hit_blocks, count=False), True
@@ -557,7 +544,7 @@ class TierOrchestrator:  # noqa: PLR0904 - split by job in the data-path refacto
     def _new_request_id(self, request_id: Any) -> Any:
         request_id = next(self._ids) if request_id is None else request_id
         if request_id in self._loads:
-            raise InvalidArgumentError(f"invalid argument `request_id`: {request_id!r} already has a load in flight")
+            raise invalid_argument("request_id", f"{request_id!r} already has a load in flight")
         return request_id
 
     def _region_groups(self, region_groups: Sequence[Sequence[int]] | None) -> list[list[int]] | None:
@@ -565,7 +552,7 @@ class TierOrchestrator:  # noqa: PLR0904 - split by job in the data-path refacto
             return None
         groups = [self.engine.layout.check_regions(g) for g in region_groups]
         if not groups:
-            raise InvalidArgumentError("invalid argument `region_groups`: give at least one group, or None")
+            raise invalid_argument("region_groups", "give at least one group, or None")
         return groups
 
     def _reserve(self, keys: list[Key], request_id: Any, plan: LoadPlan, count: bool) -> _Load:
