@@ -9,13 +9,12 @@ core's reason, under the key the user wrote."""
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 from kvtier_rs._core import DirectoryLockedError, DiskIoError, InvalidArgumentError, parse_admission, policy_names
-from kvtier_rs.checks import check_number, show
+from kvtier_rs.checks import check_number, invalid_argument, show
 from kvtier_rs.config import MAX_BYTES, parse_bytes
 
 #: The disk tier's I/O engines, as every adapter spells them.
@@ -23,16 +22,15 @@ DISK_IO_ENGINES = ("auto", "io_uring", "pool")
 #: Disk I/O requests in flight: the pool engine runs one thread per request.
 QUEUE_DEPTH_MAX = 1024
 
-# The core's InvalidArgumentError text: "invalid argument `<arg>`: <reason>".
-_CORE_ARG = re.compile(r"invalid argument `([^`]+)`: (.*)", re.S)
-
 
 class OptionReader:
     def __init__(self, where: str) -> None:
         self.where = where  # e.g. "kv_connector_extra_config"
 
     def error(self, key: Any, msg: str) -> InvalidArgumentError:
-        return InvalidArgumentError(f"{self.where}[{key!r}]: {msg}")
+        """``<where>['<key>']: <msg>``, with ``.arg`` the key and ``.reason`` the message."""
+        arg = key if isinstance(key, str) else repr(key)
+        return invalid_argument(arg, msg, message=f"{self.where}[{key!r}]: {msg}")
 
     def policy(self, key: str, value: Any) -> str:
         names = policy_names()
@@ -48,7 +46,7 @@ class OptionReader:
         try:
             return parse_admission(value)
         except InvalidArgumentError as e:
-            raise self.error(key, str(e).split(": ", 1)[-1]) from None
+            raise self.error(key, e.reason) from None
 
     def size(self, key: str, value: Any) -> int:
         if isinstance(value, int) and not isinstance(value, bool) and value > MAX_BYTES:
@@ -56,7 +54,7 @@ class OptionReader:
         try:
             return parse_bytes(value, name=key)
         except InvalidArgumentError as e:
-            raise self.error(key, str(e).split(": ", 1)[-1]) from None
+            raise self.error(key, e.reason) from None
 
     def int_in(self, key: str, value: Any, lo: int, hi: int) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
@@ -108,10 +106,11 @@ class OptionReader:
         try:
             yield
         except InvalidArgumentError as e:
-            m = _CORE_ARG.fullmatch(str(e))
-            if m is None or m.group(1) not in args:
+            # Only an error naming one argument has `.arg`; any other passes unchanged.
+            arg: str | None = getattr(e, "arg", None)
+            if arg is None or arg not in args:
                 raise
-            raise self.error(args[m.group(1)], m.group(2)) from None
+            raise self.error(args[arg], e.reason) from None
         except DirectoryLockedError as e:
             if path_key is None:
                 raise
