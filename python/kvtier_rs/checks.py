@@ -9,7 +9,8 @@
   the object that got it, never raised: those calls run on the engine thread, and one NaN folded
   into a sum, a window or a moving average stays there for the life of the process. A
   measurement that is not a number at all is the caller's bug and is refused;
-- `show`: a bounded repr of a bad value for an error message.
+- `show`: a bounded repr of a bad value for an error message;
+- `invalid_argument`: the `InvalidArgumentError` for one bad argument, as the core raises it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,15 @@ from typing import Any, SupportsIndex, cast
 from kvtier_rs._core import InvalidArgumentError
 
 
+def invalid_argument(arg: str, reason: str, *, message: str | None = None) -> InvalidArgumentError:
+    """An InvalidArgumentError naming one argument, as the core raises it: the message
+    "invalid argument `<arg>`: <reason>" (or `message`, for a layer that words it its own way)
+    and the `.arg` and `.reason` attributes, so that a caller never takes the message apart."""
+    e = InvalidArgumentError(f"invalid argument `{arg}`: {reason}" if message is None else message)
+    e.arg, e.reason = arg, reason
+    return e
+
+
 def integer(value: object, name: str, what: str = "must be an integer") -> int:
     """`value` as a Python int, with operator.index semantics (ints, numpy/torch integer
     scalars), never a float, which int() would silently truncate (ids, offsets and byte counts
@@ -32,7 +42,7 @@ def integer(value: object, name: str, what: str = "must be an integer") -> int:
     except TypeError:
         out = None
     if out is None:
-        raise InvalidArgumentError(f"invalid argument `{name}`: {what}, got {type(value).__name__} {show(value)}")
+        raise invalid_argument(name, f"{what}, got {type(value).__name__} {show(value)}")
     return out
 
 
@@ -41,7 +51,7 @@ def check_count(name: str, value: object, *, minimum: int = 1) -> int:
     and integral floats such as 2.0 refused: a float here is almost always a unit mix-up)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         what = "a positive int" if minimum == 1 else f"an int >= {minimum}"
-        raise InvalidArgumentError(f"invalid argument `{name}`: must be {what}, got {show(value)}")
+        raise invalid_argument(name, f"must be {what}, got {show(value)}")
     return int(value)
 
 
@@ -52,7 +62,7 @@ def check_number(name: str, value: object, *, zero_ok: bool = False, inf_ok: boo
     x = _as_float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else math.nan
     if math.isnan(x) or not (x >= 0 if zero_ok else x > 0) or (math.isinf(x) and not inf_ok):
         what = ("non-negative" if zero_ok else "positive") + (" number" if inf_ok else " finite number")
-        raise InvalidArgumentError(f"invalid argument `{name}`: must be a {what}, got {show(value)}")
+        raise invalid_argument(name, f"must be a {what}, got {show(value)}")
     return x
 
 
@@ -63,7 +73,7 @@ def usable_sample(value: object, name: str) -> bool:
     if type(value) is float:
         return 0.0 <= value < math.inf  # False for NaN too
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise InvalidArgumentError(f"invalid argument `{name}`: expected a number, got {show(value)}")
+        raise invalid_argument(name, f"expected a number, got {show(value)}")
     return 0.0 <= _as_float(value) < math.inf
 
 

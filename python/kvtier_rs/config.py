@@ -10,8 +10,8 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 
-from kvtier_rs._core import HostPool, InvalidArgumentError, parse_admission, policy_names
-from kvtier_rs.checks import show
+from kvtier_rs._core import HostPool, parse_admission, policy_names
+from kvtier_rs.checks import invalid_argument, show
 
 _UNITS = {
     "": 1,
@@ -35,33 +35,27 @@ def parse_bytes(value: int | str, *, name: str = "size") -> int:
     """Parse 4096, "64MiB", "1.5 GB" into bytes (exactly: a size must come to whole bytes);
     raise InvalidArgumentError naming `name`."""
     if isinstance(value, bool):
-        raise InvalidArgumentError(f"invalid argument `{name}`: expected a byte size, got {value!r}")
+        raise invalid_argument(name, f"expected a byte size, got {value!r}")
     if isinstance(value, int):
         n = value
     elif isinstance(value, str):
         m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
         if not m or m.group(2).lower() not in _UNITS:
-            raise InvalidArgumentError(
-                f"invalid argument `{name}`: {value!r} is not a byte size (e.g. 4096, '64MiB', '2GB')"
-            )
+            raise invalid_argument(name, f"{value!r} is not a byte size (e.g. 4096, '64MiB', '2GB')")
         try:
             # Fraction, not float: "2.01KB" is 2010 bytes, and a 17-digit count is not rounded.
             exact = Fraction(m.group(1)) * _UNITS[m.group(2).lower()]
         except ValueError:  # more digits than Python converts (sys.int_max_str_digits)
-            raise InvalidArgumentError(
-                f"invalid argument `{name}`: a byte size of {len(m.group(1))} digits is too long"
-            ) from None
+            raise invalid_argument(name, f"a byte size of {len(m.group(1))} digits is too long") from None
         if exact.denominator != 1:
-            raise InvalidArgumentError(f"invalid argument `{name}`: {value!r} is not a whole number of bytes")
+            raise invalid_argument(name, f"{value!r} is not a whole number of bytes")
         n = exact.numerator
     else:
-        raise InvalidArgumentError(f"invalid argument `{name}`: expected int or str, got {type(value).__name__}")
+        raise invalid_argument(name, f"expected int or str, got {type(value).__name__}")
     if n <= 0:
-        raise InvalidArgumentError(f"invalid argument `{name}`: must be positive, got {show(value)}")
+        raise invalid_argument(name, f"must be positive, got {show(value)}")
     if n > MAX_BYTES:
-        raise InvalidArgumentError(
-            f"invalid argument `{name}`: {show(value)} is more than the maximum, 2**62 bytes (4 EiB)"
-        )
+        raise invalid_argument(name, f"{show(value)} is more than the maximum, 2**62 bytes (4 EiB)")
     return n
 
 
@@ -87,16 +81,13 @@ class TierConfig:
         object.__setattr__(self, "block_bytes", blk)
         stride = HostPool.stride_for(blk)
         if cap < stride:
-            raise InvalidArgumentError(
-                f"invalid argument `capacity_bytes`: {cap} bytes cannot hold one block of {blk} bytes"
-            )
+            raise invalid_argument("capacity_bytes", f"{cap} bytes cannot hold one block of {blk} bytes")
         if not isinstance(self.policy, str) or self.policy.lower() not in policy_names():
-            raise InvalidArgumentError(
-                f"invalid argument `policy`: unknown policy {self.policy!r}; expected one of "
-                + ", ".join(policy_names())
+            raise invalid_argument(
+                "policy", f"unknown policy {self.policy!r}; expected one of " + ", ".join(policy_names())
             )
         if not isinstance(self.admission, str):
-            raise InvalidArgumentError("invalid argument `admission`: expected a string such as 'uses:2'")
+            raise invalid_argument("admission", "expected a string such as 'uses:2'")
         parse_admission(self.admission)  # the core's own parser; its error names `admission`
 
     @property

@@ -9,13 +9,12 @@ core's reason, under the key the user wrote."""
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 from kvtier_rs._core import DirectoryLockedError, DiskIoError, InvalidArgumentError, parse_admission, policy_names
-from kvtier_rs.checks import check_number, show
+from kvtier_rs.checks import check_number, invalid_argument, show
 from kvtier_rs.config import MAX_BYTES, parse_bytes
 from kvtier_rs.orchestrator.guard import GuardRule
 
@@ -28,16 +27,15 @@ GUARD_FIELDS = ("p99_ms", "window_s", "recover_s", "min_samples")
 #: The most samples a guard's window may ask for before it can trip.
 MIN_SAMPLES_MAX = 100_000
 
-# The core's InvalidArgumentError text: "invalid argument `<arg>`: <reason>".
-_CORE_ARG = re.compile(r"invalid argument `([^`]+)`: (.*)", re.S)
-
 
 class OptionReader:
     def __init__(self, where: str) -> None:
         self.where = where  # e.g. "kv_connector_extra_config"
 
     def error(self, key: Any, msg: str) -> InvalidArgumentError:
-        return InvalidArgumentError(f"{self.where}[{key!r}]: {msg}")
+        """``<where>['<key>']: <msg>``, with ``.arg`` the key and ``.reason`` the message."""
+        arg = key if isinstance(key, str) else repr(key)
+        return invalid_argument(arg, msg, message=f"{self.where}[{key!r}]: {msg}")
 
     def policy(self, key: str, value: Any) -> str:
         names = policy_names()
@@ -53,7 +51,7 @@ class OptionReader:
         try:
             return parse_admission(value)
         except InvalidArgumentError as e:
-            raise self.error(key, str(e).split(": ", 1)[-1]) from None
+            raise self.error(key, e.reason) from None
 
     def size(self, key: str, value: Any) -> int:
         if isinstance(value, int) and not isinstance(value, bool) and value > MAX_BYTES:
@@ -61,7 +59,7 @@ class OptionReader:
         try:
             return parse_bytes(value, name=key)
         except InvalidArgumentError as e:
-            raise self.error(key, str(e).split(": ", 1)[-1]) from None
+            raise self.error(key, e.reason) from None
 
     def int_in(self, key: str, value: Any, lo: int, hi: int) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
@@ -113,10 +111,11 @@ class OptionReader:
         try:
             yield
         except InvalidArgumentError as e:
-            m = _CORE_ARG.fullmatch(str(e))
-            if m is None or m.group(1) not in args:
+            # Only an error naming one argument has `.arg`; any other passes unchanged.
+            arg: str | None = getattr(e, "arg", None)
+            if arg is None or arg not in args:
                 raise
-            raise self.error(args[m.group(1)], m.group(2)) from None
+            raise self.error(args[arg], e.reason) from None
         except DirectoryLockedError as e:
             if path_key is None:
                 raise

@@ -2,7 +2,8 @@
 
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
-use pyo3::{PyErr, PyResult};
+use pyo3::intern;
+use pyo3::prelude::*;
 
 use crate::error::KvError;
 use crate::index::TierIndex;
@@ -12,7 +13,7 @@ create_exception!(
     kvtier_rs._core,
     InvalidArgumentError,
     KvTierError,
-    "An argument can never work; the message names it."
+    "An argument can never work; the message names it, `.arg` is its name and `.reason` what is wrong."
 );
 create_exception!(kvtier_rs._core, NoSpaceError, KvTierError, "A store could not be placed; nothing was changed.");
 create_exception!(
@@ -46,7 +47,7 @@ impl From<KvError> for PyErr {
     fn from(e: KvError) -> PyErr {
         let msg = e.to_string();
         match e {
-            KvError::InvalidArgument { .. } => InvalidArgumentError::new_err(msg),
+            KvError::InvalidArgument { arg, reason } => invalid_argument_error(msg, arg, reason),
             KvError::NoSpace { .. } => NoSpaceError::new_err(msg),
             KvError::NotReady(_) => NotReadyError::new_err(msg),
             KvError::NotPinned(_) => NotPinnedError::new_err(msg),
@@ -56,6 +57,21 @@ impl From<KvError> for PyErr {
             KvError::Failed(_) => IndexFailedError::new_err(msg),
         }
     }
+}
+
+/// InvalidArgumentError with `.arg` and `.reason` set on the instance. A create_exception! type
+/// has no fields and no `__init__` of its own, and a `#[pyclass(extends = ...)]` cannot extend a
+/// create_exception! base such as KvTierError, so the attributes go on the instance (exception
+/// instances have a `__dict__`); Python code builds the same with `checks.invalid_argument`.
+fn invalid_argument_error(msg: String, arg: &'static str, reason: String) -> PyErr {
+    Python::attach(|py| {
+        let err = InvalidArgumentError::new_err(msg);
+        let value = err.value(py);
+        match value.setattr(intern!(py, "arg"), arg).and_then(|()| value.setattr(intern!(py, "reason"), reason)) {
+            Ok(()) => err,
+            Err(e) => e,
+        }
+    })
 }
 
 pub fn invalid(arg: &'static str, reason: impl Into<String>) -> PyErr {

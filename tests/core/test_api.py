@@ -13,6 +13,8 @@ import pytest
 import torch
 
 import kvtier_rs as kv
+from kvtier_rs.checks import invalid_argument
+from kvtier_rs.options import OptionReader
 
 
 @pytest.mark.parametrize(
@@ -28,8 +30,47 @@ import kvtier_rs as kv
     ],
 )
 def test_index_rejects_bad_arguments_naming_them(kwargs, arg):
-    with pytest.raises(kv.InvalidArgumentError, match=f"`{arg}`"):
+    with pytest.raises(kv.InvalidArgumentError, match=f"`{arg}`") as e:
         kv.BlockIndex(**kwargs)
+    assert e.value.arg == arg
+
+
+def test_a_core_invalid_argument_carries_its_arg_and_reason():
+    with pytest.raises(kv.InvalidArgumentError) as e:
+        kv.BlockIndex(capacity=0)
+    assert (e.value.arg, e.value.reason) == ("capacity", "must be positive, got 0")
+    assert str(e.value) == "invalid argument `capacity`: must be positive, got 0"
+
+
+def test_a_python_invalid_argument_carries_its_arg_and_reason():
+    with pytest.raises(kv.InvalidArgumentError) as e:
+        kv.TierConfig(capacity_bytes="1KiB", block_bytes="1MiB")
+    assert (e.value.arg, e.value.reason) == ("capacity_bytes", "1024 bytes cannot hold one block of 1048576 bytes")
+    assert str(e.value) == "invalid argument `capacity_bytes`: 1024 bytes cannot hold one block of 1048576 bytes"
+    made = invalid_argument("port", "must be an int in 0..65535, got -1")
+    assert isinstance(made, kv.InvalidArgumentError)
+    assert (made.arg, made.reason) == ("port", "must be an int in 0..65535, got -1")
+    assert str(made) == "invalid argument `port`: must be an int in 0..65535, got -1"
+
+
+def test_the_option_reader_gives_the_cores_reason_under_the_users_key():
+    reader = OptionReader("kvtier config")
+    with pytest.raises(kv.InvalidArgumentError) as e, reader.naming({"capacity": "cpu_blocks"}):
+        kv.BlockIndex(capacity=0)
+    assert (e.value.arg, e.value.reason) == ("cpu_blocks", "must be positive, got 0")
+    assert str(e.value) == "kvtier config['cpu_blocks']: must be positive, got 0"
+    # An argument the block does not map passes unchanged.
+    with pytest.raises(kv.InvalidArgumentError) as e, reader.naming({"policy": "cpu_policy"}):
+        kv.BlockIndex(capacity=0)
+    assert str(e.value) == "invalid argument `capacity`: must be positive, got 0"
+    # The core's parser and Python's, their reasons under the key.
+    with pytest.raises(kv.InvalidArgumentError) as e:
+        reader.admission("cpu_admission", "uses:0")
+    assert e.value.arg == "cpu_admission" and e.value.reason.startswith('"uses:0" is not an admission rule; expected')
+    assert str(e.value) == f"kvtier config['cpu_admission']: {e.value.reason}"
+    with pytest.raises(kv.InvalidArgumentError) as e:
+        reader.size("cpu_bytes", "3 parsecs")
+    assert str(e.value) == "kvtier config['cpu_bytes']: '3 parsecs' is not a byte size (e.g. 4096, '64MiB', '2GB')"
 
 
 @pytest.mark.parametrize(

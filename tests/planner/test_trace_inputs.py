@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from kvtier_rs._core import KvTierError
 from kvtier_rs.cli import main
 from kvtier_rs.planner.errors import PlanError, TraceError
 from kvtier_rs.planner.model import bytes_per_token_from_config
@@ -231,6 +232,14 @@ def test_sizes():
             parse_size(bad, "--gpu")
     with pytest.raises(PlanError, match="needs --bytes-per-token"):
         parse_size("1GiB", "--gpu").blocks(None, "--gpu")
+
+
+def test_planner_errors_are_kvtier_errors():
+    with pytest.raises(KvTierError) as e:
+        parse_size("3parsecs", "--gpu")
+    assert isinstance(e.value, PlanError)
+    assert str(e.value) == "--gpu: '3parsecs' is not a byte size (e.g. 4096, '64MiB', '2GB')"
+    assert issubclass(TraceError, KvTierError)
 
 
 REC = b'{"timestamp": 0, "input_length": 1000, "output_length": 10, "hash_ids": [1, 2]}\n'

@@ -208,10 +208,18 @@ def test_bad_arguments_are_named(tmp_path, kwargs, arg):
     args = {"capacity_bytes": 64 * stride(), "block_bytes": BLOCK}
     args.update(kwargs)
     cap, blk = args.pop("capacity_bytes"), args.pop("block_bytes")
-    with pytest.raises(InvalidArgumentError, match=f"`{arg}`"):
+    with pytest.raises(InvalidArgumentError, match=f"`{arg}`") as e:
         DiskTier(str(tmp_path / "t"), cap, blk, **args)
+    assert e.value.arg == arg
     # Refused before the directory (and its preallocated slabs) was created.
     assert not (tmp_path / "t").exists()
+
+
+def test_a_bad_argument_carries_its_name_and_reason(tmp_path):
+    with pytest.raises(InvalidArgumentError) as e:
+        DiskTier(str(tmp_path / "t"), 64 * stride(), BLOCK, queue_depth=5000)
+    assert (e.value.arg, e.value.reason) == ("queue_depth", "must be in 1..=4096, got 5000")
+    assert str(e.value) == "invalid argument `queue_depth`: must be in 1..=4096, got 5000"
 
 
 def test_bad_call_arguments_are_named(tmp_path):

@@ -26,13 +26,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from kvtier_rs._core import KvTierError
-    from kvtier_rs.planner.errors import PlanError
 
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (PlanError, KvTierError) as e:
+    except KvTierError as e:  # the planner's PlanError too
         print(f"kvtier {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

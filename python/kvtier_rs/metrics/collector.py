@@ -22,6 +22,7 @@ from prometheus_client.metrics_core import (
 from prometheus_client.registry import Collector
 
 from kvtier_rs._core import InvalidArgumentError
+from kvtier_rs.checks import invalid_argument
 from kvtier_rs.metrics.names import SERIES, Series
 from kvtier_rs.orchestrator.latency import BUCKETS
 from kvtier_rs.orchestrator.orchestrator import occupancy
@@ -49,26 +50,24 @@ def _const_labels(labels: object) -> dict[str, str]:
     if labels is None:
         return {}
     if not isinstance(labels, Mapping):
-        raise InvalidArgumentError(f"invalid argument `labels`: expected a dict of label name -> value, got {labels!r}")
+        raise invalid_argument("labels", f"expected a dict of label name -> value, got {labels!r}")
     for name, value in labels.items():
         if not isinstance(name, str) or not _LABEL_NAME.fullmatch(name):
-            raise InvalidArgumentError(
-                f"invalid argument `labels`: {name!r} is not a Prometheus label name ([a-zA-Z_][a-zA-Z0-9_]*)"
-            )
+            raise invalid_argument("labels", f"{name!r} is not a Prometheus label name ([a-zA-Z_][a-zA-Z0-9_]*)")
         if name.startswith("__") or name in _RESERVED_LABELS:
-            raise InvalidArgumentError(f"invalid argument `labels`: {name!r} is a reserved Prometheus label name")
+            raise invalid_argument("labels", f"{name!r} is a reserved Prometheus label name")
         if any(name in s.labelnames for s in SERIES):
-            raise InvalidArgumentError(f"invalid argument `labels`: {name!r} is already a label of kvtier series")
+            raise invalid_argument("labels", f"{name!r} is already a label of kvtier series")
         if not isinstance(value, str):
             # Caught here, not at the first scrape, where the exposition fails on it (HTTP 500).
-            raise InvalidArgumentError(f"invalid argument `labels`: the value of {name!r} must be a str, got {value!r}")
+            raise invalid_argument("labels", f"the value of {name!r} must be a str, got {value!r}")
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as e:
             # A lone surrogate (say, from a badly decoded environment variable) would fail every
             # exposition, which is UTF-8.
-            raise InvalidArgumentError(
-                f"invalid argument `labels`: the value of {name!r} is not encodable as UTF-8 ({e.reason} at {e.start})"
+            raise invalid_argument(
+                "labels", f"the value of {name!r} is not encodable as UTF-8 ({e.reason} at {e.start})"
             ) from None
     return dict(labels)
 
@@ -93,9 +92,7 @@ class KvTierCollector(Collector):
         labels: Mapping[str, str] | None = None,
     ) -> None:
         if orchestrator is None and host is None and disk is None:
-            raise InvalidArgumentError(
-                "invalid argument `orchestrator`: give an orchestrator, or a bare `host` and/or `disk` tier"
-            )
+            raise invalid_argument("orchestrator", "give an orchestrator, or a bare `host` and/or `disk` tier")
         if orchestrator is not None and (host is not None or disk is not None):
             raise InvalidArgumentError(
                 "invalid argument `host`/`disk`: the orchestrator already reports its tiers; pass one or the other"

@@ -24,7 +24,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 
-from kvtier_rs._core import InvalidArgumentError
+from kvtier_rs.checks import invalid_argument
 from kvtier_rs.metrics.collector import KvTierCollector
 from kvtier_rs.tiers.events import EventStream
 
@@ -88,7 +88,7 @@ def serve(
     picks a free port (read it back from `.port`). Binds to 127.0.0.1 unless told otherwise:
     expose it deliberately (e.g. addr="0.0.0.0" behind the cluster's network policy)."""
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
-        raise InvalidArgumentError(f"invalid argument `port`: must be an int in 0..65535, got {port!r}")
+        raise invalid_argument("port", f"must be an int in 0..65535, got {port!r}")
     registry, collector = make_registry(orchestrator, host=host, disk=disk, events=events, labels=labels)
     try:
         server, thread = start_http_server(port, addr=addr, registry=registry)

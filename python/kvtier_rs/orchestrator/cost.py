@@ -37,8 +37,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from kvtier_rs._core import InvalidArgumentError
-from kvtier_rs.checks import check_count, check_number, usable_sample
+from kvtier_rs.checks import check_count, check_number, invalid_argument, usable_sample
 
 #: Promotion hops: "cpu" = host -> device, "disk" = disk -> host.
 HOPS = ("cpu", "disk")
@@ -49,7 +48,7 @@ def _per_hop(name: str, value: object, *, zero_ok: bool, inf_ok: bool) -> dict[s
     own copy; the caller's dict is never changed behind its back)."""
     if not isinstance(value, Mapping) or set(value) != set(HOPS):
         got = f"keys {sorted(value, key=repr)!r}" if isinstance(value, Mapping) else repr(value)
-        raise InvalidArgumentError(f"invalid argument `{name}`: expected a dict with keys 'cpu' and 'disk', got {got}")
+        raise invalid_argument(name, f"expected a dict with keys 'cpu' and 'disk', got {got}")
     return {hop: check_number(f"{name}[{hop!r}]", value[hop], zero_ok=zero_ok, inf_ok=inf_ok) for hop in HOPS}
 
 
@@ -84,17 +83,17 @@ class CostModel:
         self.latency_s = _per_hop("latency_s", self.latency_s, zero_ok=True, inf_ok=False)
         a = self.alpha
         if isinstance(a, bool) or not isinstance(a, numbers.Real) or not 0 < a <= 1:  # NaN fails 0 < a
-            raise InvalidArgumentError(f"invalid argument `alpha`: must be a number in (0, 1], got {a!r}")
+            raise invalid_argument("alpha", f"must be a number in (0, 1], got {a!r}")
         self.alpha = float(a)
         self.probe_every_s = check_number("probe_every_s", self.probe_every_s, inf_ok=True)
         if not callable(self.clock):
-            raise InvalidArgumentError(f"invalid argument `clock`: expected a callable, got {self.clock!r}")
+            raise invalid_argument("clock", f"expected a callable, got {self.clock!r}")
 
     def observe(self, hop: str, nbytes: int, seconds: float) -> None:
         """Fold one measured transfer into the hop's bandwidth estimate, unless it carries no
         bandwidth information (dropped or skipped and counted, see the module docstring)."""
         if hop not in HOPS:
-            raise InvalidArgumentError(f"invalid argument `hop`: expected 'cpu' or 'disk', got {hop!r}")
+            raise invalid_argument("hop", f"expected 'cpu' or 'disk', got {hop!r}")
         if not (usable_sample(nbytes, "nbytes") and usable_sample(seconds, "seconds")):
             self.observations_dropped += 1
             return

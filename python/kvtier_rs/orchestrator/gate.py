@@ -25,8 +25,7 @@ import time
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
-from kvtier_rs._core import InvalidArgumentError
-from kvtier_rs.checks import check_count, show
+from kvtier_rs.checks import check_count, invalid_argument, show
 from kvtier_rs.orchestrator.cost import CostModel
 from kvtier_rs.orchestrator.guard import GuardRule, SloGuard
 
@@ -44,17 +43,13 @@ def check_guards(guards: Any, tiers: tuple[str, ...] = TIERS) -> dict[str, Guard
     if guards is None:
         return {}
     if not isinstance(guards, Mapping):
-        raise InvalidArgumentError(
-            f"invalid argument `guards`: expected a dict of tier -> GuardRule, got {show(guards)}"
-        )
+        raise invalid_argument("guards", f"expected a dict of tier -> GuardRule, got {show(guards)}")
     unknown = set(guards) - set(tiers)
     if unknown:
-        raise InvalidArgumentError(
-            f"invalid argument `guards`: unknown tiers {sorted(map(str, unknown))}; expected {', '.join(tiers)}"
-        )
+        raise invalid_argument("guards", f"unknown tiers {sorted(map(str, unknown))}; expected {', '.join(tiers)}")
     for tier, rule in guards.items():
         if not isinstance(rule, GuardRule):
-            raise InvalidArgumentError(f"invalid argument `guards[{tier!r}]`: expected a GuardRule, got {show(rule)}")
+            raise invalid_argument(f"guards[{tier!r}]", f"expected a GuardRule, got {show(rule)}")
     return dict(guards)
 
 
@@ -64,14 +59,10 @@ def check_in_flight_limits(limits: Any, tiers: tuple[str, ...] = TIERS) -> dict[
     if limits is None:
         return out
     if not isinstance(limits, dict):
-        raise InvalidArgumentError(
-            f"invalid argument `max_promotions_in_flight`: expected a dict of tier -> count, got {show(limits)}"
-        )
+        raise invalid_argument("max_promotions_in_flight", f"expected a dict of tier -> count, got {show(limits)}")
     unknown = sorted(map(str, set(limits) - set(tiers)))
     if unknown:
-        raise InvalidArgumentError(
-            f"invalid argument `max_promotions_in_flight`: unknown tiers {unknown}; expected {', '.join(tiers)}"
-        )
+        raise invalid_argument("max_promotions_in_flight", f"unknown tiers {unknown}; expected {', '.join(tiers)}")
     for tier, n in limits.items():
         out[tier] = check_count(f"max_promotions_in_flight['{tier}']", n)
     return out
@@ -99,7 +90,7 @@ class LoadGate:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if cost is not None and not isinstance(cost, CostModel):
-            raise InvalidArgumentError(f"invalid argument `cost`: expected a CostModel or None, got {show(cost)}")
+            raise invalid_argument("cost", f"expected a CostModel or None, got {show(cost)}")
         self.tiers = tiers
         self.guards = {t: SloGuard(t, r, clock=clock) for t, r in check_guards(guards, tiers).items()}
         self.max_in_flight = check_in_flight_limits(max_in_flight, tiers)

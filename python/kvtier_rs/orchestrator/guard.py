@@ -44,8 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtier_rs._core import InvalidArgumentError
-from kvtier_rs.checks import check_count, check_number, show, usable_sample
+from kvtier_rs.checks import check_count, check_number, invalid_argument, show, usable_sample
 
 
 @dataclass(frozen=True)
@@ -81,7 +80,7 @@ class SloGuard:
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
         if not isinstance(rule, GuardRule):  # else the first record() or state() raises AttributeError
-            raise InvalidArgumentError(f"invalid argument `rule`: expected a GuardRule, got {show(rule)}")
+            raise invalid_argument("rule", f"expected a GuardRule, got {show(rule)}")
         self.tier = tier
         self.rule = rule
         self._clock = clock

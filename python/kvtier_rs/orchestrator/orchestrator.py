@@ -34,12 +34,11 @@ from typing import Any, NamedTuple
 from kvtier_rs._core import (
     ClosedError,
     IndexFailedError,
-    InvalidArgumentError,
     KvTierError,
     NoSpaceError,
     NotReadyError,
 )
-from kvtier_rs.checks import check_count, check_number, show
+from kvtier_rs.checks import check_count, check_number, invalid_argument, show
 from kvtier_rs.orchestrator.completions import handle_each
 from kvtier_rs.orchestrator.cost import CostModel
 from kvtier_rs.orchestrator.counters import DataPathCounters
@@ -217,7 +216,7 @@ class TierOrchestrator:  # noqa: PLR0904 - split by job in the data-path refacto
         events: EventStream | None = None,
     ) -> None:
         if engine.pool is not host.pool:
-            raise InvalidArgumentError("invalid argument `engine`: it must copy into this host tier's pool")
+            raise invalid_argument("engine", "it must copy into this host tier's pool")
         # Checked here (naming the argument), not on the engine thread at the first plan().
         gate = LoadGate(guards=guards, max_in_flight=max_promotions_in_flight, cost=cost)
         max_disk_write_backlog = check_count("max_disk_write_backlog", max_disk_write_backlog)
@@ -273,7 +272,7 @@ class TierOrchestrator:  # noqa: PLR0904 - split by job in the data-path refacto
         keys = key_list(keys)
         gpu_ids = self._gpu_block_ids(gpu_block_ids)
         if len(keys) != len(gpu_ids):
-            raise InvalidArgumentError(f"invalid argument `gpu_block_ids`: {len(gpu_ids)} ids for {len(keys)} keys")
+            raise invalid_argument("gpu_block_ids", f"{len(gpu_ids)} ids for {len(keys)} keys")
         where = dict(zip(keys, gpu_ids, strict=True))
         # The blocks the tiers hold already take this offload's hint; the store gives it to the
         # rest (and the write-through to their disk copies).
@@ -335,7 +334,7 @@ class TierOrchestrator:  # noqa: PLR0904 - split by job in the data-path refacto
         (e.g. only to route blocks to the tier that holds them now)."""
         keys = key_list(keys)
         if not 0 <= gpu_hit_blocks <= len(keys):
-            raise InvalidArgumentError(f"invalid argument `gpu_hit_blocks`: {gpu_hit_blocks} not in 0..{len(keys)}")
+            raise invalid_argument("gpu_hit_blocks", f"{gpu_hit_blocks} not in 0..{len(keys)}")
         rest = keys[gpu_hit_blocks:]
         cpu_hits = self.host.index.lookup_prefix(rest)
         disk_hits = self._disk_hits(rest[cpu_hits:]) if self.stager and cpu_hits < len(rest) else 0
@@ -413,9 +412,7 @@ class TierOrchestrator:  # noqa: PLR0904 - split by job in the data-path refacto
         groups = self._region_groups(region_groups)
         plan, planned_here = self._plan_for(keys, gpu_hit_blocks, plan)
         if len(gpu_ids) < plan.loaded:
-            raise InvalidArgumentError(
-                f"invalid argument `gpu_block_ids`: {len(gpu_ids)} ids for {plan.loaded} blocks to load"
-            )
+            raise invalid_argument("gpu_block_ids", f"{len(gpu_ids)} ids for {plan.loaded} blocks to load")
         ld = self._reserve(keys, self._new_request_id(request_id), plan, planned_here)
         return self._bind(ld, gpu_ids, groups, after_stream)
 
@@ -456,9 +453,7 @@ class TierOrchestrator:  # noqa: PLR0904 - split by job in the data-path refacto
         gpu_ids = self._gpu_block_ids(gpu_block_ids, distinct=True)
         groups = self._region_groups(region_groups)
         if len(gpu_ids) < ld.reserved:
-            raise InvalidArgumentError(
-                f"invalid argument `gpu_block_ids`: {len(gpu_ids)} ids for {ld.reserved} reserved blocks"
-            )
+            raise invalid_argument("gpu_block_ids", f"{len(gpu_ids)} ids for {ld.reserved} reserved blocks")
         return self._bind(ld, gpu_ids, groups, after_stream)
 
     def release(self, request_id: Any) -> None:
@@ -485,9 +480,10 @@ class TierOrchestrator:  # noqa: PLR0904 - split by job in the data-path refacto
     def _unbound(self, request_id: Any, where: str) -> _Load:
         ld = self._loads.get(request_id)
         if ld is None or ld.bound:
-            raise InvalidArgumentError(
-                f"invalid argument `request_id`: {request_id!r} has no unbound reservation to {where} "
-                f"({'already bound' if ld is not None else 'never reserved, or finished or released'})"
+            raise invalid_argument(
+                "request_id",
+                f"{request_id!r} has no unbound reservation to {where} "
+                f"({'already bound' if ld is not None else 'never reserved, or finished or released'})",
             )
         return ld
 
@@ -497,11 +493,12 @@ class TierOrchestrator:  # noqa: PLR0904 - split by job in the data-path refacto
         if plan is not None:
             # A plan made for other keys would copy other blocks into the destinations.
             if not isinstance(plan, LoadPlan):
-                raise InvalidArgumentError(f"invalid argument `plan`: expected a LoadPlan, got {show(plan)}")
+                raise invalid_argument("plan", f"expected a LoadPlan, got {show(plan)}")
             if plan.total != len(keys) or plan.gpu_hits != gpu_hit_blocks:
-                raise InvalidArgumentError(
-                    f"invalid argument `plan`: made for {plan.total} keys with {plan.gpu_hits} GPU hits, "
-                    f"given {len(keys)} keys with gpu_hit_blocks={gpu_hit_blocks}"
+                raise invalid_argument(
+                    "plan",
+                    f"made for {plan.total} keys with {plan.gpu_hits} GPU hits, "
+                    f"given {len(keys)} keys with gpu_hit_blocks={gpu_hit_blocks}",
                 )
             return plan, False
         return self.plan(keys, gpu_hit_blocks, count=False), True
@@ -509,7 +506,7 @@ class TierOrchestrator:  # noqa: PLR0904 - split by job in the data-path refacto
     def _new_request_id(self, request_id: Any) -> Any:
         request_id = next(self._ids) if request_id is None else request_id
         if request_id in self._loads:
-            raise InvalidArgumentError(f"invalid argument `request_id`: {request_id!r} already has a load in flight")
+            raise invalid_argument("request_id", f"{request_id!r} already has a load in flight")
         return request_id
 
     def _region_groups(self, region_groups: Sequence[Sequence[int]] | None) -> list[list[int]] | None:
@@ -517,7 +514,7 @@ class TierOrchestrator:  # noqa: PLR0904 - split by job in the data-path refacto
             return None
         groups = [self.engine.layout.check_regions(g) for g in region_groups]
         if not groups:
-            raise InvalidArgumentError("invalid argument `region_groups`: give at least one group, or None")
+            raise invalid_argument("region_groups", "give at least one group, or None")
         return groups
 
     def _reserve(self, keys: list[Key], request_id: Any, plan: LoadPlan, count: bool) -> _Load:

@@ -32,7 +32,7 @@ def _admission(option: str, spec: str) -> str:
     try:
         return parse_admission(spec)
     except InvalidArgumentError as e:
-        raise PlanError(f"{option}: {str(e).split(': ', 1)[-1]}") from None
+        raise PlanError(f"{option}: {e.reason}") from None
 
 
 def _positive_finite(option: str, value: float) -> None:

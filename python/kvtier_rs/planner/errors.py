@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from kvtier_rs._core import KvTierError
 
-class PlanError(Exception):
-    """A bad argument or input file; the message names the argument or file, line and field."""
+
+class PlanError(KvTierError):
+    """A bad argument or input file; the message names the argument or file, line and field.
+    A KvTierError like every kvtier error, so one `except KvTierError` catches the planner's too."""
 
 
 class TraceError(PlanError):

@@ -56,8 +56,8 @@ def parse_size(text: str, arg: str) -> Size:
     try:
         value = parse_bytes(text, name=arg)  # the one byte-size parser (kvtier_rs.config)
     except InvalidArgumentError as e:
-        # The CLI's style is "--cpu: what is wrong"; the parser's message names the argument too.
-        raise PlanError(f"{arg}: {str(e).removeprefix(f'invalid argument `{arg}`: ')}") from None
+        # The CLI's style is "--cpu: what is wrong": the parser's reason under the option's name.
+        raise PlanError(f"{arg}: {e.reason}") from None
     return Size(value, False)  # parse_bytes bounds sizes (config.MAX_BYTES)
 
 

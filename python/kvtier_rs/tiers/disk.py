@@ -10,6 +10,7 @@ import re
 from typing import Any
 
 from kvtier_rs._core import FAULT_INJECTION, DiskTier, InvalidArgumentError
+from kvtier_rs.checks import invalid_argument
 
 log = logging.getLogger("kvtier_rs.disk")
 
@@ -45,15 +46,19 @@ def _arm_fault_from_environment(disk: DiskTier) -> None:
     if not spec:
         return
     kind, _, count = spec.partition("*")
-    try:
-        if not FAULT_INJECTION:
-            raise InvalidArgumentError("this kvtier build has no fault injection (a development build has)")
-        if count and not count.isdigit():
-            raise InvalidArgumentError("the count after '*' must be a whole number")
-        disk._inject_fault(kind, int(count or 1))
-    except InvalidArgumentError as e:
+    reason = None
+    if not FAULT_INJECTION:
+        reason = "this kvtier build has no fault injection (a development build has)"
+    elif count and not count.isdigit():
+        reason = "the count after '*' must be a whole number"
+    else:
+        try:
+            disk._inject_fault(kind, int(count or 1))
+        except InvalidArgumentError as e:
+            reason = str(e)
+    if reason is not None:
         disk.close()
-        raise InvalidArgumentError(f"{FAULT_ENV}={spec!r}: {e}") from None
+        raise invalid_argument(FAULT_ENV, reason, message=f"{FAULT_ENV}={spec!r}: {reason}")
     log.warning("kvtier disk tier %s: test fault %s armed from %s", disk.path, spec, FAULT_ENV)
 
 

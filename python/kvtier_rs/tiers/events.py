@@ -35,8 +35,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TypedDict
 
-from kvtier_rs._core import InvalidArgumentError
-from kvtier_rs.checks import check_count
+from kvtier_rs.checks import check_count, invalid_argument
 from kvtier_rs.tiers.keys import Key, key_list
 
 EVENT_KINDS = ("stored", "removed", "promoted")
@@ -64,7 +63,7 @@ class EventStats(TypedDict):
 class EventStream:
     def __init__(self, capacity: int = 65536) -> None:
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
-            raise InvalidArgumentError(f"invalid argument `capacity`: must be a positive int, got {capacity!r}")
+            raise invalid_argument("capacity", f"must be a positive int, got {capacity!r}")
         self.capacity = capacity
         self._ring: deque[BlockEvent] = deque()
         self._lock = threading.Lock()
@@ -76,9 +75,9 @@ class EventStream:
     def publish(self, kind: str, tier: str, keys: Iterable[Key], reason: str | None = None) -> BlockEvent | None:
         """Append one event for a batch of blocks; an empty batch publishes nothing."""
         if kind not in EVENT_KINDS:
-            raise InvalidArgumentError(f"invalid argument `kind`: {kind!r}; expected one of {EVENT_KINDS}")
+            raise invalid_argument("kind", f"{kind!r}; expected one of {EVENT_KINDS}")
         if tier not in EVENT_TIERS:
-            raise InvalidArgumentError(f"invalid argument `tier`: {tier!r}; expected one of {EVENT_TIERS}")
+            raise invalid_argument("tier", f"{tier!r}; expected one of {EVENT_TIERS}")
         # key_list refuses a single key: a bytes digest iterated as a batch became one int key
         # per byte (a str, one key per character), events for blocks that do not exist.
         keys = tuple(key_list(keys))

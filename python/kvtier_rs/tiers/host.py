@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from kvtier_rs._core import BlockIndex, HostPool, InvalidArgumentError, StoreOutcome
-from kvtier_rs.checks import integer, show
+from kvtier_rs.checks import integer, invalid_argument, show
 from kvtier_rs.config import TierConfig
 from kvtier_rs.tiers.keys import Key, as_list, key_list
 
@@ -23,7 +23,7 @@ class HostTier:
         # Checked here, so that anything else (a dict of its fields) is refused by name rather
         # than with an AttributeError below.
         if not isinstance(config, TierConfig):
-            raise InvalidArgumentError(f"invalid argument `config`: expected a TierConfig, got {show(config)}")
+            raise invalid_argument("config", f"expected a TierConfig, got {show(config)}")
         self.config = config
         self.pool = HostPool(int(config.capacity_bytes), int(config.block_bytes))
         self.index = BlockIndex(
@@ -51,7 +51,7 @@ class HostTier:
         # OverflowError naming nothing and True into slot 1.
         slot = integer(slot, "slot")
         if slot < 0:
-            raise InvalidArgumentError(f"invalid argument `slot`: slot {slot} out of range 0..{self.num_slots}")
+            raise invalid_argument("slot", f"slot {slot} out of range 0..{self.num_slots}")
         off = self.pool.slot_offset(slot)
         return self._bytes[off : off + self._block_bytes]
 
@@ -76,9 +76,7 @@ class HostTier:
             try:
                 given_twice = key in by_key
             except TypeError:  # unhashable: not a key at all
-                raise InvalidArgumentError(
-                    f"invalid argument `key`: keys must be int or bytes, got {show(key)}"
-                ) from None
+                raise invalid_argument("key", f"keys must be int or bytes, got {show(key)}") from None
             if given_twice:
                 # The index would take the first and skip the second as present, while the
                 # payload map kept the last: which payload the key got was an accident.

@@ -7,8 +7,7 @@ import numbers
 from collections.abc import Iterable
 from typing import Any
 
-from kvtier_rs._core import InvalidArgumentError
-from kvtier_rs.checks import integer
+from kvtier_rs.checks import integer, invalid_argument
 
 Key = int | bytes
 
@@ -21,16 +20,14 @@ def as_list(values: Any, name: str, item: str) -> list[Any]:
     """`values` (any iterable but a single value, see _SINGLE) as a new list, or an error naming
     argument `name`, whose items are `item`s."""
     if isinstance(values, _SINGLE):
-        raise InvalidArgumentError(
-            f"invalid argument `{name}`: expected a sequence of {item}s, got a single {item} "
-            f"({type(values).__name__}); pass a list of {item}s"
+        raise invalid_argument(
+            name,
+            f"expected a sequence of {item}s, got a single {item} ({type(values).__name__}); pass a list of {item}s",
         )
     try:
         return list(values)
     except TypeError:
-        raise InvalidArgumentError(
-            f"invalid argument `{name}`: expected a sequence of {item}s, got {type(values).__name__}"
-        ) from None
+        raise invalid_argument(name, f"expected a sequence of {item}s, got {type(values).__name__}") from None
 
 
 def key_list(keys: Iterable[Key], name: str = "keys") -> list[Key]:

@@ -43,7 +43,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtier_rs._core import HostPool, InvalidArgumentError, KvTierError
+from kvtier_rs._core import HostPool, KvTierError
+from kvtier_rs.checks import invalid_argument
 from kvtier_rs.tiers.keys import Key
 
 log = logging.getLogger(__name__)
@@ -148,21 +149,17 @@ class SharedHostRegion:
         join_timeout_s: float = JOIN_TIMEOUT_S,
     ) -> None:
         if rows <= 0:
-            raise InvalidArgumentError(f"invalid argument `{what}`: cannot hold one slot of {row_bytes} bytes")
+            raise invalid_argument(what, f"cannot hold one slot of {row_bytes} bytes")
         if rows > 2**32:
-            raise InvalidArgumentError(f"invalid argument `{what}`: more than 2^32 slots of {row_bytes} bytes")
+            raise invalid_argument(what, f"more than 2^32 slots of {row_bytes} bytes")
         if row_bytes <= 0 or row_bytes % _PAGE:
-            raise InvalidArgumentError(
-                f"invalid argument `row_bytes`: {row_bytes} is not a positive multiple of {_PAGE}"
-            )
+            raise invalid_argument("row_bytes", f"{row_bytes} is not a positive multiple of {_PAGE}")
         if not 1 <= ranks <= _MAX_RANKS:
-            raise InvalidArgumentError(f"invalid argument `ranks`: {ranks} is not in 1..{_MAX_RANKS}")
+            raise invalid_argument("ranks", f"{ranks} is not in 1..{_MAX_RANKS}")
         if rank_bytes * ranks > row_bytes:
-            raise InvalidArgumentError(
-                f"invalid argument `rank_bytes`: {ranks} ranks of {rank_bytes} bytes overflow a row of {row_bytes}"
-            )
+            raise invalid_argument("rank_bytes", f"{ranks} ranks of {rank_bytes} bytes overflow a row of {row_bytes}")
         if rank is not None and not 0 <= rank < ranks:
-            raise InvalidArgumentError(f"invalid argument `rank`: {rank} is not in 0..{ranks - 1}")
+            raise invalid_argument("rank", f"{rank} is not in 0..{ranks - 1}")
         self.rows, self.row_bytes, self.ranks, self.rank_bytes, self.rank = rows, row_bytes, ranks, rank_bytes, rank
         self.seals_offset = _PAGE
         seal_bytes = -(-rows * ranks * 8 // _PAGE) * _PAGE
@@ -204,10 +201,11 @@ class SharedHostRegion:
             fs = os.statvfs(fd)
             free = fs.f_bavail * fs.f_frsize
             if free < self.total_bytes:
-                raise InvalidArgumentError(
-                    f"invalid argument `{what}`: the CPU tier needs {self.total_bytes} bytes of shared memory in "
+                raise invalid_argument(
+                    what,
+                    f"the CPU tier needs {self.total_bytes} bytes of shared memory in "
                     f"{self.path.parent}, which has {free} free (in a container, raise its --shm-size, or use "
-                    f"a smaller `{what}`)"
+                    f"a smaller `{what}`)",
                 )
             os.ftruncate(fd, self.total_bytes)
         except BaseException:
@@ -237,11 +235,12 @@ class SharedHostRegion:
         theirs = (version, rows, row_bytes, ranks, rank_bytes)
         if theirs != mine or os.fstat(fd).st_size < self.total_bytes:
             os.close(fd)
-            raise InvalidArgumentError(
-                f"invalid argument `{self._what}`: {self.path} was created by another process with (version, rows, "
+            raise invalid_argument(
+                self._what,
+                f"{self.path} was created by another process with (version, rows, "
                 f"row bytes, ranks, rank bytes) = {theirs}, this one needs {mine}; the engine's processes must "
                 "agree on the CPU tier's size and layout (a file left by an engine killed during start-up "
-                "under the same engine id can be removed)"
+                "under the same engine id can be removed)",
             )
 
     def _abandon(self) -> None:
@@ -254,7 +253,7 @@ class SharedHostRegion:
     def attach(self, rank: int) -> None:
         """Record that this process serves worker `rank` on this region."""
         if not 0 <= rank < self.ranks:
-            raise InvalidArgumentError(f"invalid argument `rank`: {rank} is not in 0..{self.ranks - 1}")
+            raise invalid_argument("rank", f"{rank} is not in 0..{self.ranks - 1}")
         struct.pack_into("<Q", self._mm, _ATTACH_AT + 8 * rank, os.getpid())
 
     def attached_pids(self) -> list[int]:

@@ -9,7 +9,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvtier_rs._core import ClosedError, HostPool, InvalidArgumentError
+from kvtier_rs._core import ClosedError, HostPool
+from kvtier_rs.checks import invalid_argument
 from kvtier_rs.tiers.keys import index_list
 from kvtier_rs.transfer.layout import BlockLayout
 
@@ -62,9 +63,8 @@ class TransferEngine(ABC):
 
     def __init__(self, layout: BlockLayout, pool: HostPool) -> None:
         if layout.slot_extent > pool.slot_bytes:
-            raise InvalidArgumentError(
-                f"invalid argument `pool`: a host slot of this layout needs {layout.slot_extent} bytes, "
-                f"pool slots are {pool.slot_bytes}"
+            raise invalid_argument(
+                "pool", f"a host slot of this layout needs {layout.slot_extent} bytes, pool slots are {pool.slot_bytes}"
             )
         self.layout = layout
         self.pool = pool
@@ -91,18 +91,16 @@ class TransferEngine(ABC):
         lists; sub-blocks None when every block uses sub-block 0."""
         block_ids, slots = index_list(block_ids, "block_ids"), index_list(slots, "slots", "slot")
         if len(block_ids) != len(slots):
-            raise InvalidArgumentError(f"invalid argument `slots`: {len(slots)} slots for {len(block_ids)} blocks")
+            raise invalid_argument("slots", f"{len(slots)} slots for {len(block_ids)} blocks")
         self.layout.check_block_ids(block_ids, distinct=direction == "h2d")
         bad = [s for s in slots if not 0 <= s < self.pool.num_slots]
         if bad:
-            raise InvalidArgumentError(f"invalid argument `slots`: {bad[:5]} outside 0..{self.pool.num_slots}")
+            raise invalid_argument("slots", f"{bad[:5]} outside 0..{self.pool.num_slots}")
         subs = None
         if sub_blocks is not None:
             subs = index_list(sub_blocks, "sub_blocks", "sub-block")
             if len(subs) != len(block_ids):
-                raise InvalidArgumentError(
-                    f"invalid argument `sub_blocks`: {len(subs)} sub-blocks for {len(block_ids)} blocks"
-                )
+                raise invalid_argument("sub_blocks", f"{len(subs)} sub-blocks for {len(block_ids)} blocks")
             self.layout.check_sub_blocks(subs)
             if not any(subs):
                 subs = None  # all sub-block 0: the plain path

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
-from kvtier_rs._core import HostPool, InvalidArgumentError
+from kvtier_rs._core import HostPool
+from kvtier_rs.checks import invalid_argument
 from kvtier_rs.transfer.base import TransferEngine, _Job
 from kvtier_rs.transfer.layout import BlockLayout
 
@@ -53,9 +54,7 @@ class CpuTransferEngine(TransferEngine):
 
     def __init__(self, layout: BlockLayout, pool: HostPool, *, inline: bool = False) -> None:
         if layout.device.type != "cpu":
-            raise InvalidArgumentError(
-                f"invalid argument `layout`: the CPU engine needs CPU tensors, got {layout.device}"
-            )
+            raise invalid_argument("layout", f"the CPU engine needs CPU tensors, got {layout.device}")
         super().__init__(layout, pool)
         self._regions = []
         for r, host_offset, sub_stride in zip(

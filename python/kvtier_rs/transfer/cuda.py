@@ -35,7 +35,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from kvtier_rs._core import HostPool, InvalidArgumentError, KvTierError
+from kvtier_rs._core import HostPool, KvTierError
+from kvtier_rs.checks import invalid_argument
 from kvtier_rs.transfer.base import TransferEngine, _Job, host_runs
 from kvtier_rs.transfer.layout import BlockLayout
 
@@ -79,7 +80,7 @@ def stream_handle(stream: object) -> int:
         return int(stream.cuda_stream)
     if hasattr(stream, "__cuda_stream__"):
         return int(stream.__cuda_stream__()[1])
-    raise InvalidArgumentError(f"invalid argument `stream`: cannot get a CUDA stream from {type(stream).__name__}")
+    raise invalid_argument("stream", f"cannot get a CUDA stream from {type(stream).__name__}")
 
 
 def device_available() -> bool:
@@ -197,9 +198,7 @@ class CudaTransferEngine(TransferEngine):
 
     def __init__(self, layout: BlockLayout, pool: HostPool, *, use_batch: bool = True) -> None:
         if layout.device.type != "cuda":
-            raise InvalidArgumentError(
-                f"invalid argument `layout`: the CUDA engine needs CUDA tensors, got {layout.device}"
-            )
+            raise invalid_argument("layout", f"the CUDA engine needs CUDA tensors, got {layout.device}")
         super().__init__(layout, pool)
         rt = self._rt = _runtime()
         self._drv = _driver()

@@ -23,8 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier_rs._core import InvalidArgumentError
-from kvtier_rs.checks import integer
+from kvtier_rs.checks import integer, invalid_argument
 from kvtier_rs.tiers.keys import index_list
 
 
@@ -32,7 +31,7 @@ def _refuse_repeats(values: Sequence, arg: str, what: str) -> None:
     """Two copies to one destination would leave one of them silently lost (the last wins)."""
     if len(set(values)) != len(values):
         twice = sorted(v for v, n in Counter(values).items() if n > 1)
-        raise InvalidArgumentError(f"invalid argument `{arg}`: {what} {twice[:5]} named more than once")
+        raise invalid_argument(arg, f"{what} {twice[:5]} named more than once")
 
 
 @dataclass(frozen=True)
@@ -54,12 +53,12 @@ class Region:
     def rows_of(tensor: torch.Tensor, *, offset_bytes: int = 0, bytes_per_block: int | None = None) -> Region:
         """A region over whole rows of `tensor` (dim 0 = block id; each row contiguous)."""
         if tensor.dim() < 1:
-            raise InvalidArgumentError("invalid argument `tensor`: needs a block dimension (dim 0)")
+            raise invalid_argument("tensor", "needs a block dimension (dim 0)")
         offset_bytes = integer(offset_bytes, "offset_bytes")
         elem = tensor.element_size()
         row = tensor[0] if tensor.shape[0] else tensor.new_empty(tensor.shape[1:])
         if tensor.shape[0] and not row.is_contiguous():
-            raise InvalidArgumentError("invalid argument `tensor`: each block row (tensor[i]) must be contiguous")
+            raise invalid_argument("tensor", "each block row (tensor[i]) must be contiguous")
         row_bytes = row.numel() * elem
         return Region(
             tensor=tensor,
@@ -88,16 +87,16 @@ class Region:
 def _check_region(i: int, r: Region) -> None:
     """Region `i`'s chunks: non-empty, not overlapping the next row, inside the tensor's storage."""
     if r.bytes_per_block <= 0:
-        raise InvalidArgumentError(f"invalid argument `regions[{i}]`: bytes_per_block must be positive")
+        raise invalid_argument(f"regions[{i}]", "bytes_per_block must be positive")
     if r.offset_bytes < 0 or r.block_stride_bytes < r.offset_bytes + r.bytes_per_block and r.tensor.shape[0] > 1:
-        raise InvalidArgumentError(
-            f"invalid argument `regions[{i}]`: chunk [{r.offset_bytes}, +{r.bytes_per_block}) "
-            f"overlaps the next row (stride {r.block_stride_bytes})"
+        raise invalid_argument(
+            f"regions[{i}]",
+            f"chunk [{r.offset_bytes}, +{r.bytes_per_block}) overlaps the next row (stride {r.block_stride_bytes})",
         )
     end = r.tensor.storage_offset() * r.tensor.element_size() + r.offset_bytes
     end += (r.tensor.shape[0] - 1) * r.block_stride_bytes + r.bytes_per_block
     if r.tensor.shape[0] and end > r.tensor.untyped_storage().nbytes():
-        raise InvalidArgumentError(f"invalid argument `regions[{i}]`: chunks run past the tensor's storage")
+        raise invalid_argument(f"regions[{i}]", "chunks run past the tensor's storage")
 
 
 class BlockLayout:
@@ -112,15 +111,13 @@ class BlockLayout:
         sub_block_strides: Sequence[int] | None = None,
     ) -> None:
         if not regions:
-            raise InvalidArgumentError("invalid argument `regions`: at least one region is needed")
+            raise invalid_argument("regions", "at least one region is needed")
         devices = {r.tensor.device for r in regions}
         if len(devices) != 1:
-            raise InvalidArgumentError(
-                f"invalid argument `regions`: all on one device, got {sorted(map(str, devices))}"
-            )
+            raise invalid_argument("regions", f"all on one device, got {sorted(map(str, devices))}")
         counts = {r.tensor.shape[0] for r in regions}
         if len(counts) != 1:
-            raise InvalidArgumentError(f"invalid argument `regions`: block counts differ: {sorted(counts)}")
+            raise invalid_argument("regions", f"block counts differ: {sorted(counts)}")
         for i, r in enumerate(regions):
             _check_region(i, r)
         self.regions = tuple(regions)
@@ -128,9 +125,7 @@ class BlockLayout:
         self.device = devices.pop()
         blocks_per_slot = integer(blocks_per_slot, "blocks_per_slot")
         if blocks_per_slot < 1:
-            raise InvalidArgumentError(
-                f"invalid argument `blocks_per_slot`: must be a positive int, got {blocks_per_slot!r}"
-            )
+            raise invalid_argument("blocks_per_slot", f"must be a positive int, got {blocks_per_slot!r}")
         self.blocks_per_slot = blocks_per_slot
         #: Bytes moved per device block (all regions' chunks).
         self.bytes_per_block = sum(r.bytes_per_block for r in self.regions)
@@ -140,9 +135,7 @@ class BlockLayout:
             else index_list(sub_block_strides, "sub_block_strides", "sub-block stride")
         )
         if len(strides) != len(self.regions):
-            raise InvalidArgumentError(
-                f"invalid argument `sub_block_strides`: {len(strides)} values for {len(self.regions)} regions"
-            )
+            raise invalid_argument("sub_block_strides", f"{len(strides)} values for {len(self.regions)} regions")
         if host_offsets is None:
             offs, acc = [], 0
             for r, st in zip(self.regions, strides, strict=True):
@@ -151,16 +144,14 @@ class BlockLayout:
         else:
             offs = index_list(host_offsets, "host_offsets", "host offset")
             if len(offs) != len(self.regions):
-                raise InvalidArgumentError(
-                    f"invalid argument `host_offsets`: {len(offs)} values for {len(self.regions)} regions"
-                )
+                raise invalid_argument("host_offsets", f"{len(offs)} values for {len(self.regions)} regions")
         for i, (r, off, st) in enumerate(zip(self.regions, offs, strides, strict=True)):
             if off < 0:
-                raise InvalidArgumentError(f"invalid argument `host_offsets[{i}]`: must not be negative, got {off}")
+                raise invalid_argument(f"host_offsets[{i}]", f"must not be negative, got {off}")
             if blocks_per_slot > 1 and st < r.bytes_per_block:
-                raise InvalidArgumentError(
-                    f"invalid argument `sub_block_strides[{i}]`: {st} is less than the region's "
-                    f"{r.bytes_per_block} bytes per block (sub-blocks would overlap)"
+                raise invalid_argument(
+                    f"sub_block_strides[{i}]",
+                    f"{st} is less than the region's {r.bytes_per_block} bytes per block (sub-blocks would overlap)",
                 )
         self.host_offsets = tuple(offs)
         self.sub_block_strides = tuple(strides)
@@ -180,9 +171,7 @@ class BlockLayout:
         )
         for (_, end, i), (start, _, k) in zip(spans, spans[1:], strict=False):
             if start < end:
-                raise InvalidArgumentError(
-                    f"invalid argument `host_offsets`: the host chunks of regions {i} and {k} overlap"
-                )
+                raise invalid_argument("host_offsets", f"the host chunks of regions {i} and {k} overlap")
 
     def host_address(self, region: int, slot_base: int, sub_block: int = 0) -> int:
         """Where region `region`'s chunk of sub-block `sub_block` starts, given its slot's address."""
@@ -191,9 +180,7 @@ class BlockLayout:
     def check_sub_blocks(self, sub_blocks: Sequence[int]) -> None:
         bad = [j for j in sub_blocks if not 0 <= j < self.blocks_per_slot]
         if bad:
-            raise InvalidArgumentError(
-                f"invalid argument `sub_blocks`: {bad[:5]} outside 0..{self.blocks_per_slot} (blocks_per_slot)"
-            )
+            raise invalid_argument("sub_blocks", f"{bad[:5]} outside 0..{self.blocks_per_slot} (blocks_per_slot)")
 
     @classmethod
     def per_layer(cls, tensors: Sequence[torch.Tensor]) -> BlockLayout:
@@ -206,9 +193,7 @@ class BlockLayout:
         regions = []
         for t in tensors:
             if t.dim() < 2 or t.shape[0] != 2:
-                raise InvalidArgumentError(
-                    f"invalid argument `tensors`: expected [2, blocks, ...], got {tuple(t.shape)}"
-                )
+                raise invalid_argument("tensors", f"expected [2, blocks, ...], got {tuple(t.shape)}")
             regions += [Region.rows_of(t[0]), Region.rows_of(t[1])]
         return cls(regions)
 
@@ -216,8 +201,8 @@ class BlockLayout:
         """Validate a subset of region indices (sorted, unique, in range); returns it as a list."""
         picked = index_list(regions, "regions", "region")
         if not picked or picked != sorted(set(picked)) or not 0 <= picked[0] <= picked[-1] < len(self.regions):
-            raise InvalidArgumentError(
-                f"invalid argument `regions`: {picked[:8]} must be sorted, unique indices in 0..{len(self.regions) - 1}"
+            raise invalid_argument(
+                "regions", f"{picked[:8]} must be sorted, unique indices in 0..{len(self.regions) - 1}"
             )
         return picked
 
@@ -232,7 +217,7 @@ class BlockLayout:
         blocks copied to one destination would leave one of them silently lost."""
         bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
         if bad:
-            raise InvalidArgumentError(f"invalid argument `{arg}`: {bad[:5]} outside 0..{self.num_blocks - 1}")
+            raise invalid_argument(arg, f"{bad[:5]} outside 0..{self.num_blocks - 1}")
         if distinct:
             _refuse_repeats(block_ids, arg, "device blocks")
 

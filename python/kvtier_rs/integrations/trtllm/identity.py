@@ -29,7 +29,7 @@ import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvtier_rs._core import InvalidArgumentError
+from kvtier_rs.checks import invalid_argument
 from kvtier_rs.integrations.trtllm.metadata import KEY_BYTES
 
 HASH_MASK = (1 << 64) - 1
@@ -158,13 +158,14 @@ def block_identity(scheme: str, namespace: str, tokens_per_block: int) -> BlockI
     """The identity for the `block_identity` option: "auto" takes the engine's hash when
     TensorRT-LLM's hasher imports, "engine" requires it, "kvtier" never uses it."""
     if scheme not in SCHEMES:
-        raise InvalidArgumentError(f"invalid argument `block_identity`: {scheme!r} is not one of " + ", ".join(SCHEMES))
+        raise invalid_argument("block_identity", f"{scheme!r} is not one of " + ", ".join(SCHEMES))
     hasher = engine_block_hasher() if scheme != "kvtier" else None
     if hasher is not None:
         return EngineChain(namespace, tokens_per_block, hasher)
     if scheme == "engine":
-        raise InvalidArgumentError(
-            "invalid argument `block_identity`: 'engine' needs TensorRT-LLM's block hasher "
-            "(tensorrt_llm.runtime.kv_cache_hash or tensorrt_llm.bindings), which is not importable here"
+        raise invalid_argument(
+            "block_identity",
+            "'engine' needs TensorRT-LLM's block hasher "
+            "(tensorrt_llm.runtime.kv_cache_hash or tensorrt_llm.bindings), which is not importable here",
         )
     return KvtierChain(namespace, tokens_per_block)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier_rs._core import InvalidArgumentError, KvTierError
+from kvtier_rs.checks import invalid_argument
 from kvtier_rs.integrations.trtllm import shared
 from kvtier_rs.integrations.trtllm.config import ConnectorOptions, load_options
 from kvtier_rs.integrations.trtllm.identity import HASH_MASK, block_identity
@@ -28,13 +29,11 @@ def tokens_per_block_of(llm_args: Any) -> int:
     kv = getattr(llm_args, "kv_cache_config", None)
     tpb = getattr(kv, "tokens_per_block", None)
     if isinstance(tpb, bool) or not isinstance(tpb, int) or tpb < 1:
-        raise InvalidArgumentError(
-            f"invalid argument `llm_args.kv_cache_config.tokens_per_block`: expected a positive int, got {tpb!r}"
-        )
+        raise invalid_argument("llm_args.kv_cache_config.tokens_per_block", f"expected a positive int, got {tpb!r}")
     if getattr(kv, "enable_block_reuse", True) is False:
-        raise InvalidArgumentError(
-            "invalid argument `llm_args.kv_cache_config.enable_block_reuse`: TensorRT-LLM ignores a KV "
-            "cache connector when block reuse is off; set enable_block_reuse=True"
+        raise invalid_argument(
+            "llm_args.kv_cache_config.enable_block_reuse",
+            "TensorRT-LLM ignores a KV cache connector when block reuse is off; set enable_block_reuse=True",
         )
     return tpb
 
@@ -153,9 +152,7 @@ class SchedulerCore:
     # ---- TensorRT-LLM interface --------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         if isinstance(num_computed_tokens, bool) or not isinstance(num_computed_tokens, int) or num_computed_tokens < 0:
-            raise InvalidArgumentError(
-                f"invalid argument `num_computed_tokens`: expected a non-negative int, got {num_computed_tokens!r}"
-            )
+            raise invalid_argument("num_computed_tokens", f"expected a non-negative int, got {num_computed_tokens!r}")
         rid = request.request_id
         old = self._reqs.pop(rid, None)
         if old is not None:  # asked again (a reset or replay): start over
@@ -174,9 +171,7 @@ class SchedulerCore:
         self._reqs[rid] = r
         tpb = self.tokens_per_block
         if num_computed_tokens > len(tokens):
-            raise InvalidArgumentError(
-                f"invalid argument `num_computed_tokens`: {num_computed_tokens} > prompt length {len(tokens)}"
-            )
+            raise invalid_argument("num_computed_tokens", f"{num_computed_tokens} > prompt length {len(tokens)}")
         self._extend_keys(r)
         if r.unkeyed:
             return 0, False
@@ -223,12 +218,13 @@ class SchedulerCore:
         if r.load_keys:
             need = r.gpu_blocks + len(r.load_keys)
             if len(ids) < need:
-                raise InvalidArgumentError(
-                    f"invalid argument `block_ids`: {len(ids)} blocks allocated for request "
-                    f"{request.request_id}, which needs {need} (GPU-matched + loaded)"
+                raise invalid_argument(
+                    "block_ids",
+                    f"{len(ids)} blocks allocated for request "
+                    f"{request.request_id}, which needs {need} (GPU-matched + loaded)",
                 )
             if any(b < 0 for b in ids[r.gpu_blocks : need]):
-                raise InvalidArgumentError("invalid argument `block_ids`: -1 (no page) where kvtier must load a block")
+                raise invalid_argument("block_ids", "-1 (no page) where kvtier must load a block")
             r.load_dst = ids[r.gpu_blocks : need]
 
     def update_state_after_alloc_by_layer_group(self, request: Any, block_ids_by_layer_group: list[list[int]]) -> None:
@@ -247,9 +243,7 @@ class SchedulerCore:
         for data, is_new in [(d, True) for d in new] + [(d, False) for d in cached]:
             r = self._req(data.request_id, "build_connector_meta")
             if is_new and r.seen:
-                raise InvalidArgumentError(
-                    f"invalid argument `scheduler_output`: request {data.request_id} is in new_requests twice"
-                )
+                raise invalid_argument("scheduler_output", f"request {data.request_id} is in new_requests twice")
             if is_new:
                 # new_tokens of a new request is its whole token list so far: the prompt we saw.
                 r.tokens = list(data.new_tokens)
@@ -259,9 +253,9 @@ class SchedulerCore:
             new_ids = [int(b) for b in data.new_block_ids]
             prios = getattr(data, "priorities", None)
             if prios is not None and len(prios) != len(new_ids):
-                raise InvalidArgumentError(
-                    f"invalid argument `scheduler_output`: request {data.request_id} has {len(prios)} "
-                    f"priorities for {len(new_ids)} new block ids"
+                raise invalid_argument(
+                    "scheduler_output",
+                    f"request {data.request_id} has {len(prios)} priorities for {len(new_ids)} new block ids",
                 )
             r.block_ids += new_ids
             if prios is not None:

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvtier_rs._core import InvalidArgumentError, KvTierError
+from kvtier_rs._core import KvTierError
+from kvtier_rs.checks import invalid_argument
 from kvtier_rs.config import TierConfig
 from kvtier_rs.integrations.trtllm import shared
 from kvtier_rs.integrations.trtllm.config import CPU_TIER_KEYS, DISK_TIER_KEYS, READER, ConnectorOptions, load_options
@@ -43,12 +44,13 @@ def layer_layout(kv_cache_tensor: torch.Tensor) -> BlockLayout:
     (dim 0 = block id, each row contiguous)."""
     t = kv_cache_tensor
     if not isinstance(t, torch.Tensor) or t.dim() < 2:
-        raise InvalidArgumentError(
-            "invalid argument `kv_cache_tensor`: expected the KV pool tensor [blocks, layers, ...], got "
-            + (f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__)
+        raise invalid_argument(
+            "kv_cache_tensor",
+            "expected the KV pool tensor [blocks, layers, ...], got "
+            + (f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__),
         )
     if t.shape[0] and not t[0].is_contiguous():
-        raise InvalidArgumentError("invalid argument `kv_cache_tensor`: each block row (tensor[i]) must be contiguous")
+        raise invalid_argument("kv_cache_tensor", "each block row (tensor[i]) must be contiguous")
     layers = t.shape[1]
     layer_bytes = t[0][0].numel() * t.element_size() if t.shape[0] else 0
     return BlockLayout(
@@ -237,9 +239,8 @@ class WorkerCore:
         if self.tiers is None:
             raise KvTierError("kvtier: wait_for_layer_load before register_kv_caches")
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < self.tiers.num_layers:
-            raise InvalidArgumentError(
-                f"invalid argument `layer_idx`: {layer_idx!r} not in 0..{self.tiers.num_layers - 1} "
-                "(layers of the registered KV pool)"
+            raise invalid_argument(
+                "layer_idx", f"{layer_idx!r} not in 0..{self.tiers.num_layers - 1} (layers of the registered KV pool)"
             )
         if self._loads_done:
             return
@@ -357,9 +358,10 @@ class WorkerCore:
     ) -> tuple[list[int], list[int]]:
         orch = self._orch("get_finished")
         if started_loading_req_ids:
-            raise InvalidArgumentError(
-                f"invalid argument `started_loading_req_ids`: {list(started_loading_req_ids)[:5]}; kvtier never "
-                "answers load_kv_async=True, so no request can be loading asynchronously"
+            raise invalid_argument(
+                "started_loading_req_ids",
+                f"{list(started_loading_req_ids)[:5]}; kvtier never "
+                "answers load_kv_async=True, so no request can be loading asynchronously",
             )
         # An id with no save known here is not an error: the scheduler says a request saves once
         # it has put a SaveSpec in some step's metadata, and a forward pass that failed before

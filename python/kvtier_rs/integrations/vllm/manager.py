@@ -43,6 +43,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier_rs._core import BlockIndex, IndexFailedError, InvalidArgumentError, NoSpaceError, NotReadyError
+from kvtier_rs.checks import invalid_argument
 from kvtier_rs.integrations.vllm import metrics as m
 from kvtier_rs.tiers.shared_region import SlotSeals, seals_of
 
@@ -187,9 +188,7 @@ class KvtierOffloadingManager(OffloadingManager):  # noqa: PLR0904 - vLLM's Offl
         except InvalidArgumentError:
             # Set already (an index reused, e.g. after a manager restart): fine if to ours.
             if cpu_index.lookup_result(_PROBE_KEY) is not _MISS:
-                raise InvalidArgumentError(
-                    "invalid argument `cpu_index`: its lookup results were set to other objects"
-                ) from None
+                raise invalid_argument("cpu_index", "its lookup results were set to other objects") from None
         # Answers with the LookupResult members set above; the context is ignored.
         self._lookup_result = cast(_LookupResultFn, cpu_index.lookup_result)
         if lower is None:
