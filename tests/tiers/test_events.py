@@ -4,6 +4,7 @@ events the orchestrator publishes as blocks move."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -44,7 +45,7 @@ def test_overflow_drops_the_oldest_and_counts_them():
     ev.publish("removed", "disk", [99], reason="evicted")
     assert ev.dropped == 7
     st = ev.stats()
-    assert st["published"] == {"stored": 10, "removed": 5, "promoted": 0}
+    assert st["published"] == {"stored": 10, "removed": 5, "promoted": 0, "bypassed": 0, "restored": 0}
     assert st["queued"] == 4 and st["last_seq"] == 15
 
 
@@ -139,6 +140,34 @@ def test_orchestrator_publishes_stored_removed_promoted(tmp_path):
     seqs = [e.seq for e in ev.since(0)]
     assert seqs == []  # all drained
     assert ev.dropped == 0
+
+
+def test_a_guard_trip_and_recovery_are_tier_events(tmp_path):
+    """The SLO guard's trip and the tier's return to service reach routers as events with no
+    keys (the tier is what changed), once each."""
+    from kvtier_rs.orchestrator.guard import GuardRule
+
+    tensors = [torch.randn(8, 2, 16, 64)]
+    layout = BlockLayout.per_layer(tensors)
+    host = kv.HostTier(kv.TierConfig(4 * 8192, layout.bytes_per_block))
+    ev = EventStream(capacity=64)
+    rule = GuardRule(p99_ms=10, recover_s=0.05, min_samples=1)
+    o = TierOrchestrator(host, CpuTransferEngine(layout, host.pool), events=ev, guards={"cpu": rule})
+    o.offload([b"x"], [0])
+    o.drain()
+    ev.drain()
+    o.guards["cpu"].trip_hung(0.5)  # as when every CPU load in flight stalled
+    assert o.plan([b"x"]).refused == {"cpu": {"guard": 1}}
+    o.plan([b"x"])  # still bypassed: no second event
+    got = [(e.kind, e.tier, e.keys) for e in ev.drain()]
+    assert got == [("bypassed", "cpu", ())]
+    deadline = time.monotonic() + 0.1
+    while time.monotonic() < deadline:  # at least the cool-down (a slow machine waits longer)
+        time.sleep(0.01)
+    assert o.plan([b"x"]).load_cpu == 1
+    got = [(e.kind, e.tier, e.keys, e.reason) for e in ev.drain()]
+    assert got == [("restored", "cpu", (), "cool-down over")]
+    assert o.stats()["events"]["published"]["bypassed"] == 1
 
 
 def test_no_stream_means_no_events(tmp_path):

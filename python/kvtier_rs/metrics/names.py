@@ -19,7 +19,7 @@ LOOKUP_TIERS = ("gpu", "cpu", "disk")
 DIRECTIONS = ("load", "store")
 LOAD_REFUSALS = ("cost", "backpressure", "guard")
 STORE_REFUSALS = {"cpu": ("admission", "no_space"), "disk": ("admission", "no_space", "backpressure", "unavailable")}
-EVENT_KINDS = ("stored", "removed", "promoted")
+EVENT_KINDS = ("stored", "removed", "promoted", "bypassed", "restored")
 IO_ERROR_KINDS = ("read", "short_read", "write")
 
 
@@ -201,7 +201,7 @@ SERIES: tuple[Series, ...] = (
         _by(TIERS),
     ),
     # ---- event stream ---------------------------------------------------------------------------
-    Series("kvtier_events", "counter", "Block events published, by kind.", ("kind",), _by(EVENT_KINDS)),
+    Series("kvtier_events", "counter", "Block and tier events published, by kind.", ("kind",), _by(EVENT_KINDS)),
     Series(
         "kvtier_events_dropped",
         "counter",

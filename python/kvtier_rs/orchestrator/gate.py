@@ -88,6 +88,7 @@ class LoadGate:
         tiers: tuple[str, ...] = TIERS,
         log: logging.Logger | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_change: Callable[[str, bool, str], None] | None = None,
     ) -> None:
         if cost is not None and not isinstance(cost, CostModel):
             raise invalid_argument("cost", f"expected a CostModel or None, got {show(cost)}")
@@ -96,6 +97,8 @@ class LoadGate:
         self.max_in_flight = check_in_flight_limits(max_in_flight, tiers)
         self.cost = cost
         self._log = log or logging.getLogger(__name__)
+        #: Called as on_change(tier, bypassed, why) at each trip (True) and recovery (False).
+        self._on_change = on_change
         # Trips already logged, per tier, and whether the tier was bypassed at the last look.
         self._seen_trips = dict.fromkeys(self.guards, 0)
         self._was_bypassed = dict.fromkeys(self.guards, False)
@@ -166,17 +169,21 @@ class LoadGate:
                 self._seen_trips[tier] = guard.trip_count
                 self.changed = True
                 tripped_ms = guard.trips[-1]["p99_ms"] if guard.trips else float("nan")
+                why = f"p99 promotion wait {tripped_ms:.1f} ms over the {guard.rule.p99_ms:.1f} ms budget"
                 self._log.warning(
-                    "kvtier: SLO guard tripped: the %s tier is bypassed for %.0f s (p99 promotion wait %.1f ms "
-                    "over the %.1f ms budget); its hits are recomputed meanwhile",
+                    "kvtier: SLO guard tripped: the %s tier is bypassed for %.0f s (%s); its hits are "
+                    "recomputed meanwhile",
                     tier,
                     guard.rule.recover_s,
-                    tripped_ms,
-                    guard.rule.p99_ms,
+                    why,
                 )
+                if self._on_change is not None:
+                    self._on_change(tier, True, why)
             elif self._was_bypassed[tier] and not bypassed:
                 self.changed = True
                 self._log.warning("kvtier: SLO guard: the %s tier is back in service, on probation", tier)
+                if self._on_change is not None:
+                    self._on_change(tier, False, "cool-down over")
             self._was_bypassed[tier] = bypassed
 
     def state(self) -> dict[str, dict[str, object]]:

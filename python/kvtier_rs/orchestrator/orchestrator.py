@@ -218,7 +218,7 @@ class TierOrchestrator:  # noqa: PLR0904 - split by job in the data-path refacto
         if engine.pool is not host.pool:
             raise invalid_argument("engine", "it must copy into this host tier's pool")
         # Checked here (naming the argument), not on the engine thread at the first plan().
-        gate = LoadGate(guards=guards, max_in_flight=max_promotions_in_flight, cost=cost)
+        gate = LoadGate(guards=guards, max_in_flight=max_promotions_in_flight, cost=cost, on_change=self._tier_event)
         max_disk_write_backlog = check_count("max_disk_write_backlog", max_disk_write_backlog)
         #: A bound load whose disk read is still in flight this long after bind gives up its
         #: disk part (recomputed; the read lands in the CPU tier, owned by no load).
@@ -253,6 +253,11 @@ class TierOrchestrator:  # noqa: PLR0904 - split by job in the data-path refacto
             "disk_load": LatencyRecorder(),
             "cpu_store": LatencyRecorder(),
         }
+
+    def _tier_event(self, tier: str, bypassed: bool, why: str) -> None:
+        """A guard trip or recovery, as an event for external routers (see tiers.events)."""
+        if self.events is not None:
+            self.events.publish("bypassed" if bypassed else "restored", tier, (), reason=why)
 
     # ---- offload -------------------------------------------------------------------------
     def offload(
@@ -679,6 +684,7 @@ class TierOrchestrator:  # noqa: PLR0904 - split by job in the data-path refacto
         for tier, guard in self.guards.items():
             if in_flight[tier] >= self.max_in_flight[tier] and len(stalled[tier]) == in_flight[tier]:
                 guard.trip_hung(max(stalled[tier]))
+        self.gate.notice()  # log (and publish) a trip the samples above caused
 
     def _give_up_disk_read(self, ld: _Load) -> None:
         """Drop a load's disk part whose read takes too long (see `_record_stalls`)."""

@@ -6,7 +6,10 @@ The orchestrator publishes, per batch of blocks:
                 write-through, CPU again after a promotion from disk);
 - ``removed``   blocks left a tier (``reason``: ``evicted`` to make room, ``failed_read`` when
                 the disk dropped a block whose read did not verify);
-- ``promoted``  blocks were loaded to the device from a tier (they stay in that tier).
+- ``promoted``  blocks were loaded to the device from a tier (they stay in that tier);
+- ``bypassed``  the tier's SLO guard tripped: its hits are recomputed for a while (no keys;
+                ``reason``: the p99 wait that tripped it against its budget);
+- ``restored``  the tier is back in service after the guard's cool-down (no keys).
 
 Apply ``removed`` idempotently: a disk block evicted between a plan and its load is reported
 when evicted and again when its read finds it gone.
@@ -38,7 +41,9 @@ from typing import TypedDict
 from kvtier_rs.checks import check_count, invalid_argument
 from kvtier_rs.tiers.keys import Key, key_list
 
-EVENT_KINDS = ("stored", "removed", "promoted")
+EVENT_KINDS = ("stored", "removed", "promoted", "bypassed", "restored")
+#: Kinds about a whole tier, not blocks: published with no keys.
+TIER_EVENT_KINDS = ("bypassed", "restored")
 EVENT_TIERS = ("cpu", "disk")
 
 
@@ -73,7 +78,8 @@ class EventStream:
 
     # ---- publishing (the orchestrator) ---------------------------------------------------
     def publish(self, kind: str, tier: str, keys: Iterable[Key], reason: str | None = None) -> BlockEvent | None:
-        """Append one event for a batch of blocks; an empty batch publishes nothing."""
+        """Append one event for a batch of blocks; an empty batch publishes nothing (but a
+        tier event, which has no keys, is published)."""
         if kind not in EVENT_KINDS:
             raise invalid_argument("kind", f"{kind!r}; expected one of {EVENT_KINDS}")
         if tier not in EVENT_TIERS:
@@ -81,7 +87,7 @@ class EventStream:
         # key_list refuses a single key: a bytes digest iterated as a batch became one int key
         # per byte (a str, one key per character), events for blocks that do not exist.
         keys = tuple(key_list(keys))
-        if not keys:
+        if not keys and kind not in TIER_EVENT_KINDS:
             return None
         with self._lock:
             self._last_seq += 1
