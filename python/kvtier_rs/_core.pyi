@@ -215,7 +215,7 @@ class DiskTier:
         *,
         num_files: int = 0,
         policy: str = "lru",
-        admission: str = "uses:2",
+        admission: str = "always",
         engine: str = "auto",  # "auto" | "io_uring" | "pool"
         queue_depth: int = 16,
         direct: str = "auto",  # "auto" | "on" | "off"

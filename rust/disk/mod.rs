@@ -3,7 +3,7 @@
 //! Blocks move between host-pool slots and slots of a few preallocated slab files with no
 //! intermediate copy: a write sends the host slot's bytes to the file, a read lands in the host
 //! slot. The tier's own `TierIndex` maps keys to disk slots and carries its eviction policy and
-//! admission rule (default: a block reaches the disk only on its second use, to spare the SSD).
+//! admission rule (default: every block written through; `uses:2` spares the SSD where reuse is rare).
 //!
 //! Guarantees:
 //! - Never a wrong byte: every read checks the header (key in full, length, location,
@@ -101,7 +101,7 @@ impl DiskConfig {
             block_bytes,
             num_files: 0,
             policy: PolicyKind::Lru,
-            admission: AdmissionRule::AfterUses(2),
+            admission: AdmissionRule::Always,
             engine: EngineChoice::Auto,
             queue_depth: 16,
             direct: DirectMode::Auto,

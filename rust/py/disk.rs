@@ -175,7 +175,7 @@ impl PyDiskTier {
     /// blocks of `block_bytes`. Reopening a directory recovers its blocks; the geometry must
     /// match the one it was created with.
     #[new]
-    #[pyo3(signature = (path, capacity_bytes, block_bytes, *, num_files=0, policy="lru", admission="uses:2",
+    #[pyo3(signature = (path, capacity_bytes, block_bytes, *, num_files=0, policy="lru", admission="always",
                         engine="auto", queue_depth=16, direct="auto", verify_on_open=false, full_retry_s=10.0))]
     #[allow(clippy::too_many_arguments)]
     fn new(

@@ -468,7 +468,7 @@ def test_the_verdict_judges_the_tiers_asked_for_cpu_and_disk(tmp_path, capsys):
     assert rec["verdict"] == "no_tiering", rec["summary"]
     assert rec["summary"].startswith("Tiering will not pay with the tiers asked for: together they save only 0.0%")
     assert rec["knee"]["capacity_blocks"] == 120  # the sizing advice stays, among the reasons
-    both = plan_json(capsys, *common, "--cpu", "1blocks", "--disk", "2000blocks")
+    both = plan_json(capsys, *common, "--cpu", "1blocks", "--disk", "2000blocks", "--disk-admission", "uses:2")
     rec, mt = both["recommendation"], both["tiers"]
     saved = {t["name"]: t["saved_tokens"] / mt["total_tokens"] for t in mt["tiers"]}
     assert rec["verdict"] == "tier" and saved == {"cpu": 0.0, "disk": pytest.approx(2 / 3)}

@@ -129,9 +129,9 @@ def test_auto_engine_is_the_one_its_measurement_chose(tmp_path):
         assert tier.engine == probe["chosen"]
 
 
-def test_default_admission_is_second_use(tmp_path):
+def test_second_use_admission_stores_a_block_on_its_second_offer(tmp_path):
     host = Host(4)
-    with DiskTier(str(tmp_path), 8 * stride(), BLOCK, engine="pool") as tier:
+    with DiskTier(str(tmp_path), 8 * stride(), BLOCK, engine="pool", admission="uses:2") as tier:
         assert tier.admission == "uses:2"
         ticket, _ = write(tier, host, [1])
         assert ticket.refused == [1] and ticket.keys == []

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from kvtier_rs import defaults as D
 from kvtier_rs.planner.errors import PlanError
 
 DESCRIPTION = """\
@@ -133,8 +134,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument(
         "--tier-policy", help="policy of the tiers in the multi-tier replay (default: the policy the plan recommends)"
     )
-    r.add_argument("--cpu-admission", default="always", help="CPU tier admission in the multi-tier replay")
-    r.add_argument("--disk-admission", default="uses:2", help="disk tier admission in the multi-tier replay")
+    r.add_argument(
+        "--cpu-admission",
+        default=D.CPU_ADMISSION,
+        help="CPU tier admission in the multi-tier replay (default %(default)s)",
+    )
+    r.add_argument(
+        "--disk-admission",
+        default=D.DISK_ADMISSION,
+        help="disk tier admission in the multi-tier replay (default %(default)s)",
+    )
     r.add_argument("--threads", type=int, default=0, help="replay threads (default: all cores)")
     c = p.add_argument_group("cost model")
     c.add_argument("--pcie-gbps", type=float, default=25.0, help="CPU->GPU bandwidth, GB/s (default 25)")

@@ -6,13 +6,28 @@ own index stats and the stager's counters); the metrics exporter turns them into
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvtier_rs.orchestrator.gate import REFUSAL_REASONS
 
-if TYPE_CHECKING:
-    from kvtier_rs.orchestrator.orchestrator import LoadPlan
+
+class PlannedLookup(Protocol):
+    """What a plan says of one lookup (``LoadPlan``), as far as counting goes."""
+
+    @property
+    def total(self) -> int: ...
+    @property
+    def gpu_hits(self) -> int: ...
+    @property
+    def cpu_hits(self) -> int: ...
+    @property
+    def disk_hits(self) -> int: ...
+    @property
+    def misses(self) -> int: ...
+    @property
+    def refused(self) -> Mapping[str, Mapping[str, int]]: ...
 
 
 def _no_refusals() -> dict[str, int]:
@@ -64,7 +79,7 @@ class DataPathCounters:
         tiers = {"gpu": self.gpu, "cpu": self.cpu, "disk": self.disk}
         return tiers[name]
 
-    def count_plan(self, plan: LoadPlan, *, has_disk: bool) -> None:
+    def count_plan(self, plan: PlannedLookup, *, has_disk: bool) -> None:
         """One lookup: its blocks asked of each tier, its hits and misses, every refusal."""
         self.lookups += 1
         self.gpu.lookup_blocks += plan.total

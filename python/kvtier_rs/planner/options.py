@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvtier_rs import defaults as D
 from kvtier_rs.planner.units import Size
 
 DEFAULT_POLICIES = ("fifo", "lru", "arc", "opt")
@@ -28,8 +29,8 @@ class PlanOptions:
     warmup: float = 0.5
     mode: str = "tree"
     admission_thresholds: tuple[int, ...] = (2, 3)
-    cpu_admission: str = "always"
-    disk_admission: str = "uses:2"
+    cpu_admission: str = D.CPU_ADMISSION
+    disk_admission: str = D.DISK_ADMISSION
     tier_policy: str | None = None
     pcie_gbps: float = 25.0
     disk_gbps: float = 6.0

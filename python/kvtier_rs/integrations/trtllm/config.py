@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvtier_rs import defaults as D
 from kvtier_rs._core import InvalidArgumentError
 from kvtier_rs.checks import show
 from kvtier_rs.integrations.trtllm.identity import SCHEMES
@@ -43,7 +44,7 @@ KEYS: dict[str, str] = {
     "disk_policy": 'disk tier eviction policy (default "priority")',
     "disk_admission": 'disk tier admission: "always" (default), "uses:K" or "priority:T"',
     "disk_io_engine": 'disk I/O engine: "auto" (default), "io_uring" or "pool"',
-    "disk_queue_depth": "disk I/O requests in flight (default 16)",
+    "disk_queue_depth": f"disk I/O requests in flight (default {D.DISK_QUEUE_DEPTH})",
     "io_engine": 'device<->host copies: "auto" (default: CUDA for CUDA tensors), "cpu" or "cuda"',
     "cost_model": "null (default: always load a hit) or a dict with prefill_tokens_per_s: load a "
     "hit only when moving it beats recomputing it",
@@ -102,14 +103,14 @@ def _admission(key: str, value: Any, *, allow_priority: bool) -> str:
 class ConnectorOptions:
     cpu_bytes: int
     cpu_policy: str = "priority"
-    cpu_admission: str = "always"
+    cpu_admission: str = D.CPU_ADMISSION
     min_offload_priority: int = 30
     disk_root: str | None = None
     disk_bytes: int | None = None
     disk_policy: str = "priority"
-    disk_admission: str = "always"
-    disk_io_engine: str = "auto"
-    disk_queue_depth: int = 16
+    disk_admission: str = D.DISK_ADMISSION
+    disk_io_engine: str = D.DISK_IO_ENGINE
+    disk_queue_depth: int = D.DISK_QUEUE_DEPTH
     io_engine: str = "auto"
     prefill_tokens_per_s: float | None = None
     namespace: str | None = None
@@ -130,7 +131,7 @@ def parse_options(raw: Mapping[str, Any]) -> ConnectorOptions:
         raise _err("cpu_bytes", "required: capacity of the CPU tier, e.g. 8589934592 or '8GiB'")
     kw: dict[str, Any] = {"cpu_bytes": _opts.size("cpu_bytes", raw["cpu_bytes"])}
     kw["cpu_policy"] = _opts.policy("cpu_policy", raw.get("cpu_policy", "priority"))
-    kw["cpu_admission"] = _admission("cpu_admission", raw.get("cpu_admission", "always"), allow_priority=False)
+    kw["cpu_admission"] = _admission("cpu_admission", raw.get("cpu_admission", D.CPU_ADMISSION), allow_priority=False)
     kw["min_offload_priority"] = _opts.int_in("min_offload_priority", raw.get("min_offload_priority", 30), 0, 100)
     disk_keys = [k for k in KEYS if k.startswith("disk_") and k != "disk_root" and k in raw]
     root = raw.get("disk_root")
@@ -143,9 +144,11 @@ def parse_options(raw: Mapping[str, Any]) -> ConnectorOptions:
             raise _err("disk_bytes", "required with disk_root: capacity of the disk tier")
         kw["disk_bytes"] = _opts.size("disk_bytes", raw["disk_bytes"])
         kw["disk_policy"] = _opts.policy("disk_policy", raw.get("disk_policy", "priority"))
-        kw["disk_admission"] = _admission("disk_admission", raw.get("disk_admission", "always"), allow_priority=True)
-        kw["disk_io_engine"] = _opts.disk_io_engine("disk_io_engine", raw.get("disk_io_engine", "auto"))
-        kw["disk_queue_depth"] = _opts.queue_depth("disk_queue_depth", raw.get("disk_queue_depth", 16))
+        kw["disk_admission"] = _admission(
+            "disk_admission", raw.get("disk_admission", D.DISK_ADMISSION), allow_priority=True
+        )
+        kw["disk_io_engine"] = _opts.disk_io_engine("disk_io_engine", raw.get("disk_io_engine", D.DISK_IO_ENGINE))
+        kw["disk_queue_depth"] = _opts.queue_depth("disk_queue_depth", raw.get("disk_queue_depth", D.DISK_QUEUE_DEPTH))
     kw["io_engine"] = _opts.choice("io_engine", raw.get("io_engine", "auto"), _IO_ENGINES)
     cm = raw.get("cost_model")
     if cm is not None:

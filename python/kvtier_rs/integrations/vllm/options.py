@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvtier_rs import defaults as D
 from kvtier_rs._core import policy_names
 from kvtier_rs.checks import show
 from kvtier_rs.options import OptionReader, guard_rule
@@ -62,14 +63,14 @@ DISK_PROMOTIONS_IN_FLIGHT = 1024
 
 # kvtier's own keys, with a one-line description used in error messages and docs.
 KVTIER_KEYS: dict[str, str] = {
-    "cpu_admission": 'CPU tier admission: "always", "uses:K" or "priority:T" (default "always")',
+    "cpu_admission": f'CPU tier admission: "always", "uses:K" or "priority:T" (default "{D.CPU_ADMISSION}")',
     "disk_root": "directory of the disk tier; setting it enables the disk tier",
     "disk_bytes_to_use": 'disk tier capacity, bytes or a size string such as "64GiB" (needs disk_root)',
     "disk_policy": "disk tier eviction policy (default lru)",
-    "disk_admission": 'disk tier admission: "always", "uses:K" or "priority:T" (default "always")',
+    "disk_admission": f'disk tier admission: "always", "uses:K" or "priority:T" (default "{D.DISK_ADMISSION}")',
     "disk_io_engine": 'disk I/O engine: "auto", "io_uring" or "pool" (positioned I/O on threads; '
     'default "auto": io_uring when the kernel allows it)',
-    "disk_queue_depth": "disk I/O requests in flight (default 16)",
+    "disk_queue_depth": f"disk I/O requests in flight (default {D.DISK_QUEUE_DEPTH})",
     "disk_on_reset": 'what a cache reset does to the disk tier: "clear" (default: every block is '
     'forgotten, as after a weight update) or "keep" (the blocks stay valid, e.g. sleep without new weights)',
     "cost_model": 'load-or-recompute rule for disk hits: "always_load" or a dict with '
@@ -158,13 +159,13 @@ def _cost_model(value: Any) -> CostModel:
 class KvtierOptions:
     cpu_bytes: int
     cpu_policy: str = "lru"
-    cpu_admission: str = "always"
+    cpu_admission: str = D.CPU_ADMISSION
     disk_root: str | None = None
     disk_bytes: int | None = None
     disk_policy: str = "lru"
-    disk_admission: str = "always"
-    disk_io_engine: str = "auto"
-    disk_queue_depth: int = 16
+    disk_admission: str = D.DISK_ADMISSION
+    disk_io_engine: str = D.DISK_IO_ENGINE
+    disk_queue_depth: int = D.DISK_QUEUE_DEPTH
     disk_on_reset: str = "clear"
     cost_model: CostModel = CostModel()
     guard: str = "checksum"
@@ -226,7 +227,7 @@ def parse_options(extra: Mapping[str, Any]) -> KvtierOptions:
     st = _opts.int_in("store_threshold", extra.get("store_threshold", 0), 0, 255)
     if "cpu_admission" in extra and st >= 2:
         raise _err("cpu_admission", "set either cpu_admission or store_threshold, not both")
-    admission = _opts.admission("cpu_admission", extra.get("cpu_admission", "always"))
+    admission = _opts.admission("cpu_admission", extra.get("cpu_admission", D.CPU_ADMISSION))
     if st >= 2:
         admission = _opts.admission("store_threshold", f"uses:{st}")
 
@@ -255,8 +256,8 @@ def parse_options(extra: Mapping[str, Any]) -> KvtierOptions:
         if "disk_bytes_to_use" not in extra:
             raise _err("disk_bytes_to_use", "required with disk_root: capacity of the disk tier")
         disk_bytes = _opts.size("disk_bytes_to_use", extra["disk_bytes_to_use"])
-    engine = _opts.disk_io_engine("disk_io_engine", extra.get("disk_io_engine", "auto"))
-    qd = _opts.queue_depth("disk_queue_depth", extra.get("disk_queue_depth", 16))
+    engine = _opts.disk_io_engine("disk_io_engine", extra.get("disk_io_engine", D.DISK_IO_ENGINE))
+    qd = _opts.queue_depth("disk_queue_depth", extra.get("disk_queue_depth", D.DISK_QUEUE_DEPTH))
     guard = extra.get("guard", "checksum")
     if guard not in _GUARDS:
         raise _err(
@@ -271,7 +272,7 @@ def parse_options(extra: Mapping[str, Any]) -> KvtierOptions:
         disk_root=disk_root,
         disk_bytes=disk_bytes,
         disk_policy=_opts.policy("disk_policy", extra.get("disk_policy", "lru")),
-        disk_admission=_opts.admission("disk_admission", extra.get("disk_admission", "always")),
+        disk_admission=_opts.admission("disk_admission", extra.get("disk_admission", D.DISK_ADMISSION)),
         disk_io_engine=engine,
         disk_queue_depth=qd,
         disk_on_reset=_opts.choice("disk_on_reset", extra.get("disk_on_reset", "clear"), ("clear", "keep")),
@@ -305,9 +306,9 @@ class DiskTierOptions:
     root_dir: str
     capacity_bytes: int
     policy: str = "lru"
-    admission: str = "always"
-    io_engine: str = "auto"
-    queue_depth: int = 16
+    admission: str = D.DISK_ADMISSION
+    io_engine: str = D.DISK_IO_ENGINE
+    queue_depth: int = D.DISK_QUEUE_DEPTH
     locality: str = "LOCAL"
 
 
@@ -331,8 +332,8 @@ def parse_disk_tier(entry: Mapping[str, Any], *, localities: tuple[str, ...] = L
         root_dir=root_dir,
         capacity_bytes=r.size("capacity_bytes", entry["capacity_bytes"]),
         policy=r.policy("policy", entry.get("policy", "lru")),
-        admission=r.admission("admission", entry.get("admission", "always")),
-        io_engine=r.disk_io_engine("io_engine", entry.get("io_engine", "auto")),
-        queue_depth=r.queue_depth("queue_depth", entry.get("queue_depth", 16)),
+        admission=r.admission("admission", entry.get("admission", D.DISK_ADMISSION)),
+        io_engine=r.disk_io_engine("io_engine", entry.get("io_engine", D.DISK_IO_ENGINE)),
+        queue_depth=r.queue_depth("queue_depth", entry.get("queue_depth", D.DISK_QUEUE_DEPTH)),
         locality="LOCAL" if locality is None else r.choice("locality", locality, localities),
     )
