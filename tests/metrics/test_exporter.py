@@ -431,7 +431,7 @@ def test_refusal_series(tmp_path, case):  # noqa: C901, PLR0915 - one scenario p
                 assert d(x, "kvtier_guard_trips_total", tier="cpu") == 1
                 assert tr.now("kvtier_guard_enabled", tier="cpu") == 1
                 assert tr.now("kvtier_guard_enabled", tier="disk") == 0
-                assert tr.now("kvtier_guard_bypassed", tier="cpu") == 1
+                assert tr.now("kvtier_guard_state", tier="cpu") == 1
                 assert tr.now("kvtier_guard_threshold_seconds", tier="cpu") == pytest.approx(1e-9)
             plan = o.plan(a)
             assert plan.loaded == 0
@@ -699,7 +699,7 @@ def test_grafana_dashboard_uses_only_exported_series():
     declared |= {vm.PREFIX + n + "_total" for n in vm.MANAGER_COUNTERS}
     vllm_used = {n for e in exprs for n in re.findall(r"vllm:kv_offload_kvtier_[a-z0-9_]+", e)}
     assert vllm_used <= declared, vllm_used - declared
-    assert {vm.PREFIX + "guard_trips_total", vm.PREFIX + "guard_bypassed"} <= vllm_used
+    assert {vm.PREFIX + "guard_trips_total", vm.PREFIX + "guard_state"} <= vllm_used
 
 
 def test_docs_metrics_table_is_generated_from_names():

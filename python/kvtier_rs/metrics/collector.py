@@ -177,7 +177,7 @@ class KvTierCollector(Collector):
             v["kvtier_latency_seconds"][(tier, "store")] = t["store_histogram"]
         for tier, g in s["guards"].items():
             v["kvtier_guard_enabled"][(tier,)] = 1
-            v["kvtier_guard_bypassed"][(tier,)] = int(g["state"] == "bypassed")
+            v["kvtier_guard_state"][(tier,)] = int(g["state"] == "bypassed")
             v["kvtier_guard_trips"][(tier,)] = g["trips"]
             v["kvtier_guard_p99_seconds"][(tier,)] = g["p99_ms"] / 1e3
             v["kvtier_guard_threshold_seconds"][(tier,)] = g["threshold_ms"] / 1e3

@@ -179,9 +179,10 @@ SERIES: tuple[Series, ...] = (
     # ---- SLO guard ------------------------------------------------------------------------------
     Series("kvtier_guard_enabled", "gauge", "1 when an SLO guard watches the tier.", ("tier",), _by(TIERS)),
     Series(
-        "kvtier_guard_bypassed",
+        "kvtier_guard_state",
         "gauge",
-        "1 while the SLO guard bypasses the tier (its p99 went over the threshold).",
+        "The SLO guard's state of the tier: 0 serving, 1 bypassed (its p99 went over the budget; its hits "
+        "are recomputed until a re-probe).",
         ("tier",),
         _by(TIERS),
     ),

@@ -445,7 +445,7 @@ def test_a_slow_disk_trips_the_guard_its_hits_are_recomputed_then_it_is_reprobed
     assert mg.lower.counters.disk_refused_guard == 1
     assert "SLO guard tripped: the disk tier is bypassed for 30 s" in caplog.text
     values = mg.get_stats().data["data"]
-    assert values[m.PREFIX + "guard_bypassed"] == {("disk",): 1}
+    assert values[m.PREFIX + "guard_state"] == {("disk",): 1}
     assert values[m.PREFIX + "guard_trips"] == {("disk",): 1}
     assert values[m.PREFIX + "disk_refused_guard"] == {(): 1}
     # After the cool-down the tier is back on probation: a disk hit is promoted again.
@@ -455,7 +455,7 @@ def test_a_slow_disk_trips_the_guard_its_hits_are_recomputed_then_it_is_reprobed
     assert disk.wait_idle(WAIT_S)
     mg.on_schedule_end(None)
     values = mg.get_stats().data["data"]
-    assert values[m.PREFIX + "guard_bypassed"] == {("disk",): 0}
+    assert values[m.PREFIX + "guard_state"] == {("disk",): 0}
     assert m.PREFIX + "guard_trips" not in values or values[m.PREFIX + "guard_trips"] == {}
     mg.shutdown()
 

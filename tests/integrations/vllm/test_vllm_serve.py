@@ -241,7 +241,7 @@ def test_a_slow_disk_trips_the_slo_guard_and_is_back_after_the_cool_down(env, pr
         srv.wait_for_metric(K + "guard_trips_total", 1, tier="disk")
         tripped_seen = time.monotonic()
         samples = srv.metrics()
-        assert metric(samples, K + "guard_bypassed", tier="disk") == 1
+        assert metric(samples, K + "guard_state", tier="disk") == 1
         assert metric(samples, K + "guard_p99_seconds", tier="disk") > 0.05  # over the budget
         # Bypassed: B's disk hits are recomputed (counted), nothing is promoted from disk.
         refused = metric(samples, K + "disk_refused_guard_total")
@@ -256,7 +256,7 @@ def test_a_slow_disk_trips_the_slo_guard_and_is_back_after_the_cool_down(env, pr
         assert tokens == baseline["C"]
         assert cached == SERVED and moved["loads_disk"] >= 1, (cached, moved)
         samples = srv.metrics()
-        assert metric(samples, K + "guard_bypassed", tier="disk") == 0
+        assert metric(samples, K + "guard_state", tier="disk") == 0
         assert metric(samples, K + "guard_trips_total", tier="disk") == 1
         assert "the disk tier is back in service" in srv.log_text()
     finally:

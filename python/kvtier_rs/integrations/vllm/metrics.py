@@ -51,7 +51,8 @@ MANAGER_COUNTERS = {
 }
 # The SLO guard of a tier (label "tier"), from LoadGate.state(); only tiers with a guard report.
 GUARD_GAUGES = {
-    "guard_bypassed": "1 while the SLO guard bypasses the tier (its hits are recomputed), 0 while it serves.",
+    "guard_state": "The SLO guard's state of the tier: 0 serving, 1 bypassed (its hits are recomputed until "
+    "a re-probe).",
     "guard_p99_seconds": "p99 wait on the tier's promotions over the guard's window; while bypassed, the p99 "
     "that tripped it.",
 }
@@ -174,7 +175,7 @@ def emit_guards(stats: Any, guards: Mapping[str, Mapping[str, Any]], trips_befor
     """Each guarded tier's state (``LoadGate.state()``): gauges as they are, trips as the increase
     since `trips_before` (updated)."""
     for tier, st in guards.items():
-        stats.set_gauge(PREFIX + "guard_bypassed", int(st["state"] == "bypassed"), labelvalues=(tier,))
+        stats.set_gauge(PREFIX + "guard_state", int(st["state"] == "bypassed"), labelvalues=(tier,))
         stats.set_gauge(PREFIX + "guard_p99_seconds", float(st["p99_ms"]) / 1e3, labelvalues=(tier,))
         trips = int(st["trips"])
         delta = trips - trips_before.get(tier, 0)
