@@ -143,7 +143,7 @@ def extra_configs(tmp: Path, cpu_chunks: int) -> dict[str, dict[str, Any] | None
         # vLLM's CPU tier (its manager and policy; kvtier's worker copies, see the docstring).
         "vllm_cpu": tiering,
         "vllm_fs": {**tiering, "secondary_tiers": [{"type": "fs", "root_dir": str(tmp / "fs")}]},
-        "kvtier": {**kvtier, "disk_root": str(tmp / "kvtier"), "disk_bytes_to_use": "1GiB"},
+        "kvtier": {**kvtier, "disk_root": str(tmp / "kvtier"), "disk_bytes": "1GiB"},
         # The CPU tier alone: separates the disk tier's background writes from the rest.
         "kvtier_cpu": kvtier,
     }

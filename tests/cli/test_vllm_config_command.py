@@ -64,10 +64,10 @@ def test_kvtier_offloading_spec_settings(capsys):
     assert (rc, err) == (0, "")
     lines = out.splitlines()
     assert lines[0] == f"ok: KvtierOffloadingSpec ({MODULE})"
-    assert "  cpu_bytes_to_use:   8589934592 (8 GiB)" in lines
-    assert "  disk_bytes_to_use:  68719476736 (64 GiB)" in lines
+    assert "  cpu_bytes:          8589934592 (8 GiB)" in lines
+    assert "  disk_bytes:         68719476736 (64 GiB)" in lines
     assert "  disk_root:          /nvme/kv (a directory per model is made under it)" in lines
-    assert "  eviction_policy:    lru" in lines and "  disk_io_engine:     auto" in lines
+    assert "  cpu_policy:         lru" in lines and "  disk_io_engine:     auto" in lines
 
     rc, out, _ = run(
         capsys,
@@ -78,8 +78,8 @@ def test_kvtier_offloading_spec_settings(capsys):
     report = json.loads(out)
     assert report["ok"] is True and report["spec_name"] == "KvtierOffloadingSpec"
     assert report["settings"] == {
-        "cpu_bytes_to_use": 8 << 30,
-        "eviction_policy": "arc",
+        "cpu_bytes": 8 << 30,
+        "cpu_policy": "arc",
         "cpu_admission": "always",
         "disk_root": None,
     }
@@ -101,18 +101,18 @@ def test_tiering_spec_settings(capsys):
     assert disk == {
         "type": "KvtierDiskTier",
         "checked": True,
-        "root_dir": "/nvme/kv",
-        "capacity_bytes": 64 << 30,
-        "policy": "s3fifo",
-        "admission": "always",
-        "io_engine": "auto",
-        "queue_depth": 16,
+        "disk_root": "/nvme/kv",
+        "disk_bytes": 64 << 30,
+        "disk_policy": "s3fifo",
+        "disk_admission": "always",
+        "disk_io_engine": "auto",
+        "disk_queue_depth": 16,
         "locality": "LOCAL",
     }
     assert fs == {"type": "fs", "checked": False}
     rc, out, _ = run(capsys, json.dumps(cfg))
     assert rc == 0 and out.startswith(f"ok: KvtierTieringOffloadingSpec ({MODULE})\n")
-    assert "  secondary_tiers[0]: KvtierDiskTier\n" in out and "    capacity_bytes:     68719476736 (64 GiB)\n" in out
+    assert "  secondary_tiers[0]: KvtierDiskTier\n" in out and "    disk_bytes:         68719476736 (64 GiB)\n" in out
     assert "  secondary_tiers[1]: fs (not kvtier's: not checked here)\n" in out
 
 
@@ -127,7 +127,7 @@ def test_bare_size_numbers_are_expanded_as_vllm_does(capsys):
     text = json.dumps(OFFLOADING).replace('"8GiB"', "8G").replace('"64GiB"', "64g")
     rc, out, _ = run(capsys, "--json", text)
     s = json.loads(out)["settings"]
-    assert rc == 0 and (s["cpu_bytes_to_use"], s["disk_bytes_to_use"]) == (8 << 30, 64 * 10**9)
+    assert rc == 0 and (s["cpu_bytes"], s["disk_bytes"]) == (8 << 30, 64 * 10**9)
     # Quoted text is never touched: a directory named "8G" stays one.
     rc, out, _ = run(capsys, "--json", json.dumps(with_extra(OFFLOADING, disk_root="/kv/8G")))
     assert rc == 0 and json.loads(out)["settings"]["disk_root"] == "/kv/8G"
@@ -164,9 +164,9 @@ TIERING_CASES = [
         "kv_connector_extra_config['secondary_tiers']: entry 0",
     ),
     # The disk tier's own keys, with the tier's own messages.
-    (with_tier(capacity_bytes=None), "secondary_tiers[type=KvtierDiskTier]['capacity_bytes']: required"),
+    (with_tier(capacity_bytes=None), "secondary_tiers[type=KvtierDiskTier]['disk_bytes']: required"),
     (with_tier(capacity_bytes="lots"), "secondary_tiers[type=KvtierDiskTier]['capacity_bytes']: 'lots' is not"),
-    (with_tier(root_dir=None), "secondary_tiers[type=KvtierDiskTier]['root_dir']: required"),
+    (with_tier(root_dir=None), "secondary_tiers[type=KvtierDiskTier]['disk_root']: required"),
     (with_tier(root="/x"), "secondary_tiers[type=KvtierDiskTier]['root']: unknown key"),
     (with_tier(policy="mru"), "secondary_tiers[type=KvtierDiskTier]['policy']: unknown eviction policy"),
     (with_tier(admission="sometimes"), "secondary_tiers[type=KvtierDiskTier]['admission']"),

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from kvtier_rs import defaults as D
+from kvtier_rs import settings
 from kvtier_rs.planner.errors import PlanError
 
 DESCRIPTION = """\
@@ -93,6 +93,29 @@ def _capacities(text: str) -> list[int]:
     return caps
 
 
+class _KeepFlag(argparse.Action):
+    """Stores the value and the flag it came under (``<dest>_flag``), so that an error names
+    the flag the user typed, alias or not."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, ns: argparse.Namespace, value: object, flag: object = None
+    ) -> None:
+        setattr(ns, self.dest, value)
+        setattr(ns, self.dest + "_flag", flag)
+
+
+def _tree_option(group: argparse._ArgumentGroup, key: str, *, also: str = "") -> None:
+    """An option of the one configuration tree, under its planner flag (and aliases), with the
+    tree's meaning and default."""
+    s = settings.BY_KEY[key]
+    assert s.flag is not None, key
+    default = s.default_for(settings.PLANNER)
+    shown = "" if default is None else f" (default {default})"
+    meaning = s.meaning.replace("`", "").replace("%", "%%")
+    flags = (s.flag, *s.aliases.get(settings.PLANNER, ()))
+    group.add_argument(*flags, dest=key, default=default, action=_KeepFlag, help=meaning + also + shown)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "plan",
@@ -114,8 +137,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--kv-dtype", help="KV cache dtype overriding the config's (e.g. fp8, bfloat16)")
     s = p.add_argument_group("sizes")
     s.add_argument("--gpu", help="GPU prefix-cache size: bytes with a unit (40GiB) or blocks (5000blocks)")
-    s.add_argument("--cpu", help="CPU tier size, e.g. 256GiB")
-    s.add_argument("--disk", help="disk tier size, e.g. 2TiB")
+    _tree_option(s, "cpu_bytes", also=" or blocks (5000blocks); the CPU tier is judged only when given")
+    _tree_option(s, "disk_bytes", also=" or blocks; the disk tier is judged only when given")
     s.add_argument("--capacities", type=_capacities, help="capacities to sweep, in blocks (e.g. 1000,10000,50000)")
     r = p.add_argument_group("replay")
     r.add_argument(
@@ -134,16 +157,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument(
         "--tier-policy", help="policy of the tiers in the multi-tier replay (default: the policy the plan recommends)"
     )
-    r.add_argument(
-        "--cpu-admission",
-        default=D.CPU_ADMISSION,
-        help="CPU tier admission in the multi-tier replay (default %(default)s)",
-    )
-    r.add_argument(
-        "--disk-admission",
-        default=D.DISK_ADMISSION,
-        help="disk tier admission in the multi-tier replay (default %(default)s)",
-    )
+    _tree_option(r, "cpu_admission", also=", in the multi-tier replay")
+    _tree_option(r, "disk_admission", also=", in the multi-tier replay")
     r.add_argument("--threads", type=int, default=0, help="replay threads (default: all cores)")
     c = p.add_argument_group("cost model")
     c.add_argument("--pcie-gbps", type=float, default=25.0, help="CPU->GPU bandwidth, GB/s (default 25)")
@@ -188,8 +203,8 @@ def run(args: argparse.Namespace) -> int:
         model_config=args.model_config,
         kv_dtype=args.kv_dtype,
         gpu=parse_size(args.gpu, "--gpu") if args.gpu else None,
-        cpu=parse_size(args.cpu, "--cpu") if args.cpu else None,
-        disk=parse_size(args.disk, "--disk") if args.disk else None,
+        cpu=parse_size(args.cpu_bytes, getattr(args, "cpu_bytes_flag", "--cpu-bytes")) if args.cpu_bytes else None,
+        disk=parse_size(args.disk_bytes, getattr(args, "disk_bytes_flag", "--disk-bytes")) if args.disk_bytes else None,
         capacities=args.capacities,
         policies=tuple(x.strip() for x in args.policies.split(",") if x.strip()),
         warmup=args.warmup,

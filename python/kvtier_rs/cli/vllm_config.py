@@ -96,7 +96,7 @@ def _size(n: int) -> str:
     return str(n)
 
 
-_SIZE_KEYS = ("cpu_bytes_to_use", "disk_bytes_to_use", "capacity_bytes")
+_SIZE_KEYS = ("cpu_bytes", "cpu_bytes_to_use", "disk_bytes")
 
 
 def _print_settings(settings: Mapping[str, Any], indent: str) -> None:
@@ -111,12 +111,14 @@ def _print_settings(settings: Mapping[str, Any], indent: str) -> None:
                 print(f"{indent}secondary_tiers[{i}]: {tier['type']}")
                 _print_settings({k: v for k, v in tier.items() if k not in ("type", "checked")}, indent + "  ")
             continue
-        if key in ("disk_root", "root_dir"):
+        if key == "disk_root":
             shown = "none (disk tier off)" if value is None else f"{value} (a directory per model is made under it)"
         elif key in _SIZE_KEYS and isinstance(value, int):
             shown = _size(value)
         elif isinstance(value, Mapping):
             shown = ", ".join(f"{k}={v}" for k, v in value.items())
+        elif value is None:
+            shown = "off"
         else:
             shown = str(value)
         print(f"{indent}{key + ':':<19} {shown}")

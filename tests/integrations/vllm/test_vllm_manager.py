@@ -532,7 +532,7 @@ def test_package_imports_without_vllm():
         ({"cpu_bytes_to_use": 1 << 20, "eviction_policy": "mru"}, "eviction_policy"),
         ({"cpu_bytes_to_use": 1 << 20, "cpu_admission": "sometimes"}, "cpu_admission"),
         ({"cpu_bytes_to_use": 1 << 20, "disk_bytes_to_use": "1GiB"}, "disk_bytes_to_use"),
-        ({"cpu_bytes_to_use": 1 << 20, "disk_root": "/tmp/x"}, "disk_bytes_to_use"),
+        ({"cpu_bytes_to_use": 1 << 20, "disk_root": "/tmp/x"}, "disk_bytes"),
         (
             {"cpu_bytes_to_use": 1 << 20, "disk_root": "/x", "disk_bytes_to_use": 1, "disk_io_engine": "aio"},
             "disk_io_engine",

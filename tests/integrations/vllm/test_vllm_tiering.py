@@ -148,4 +148,4 @@ def test_bad_tier_config_names_the_key(env):
         err = err.__cause__ or err.__context__
         chain.append(err)
     msgs = " | ".join(str(e) for e in chain)
-    assert "secondary_tiers[type=KvtierDiskTier]['capacity_bytes']" in msgs, msgs
+    assert "secondary_tiers[type=KvtierDiskTier]['disk_bytes']: required (also taken as capacity_bytes)" in msgs, msgs

@@ -22,47 +22,16 @@ from pathlib import Path
 from typing import Any
 
 from kvtier_rs import defaults as D
+from kvtier_rs import settings as S
 from kvtier_rs._core import InvalidArgumentError
-from kvtier_rs.checks import show
-from kvtier_rs.integrations.trtllm.identity import SCHEMES
-from kvtier_rs.options import OptionReader, guard_rule
+from kvtier_rs.options import OptionReader
 from kvtier_rs.orchestrator.gate import DEFAULT_MAX_IN_FLIGHT
 from kvtier_rs.orchestrator.guard import GuardRule
 
 ENV_VAR = "KVTIER_TRTLLM_CONFIG"
 
-#: Every key, with the one-line description used in error messages and docs.
-KEYS: dict[str, str] = {
-    "cpu_bytes": 'CPU tier capacity (required), bytes or a size string such as "8GiB"',
-    "cpu_policy": 'CPU tier eviction policy (default "priority": TensorRT-LLM retention semantics)',
-    "cpu_admission": 'CPU tier admission: "always" (default) or "uses:K"',
-    "min_offload_priority": "blocks whose retention priority is below this (0..100) are never "
-    "offloaded, nor any later block of the same request (default 30, TensorRT-LLM's "
-    "secondary_offload_min_priority default)",
-    "disk_root": "directory of the disk tier; setting it enables the disk tier",
-    "disk_bytes": "disk tier capacity (required with disk_root)",
-    "disk_policy": 'disk tier eviction policy (default "priority")',
-    "disk_admission": 'disk tier admission: "always" (default), "uses:K" or "priority:T"',
-    "disk_io_engine": 'disk I/O engine: "auto" (default), "io_uring" or "pool"',
-    "disk_queue_depth": f"disk I/O requests in flight (default {D.DISK_QUEUE_DEPTH})",
-    "io_engine": 'device<->host copies: "auto" (default: CUDA for CUDA tensors), "cpu" or "cuda"',
-    "cost_model": "null (default: always load a hit) or a dict with prefill_tokens_per_s: load a "
-    "hit only when moving it beats recomputing it",
-    "namespace": "string mixed into every block key, e.g. the model name (default: llm_args.model)",
-    "load_timeout_s": "seconds wait_for_layer_load waits for a load before failing (default 60)",
-    "block_identity": "\"auto\" (default: the engine's own block hash when TensorRT-LLM's hasher imports, "
-    'else kvtier\'s chain), "engine" or "kvtier"',
-    "cpu_slo_guard": "null (default: off) or a dict with p99_ms and optionally window_s (default 10), "
-    "recover_s (default 30) and min_samples (default 20): when the p99 wait on the CPU tier's loads over "
-    "window_s exceeds p99_ms, the tier is bypassed (its hits recomputed) for recover_s, then re-probed",
-    "disk_slo_guard": "the same rule for the disk tier's promotions (needs disk_root)",
-    "cpu_max_promotions_in_flight": "loads from the CPU tier in flight at most; a hit beyond them is "
-    f"recomputed (default {DEFAULT_MAX_IN_FLIGHT['cpu']})",
-    "disk_max_promotions_in_flight": "loads with a disk part in flight at most; a disk hit beyond them is "
-    f"recomputed (default {DEFAULT_MAX_IN_FLIGHT['disk']}; needs disk_root)",
-}
-
-_IO_ENGINES = ("auto", "cpu", "cuda")
+#: Every key, with its one-line meaning, from the one configuration tree.
+KEYS: dict[str, str] = {s.key: s.meaning for s in S.settings_for(S.TRTLLM)}
 
 
 #: The reader of this config; ``naming`` maps the tiers' own arguments to its keys.
@@ -86,19 +55,6 @@ DISK_TIER_KEYS = {
 }
 
 
-def _admission(key: str, value: Any, *, allow_priority: bool) -> str:
-    rule = _opts.admission(key, value)
-    if rule.startswith("priority:") and not allow_priority:
-        # Disk promotions enter the CPU tier at the default priority, so a CPU-side priority
-        # rule above 35 would refuse every promotion; the connector filters instead.
-        raise _err(
-            key,
-            "use min_offload_priority for the CPU tier (a priority admission rule there "
-            "would also refuse blocks promoted back from disk)",
-        )
-    return rule
-
-
 @dataclass(frozen=True)
 class ConnectorOptions:
     cpu_bytes: int
@@ -113,6 +69,7 @@ class ConnectorOptions:
     disk_queue_depth: int = D.DISK_QUEUE_DEPTH
     io_engine: str = "auto"
     prefill_tokens_per_s: float | None = None
+    disk_read_bytes_per_s: float | None = None
     namespace: str | None = None
     load_timeout_s: float = 60.0
     block_identity: str = "auto"
@@ -124,54 +81,37 @@ def parse_options(raw: Mapping[str, Any]) -> ConnectorOptions:
     """Validate a config dict; every error names its key."""
     if not isinstance(raw, Mapping):
         raise InvalidArgumentError(f"kvtier trtllm config: expected a dict, got {type(raw).__name__}")
-    unknown = sorted((k for k in raw if k not in KEYS), key=str)
-    if unknown:
-        raise _err(unknown[0], "unknown key; known keys: " + ", ".join(sorted(KEYS)))
-    if raw.get("cpu_bytes") in (None, "", 0):
-        raise _err("cpu_bytes", "required: capacity of the CPU tier, e.g. 8589934592 or '8GiB'")
-    kw: dict[str, Any] = {"cpu_bytes": _opts.size("cpu_bytes", raw["cpu_bytes"])}
-    kw["cpu_policy"] = _opts.policy("cpu_policy", raw.get("cpu_policy", "priority"))
-    kw["cpu_admission"] = _admission("cpu_admission", raw.get("cpu_admission", D.CPU_ADMISSION), allow_priority=False)
-    kw["min_offload_priority"] = _opts.int_in("min_offload_priority", raw.get("min_offload_priority", 30), 0, 100)
-    disk_keys = [k for k in KEYS if k.startswith("disk_") and k != "disk_root" and k in raw]
-    root = raw.get("disk_root")
-    if root is None:
-        if disk_keys:
-            raise _err(disk_keys[0], "needs disk_root (the disk tier is off without it)")
-    else:
-        kw["disk_root"] = _opts.directory("disk_root", root)
-        if "disk_bytes" not in raw:
-            raise _err("disk_bytes", "required with disk_root: capacity of the disk tier")
-        kw["disk_bytes"] = _opts.size("disk_bytes", raw["disk_bytes"])
-        kw["disk_policy"] = _opts.policy("disk_policy", raw.get("disk_policy", "priority"))
-        kw["disk_admission"] = _admission(
-            "disk_admission", raw.get("disk_admission", D.DISK_ADMISSION), allow_priority=True
+    settings = S.settings_from_values(S.read_values(raw, S.TRTLLM, _opts))
+    cpu, disk, path = settings.cpu, settings.disk, settings.data_path
+    if cpu.admission.startswith("priority:"):
+        # Disk promotions enter the CPU tier at the default priority, so a CPU-side priority
+        # rule above 35 would refuse every promotion; the connector filters instead.
+        raise _err(
+            "cpu_admission",
+            "use min_offload_priority for the CPU tier (a priority admission rule there "
+            "would also refuse blocks promoted back from disk)",
         )
-        kw["disk_io_engine"] = _opts.disk_io_engine("disk_io_engine", raw.get("disk_io_engine", D.DISK_IO_ENGINE))
-        kw["disk_queue_depth"] = _opts.queue_depth("disk_queue_depth", raw.get("disk_queue_depth", D.DISK_QUEUE_DEPTH))
-    kw["io_engine"] = _opts.choice("io_engine", raw.get("io_engine", "auto"), _IO_ENGINES)
-    cm = raw.get("cost_model")
-    if cm is not None:
-        if not isinstance(cm, Mapping) or set(cm) != {"prefill_tokens_per_s"}:
-            raise _err("cost_model", f"expected null or {{'prefill_tokens_per_s': <number>}}, got {show(cm)}")
-        kw["prefill_tokens_per_s"] = _opts.positive(
-            "cost_model", cm["prefill_tokens_per_s"], field="prefill_tokens_per_s"
-        )
-    ns = raw.get("namespace")
-    if ns is not None and not isinstance(ns, str):
-        raise _err("namespace", f"expected a string, got {show(ns)}")
-    kw["namespace"] = ns
-    kw["load_timeout_s"] = _opts.positive("load_timeout_s", raw.get("load_timeout_s", 60.0), unit="of seconds")
-    kw["block_identity"] = _opts.choice("block_identity", raw.get("block_identity", "auto"), SCHEMES)
-    tiers = ("cpu", "disk") if root is not None else ("cpu",)
-    guards = {t: guard_rule(_opts, f"{t}_slo_guard", raw.get(f"{t}_slo_guard")) for t in tiers}
-    kw["guards"] = {t: g for t, g in guards.items() if g is not None}
-    kw["max_promotions_in_flight"] = {
-        t: _opts.int_in(f"{t}_max_promotions_in_flight", raw.get(f"{t}_max_promotions_in_flight", n), 1, 1 << 20)
-        for t, n in DEFAULT_MAX_IN_FLIGHT.items()
-        if t in tiers
-    }
-    return ConnectorOptions(**kw)
+    disk_kw: dict[str, Any] = {}
+    if disk is not None:
+        disk_kw = {
+            "disk_root": disk.root,
+            "disk_bytes": disk.bytes,
+            "disk_policy": disk.policy,
+            "disk_admission": disk.admission,
+            "disk_io_engine": disk.io_engine,
+            "disk_queue_depth": disk.queue_depth,
+        }
+    return ConnectorOptions(
+        cpu_bytes=cpu.bytes,
+        cpu_policy=cpu.policy,
+        cpu_admission=cpu.admission,
+        **disk_kw,
+        prefill_tokens_per_s=path.cost.prefill_tokens_per_s if path.cost else None,
+        disk_read_bytes_per_s=path.cost.disk_read_bytes_per_s if path.cost else None,
+        guards=dict(path.guards),
+        max_promotions_in_flight=dict(path.max_promotions_in_flight),
+        **settings.engine,
+    )
 
 
 def load_options(class_config: Mapping[str, Any] | None) -> ConnectorOptions:

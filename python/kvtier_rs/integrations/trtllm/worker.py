@@ -157,6 +157,8 @@ class WorkerCore:
         cost = None
         if o.prefill_tokens_per_s is not None:
             cost = CostModel(o.prefill_tokens_per_s, self.tokens_per_block, layout.bytes_per_block)
+            if o.disk_read_bytes_per_s is not None:
+                cost.bandwidth["disk"] = o.disk_read_bytes_per_s  # the first estimate; reads refine it
         orch = TierOrchestrator(
             host,
             engine,

@@ -16,7 +16,7 @@ Two ways in, both through ``--kv-transfer-config``:
 
     {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": ...,
      "secondary_tiers": [{"type": "KvtierDiskTier", "module_path": "kvtier_rs.integrations.vllm",
-                          "root_dir": "/nvme/kv", "capacity_bytes": "64GiB"}]}
+                          "disk_root": "/nvme/kv", "disk_bytes": "64GiB"}]}
 
 This package imports without vLLM; the classes import it on first use, and raise an ImportError
 that says which vLLM releases are supported when it is missing or of another release.

@@ -106,8 +106,8 @@ def _offloading(extra: Mapping[str, Any]) -> dict[str, Any]:
     if extra.get("canonical_layout") is True:
         raise _EXTRA.error("canonical_layout", "not supported by kvtier yet; kvtier stores each worker's direct pages")
     out: dict[str, Any] = {
-        "cpu_bytes_to_use": o.cpu_bytes,
-        "eviction_policy": o.cpu_policy,
+        "cpu_bytes": o.cpu_bytes,
+        "cpu_policy": o.cpu_policy,
         "cpu_admission": o.cpu_admission,
     }
     if o.disk_root is None:
@@ -118,7 +118,7 @@ def _offloading(extra: Mapping[str, Any]) -> dict[str, Any]:
     out.update(
         {
             "disk_root": o.disk_root,
-            "disk_bytes_to_use": o.disk_bytes,
+            "disk_bytes": o.disk_bytes,
             "disk_policy": o.disk_policy,
             "disk_admission": o.disk_admission,
             "disk_io_engine": o.disk_io_engine,
@@ -126,6 +126,8 @@ def _offloading(extra: Mapping[str, Any]) -> dict[str, Any]:
             "disk_on_reset": o.disk_on_reset,
             "cost_model": "always_load" if cost.prefill_tokens_per_s is None else asdict(cost),
             "guard": o.guard,
+            "disk_slo_guard": None if o.disk_slo_guard is None else asdict(o.disk_slo_guard),
+            "disk_max_promotions_in_flight": o.disk_max_promotions_in_flight,
         }
     )
     return out
@@ -177,13 +179,17 @@ def _tiering(extra: Mapping[str, Any], *, vllm_own: bool) -> dict[str, Any]:
                 f"vLLM loads {vo.DISK_TIER_TYPE} from module_path {MODULE!r}, got {_show(entry.get('module_path'))}",
             )
         t = vo.parse_disk_tier({k: v for k, v in entry.items() if k not in vo.VLLM_TIER_KEYS})
-        _existing_directory(_DISK, "root_dir", t.root_dir)
+        root_name = t.written.get("disk_root", "disk_root")
+        _existing_directory(_DISK, root_name, t.disk_root)
         # Two tiers on one root would derive the same per-model directory, which one tier locks.
-        real = os.path.realpath(t.root_dir)
+        real = os.path.realpath(t.disk_root)
         if real in roots:
-            raise _DISK.error("root_dir", f"{t.root_dir!r}: also the root_dir of secondary_tiers entry {roots[real]}")
+            raise _DISK.error(
+                root_name, f"{t.disk_root!r}: also the {root_name} of secondary_tiers entry {roots[real]}"
+            )
         roots[real] = i
-        out_tiers.append({"type": vo.DISK_TIER_TYPE, "checked": True, **asdict(t)})
+        shown = {k: v for k, v in asdict(t).items() if k != "written"}
+        out_tiers.append({"type": vo.DISK_TIER_TYPE, "checked": True, **shown})
     if vllm_own and not roots:
         raise _EXTRA.error(
             "secondary_tiers",

@@ -217,14 +217,15 @@ class DiskLayer:  # noqa: PLR0904 - the manager's whole interface to the disk ti
         tokens_per_chunk: int,
         seals: SlotSeals | None = None,
     ) -> DiskLayer:
-        from kvtier_rs.integrations.vllm.options import DISK_TIER_KEYS, READER
+        from kvtier_rs.integrations.vllm.options import READER, disk_tier_names
 
         assert options.disk_root is not None and options.disk_bytes is not None  # opened only with a disk tier
         path = tier_dir(options.disk_root, config, host.slot_bytes)
         _log_earlier_formats(path)
         # What only the tier can check (a capacity holding no slot of this chunk size, a
         # directory it cannot open) is reported under the key the user wrote.
-        with READER.naming(DISK_TIER_KEYS, path_key="disk_root"):
+        args, root_name = disk_tier_names(options.written)
+        with READER.naming(args, path_key=root_name):
             disk = open_disk_tier(
                 path,
                 options.disk_bytes,

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier_rs import defaults as D
+from kvtier_rs import settings as S
 from kvtier_rs._core import policy_names
 from kvtier_rs.checks import show
-from kvtier_rs.options import OptionReader, guard_rule
+from kvtier_rs.options import OptionReader
 from kvtier_rs.orchestrator.guard import GuardRule
 
 # vLLM's keys that KvtierOffloadingSpec honours: those vLLM itself reads from the same dict
@@ -57,33 +58,10 @@ OTHER_SPEC_KEYS: dict[str, str] = {
     "tier_poll_interval_s": _TIERING + " (vLLM 0.33)",
 }
 
-#: Default of ``disk_max_promotions_in_flight``: chunks, each one disk read. Far above what one
-#: request's prompt usually promotes, so only a burst from many requests meets it.
-DISK_PROMOTIONS_IN_FLIGHT = 1024
-
-# kvtier's own keys, with a one-line description used in error messages and docs.
+#: kvtier's own keys here, with their one-line meaning, from the one configuration tree.
 KVTIER_KEYS: dict[str, str] = {
-    "cpu_admission": f'CPU tier admission: "always", "uses:K" or "priority:T" (default "{D.CPU_ADMISSION}")',
-    "disk_root": "directory of the disk tier; setting it enables the disk tier",
-    "disk_bytes_to_use": 'disk tier capacity, bytes or a size string such as "64GiB" (needs disk_root)',
-    "disk_policy": "disk tier eviction policy (default lru)",
-    "disk_admission": f'disk tier admission: "always", "uses:K" or "priority:T" (default "{D.DISK_ADMISSION}")',
-    "disk_io_engine": 'disk I/O engine: "auto", "io_uring" or "pool" (positioned I/O on threads; '
-    'default "auto": io_uring when the kernel allows it)',
-    "disk_queue_depth": f"disk I/O requests in flight (default {D.DISK_QUEUE_DEPTH})",
-    "disk_on_reset": 'what a cache reset does to the disk tier: "clear" (default: every block is '
-    'forgotten, as after a weight update) or "keep" (the blocks stay valid, e.g. sleep without new weights)',
-    "cost_model": 'load-or-recompute rule for disk hits: "always_load" or a dict with '
-    "prefill_tokens_per_s and disk_read_bytes_per_s",
-    "guard": '"checksum" (default): a disk block whose checksum does not match is a miss',
-    "disk_slo_guard": "null (default: off) or a dict with p99_ms and optionally window_s (default 10), "
-    "recover_s (default 30) and min_samples (default 20): when the p99 wait on disk promotions over "
-    "window_s exceeds p99_ms, the disk tier is bypassed (its hits recomputed) for recover_s, then re-probed",
-    "disk_max_promotions_in_flight": "disk->CPU chunk promotions in flight at most; a disk hit beyond "
-    f"them is recomputed (default {DISK_PROMOTIONS_IN_FLIGHT})",
+    name: S.BY_KEY[key].meaning for name, key in S.names_for(S.VLLM).items() if name not in VLLM_KEYS
 }
-
-_GUARDS = ("checksum",)
 
 #: The reader of this dict; ``naming`` maps the disk tier's own arguments to these keys.
 READER = OptionReader("kv_connector_extra_config")
@@ -91,12 +69,18 @@ _opts = READER
 _err = _opts.error
 #: The disk tier's constructor arguments -> the keys they come from (for READER.naming).
 DISK_TIER_KEYS = {
-    "capacity_bytes": "disk_bytes_to_use",
+    "capacity_bytes": "disk_bytes",
     "policy": "disk_policy",
     "admission": "disk_admission",
     "engine": "disk_io_engine",
     "queue_depth": "disk_queue_depth",
 }
+
+
+def disk_tier_names(written: Mapping[str, str]) -> tuple[dict[str, str], str]:
+    """For ``OptionReader.naming``: the disk tier's constructor arguments -> the names the user
+    wrote for their options (``written``: option key -> name), and the name of disk_root."""
+    return {arg: written.get(key, key) for arg, key in DISK_TIER_KEYS.items()}, written.get("disk_root", "disk_root")
 
 
 @dataclass(frozen=True)
@@ -105,12 +89,18 @@ class CostModel:
     its tokens. The rule itself is the orchestrator's ``CostModel`` (``build``), so every
     adapter decides the same way; this class only holds the configured rates.
 
-    ``None`` rates mean "always load" (the default: on most hardware a sequential read of a
-    KV block beats recomputing it, and the tests want disk hits to be taken).
+    No ``prefill_tokens_per_s`` means "always load" (the default: on most hardware a sequential
+    read of a KV block beats recomputing it, and the tests want disk hits to be taken).
     """
 
     prefill_tokens_per_s: float | None = None
     disk_read_bytes_per_s: float | None = None
+
+    @classmethod
+    def of(cls, rates: S.CostRates | None) -> CostModel:
+        if rates is None:
+            return cls()
+        return cls(rates.prefill_tokens_per_s, rates.disk_read_bytes_per_s)
 
     def build(self, tokens_per_chunk: int, chunk_bytes: int) -> Any:
         """The orchestrator's model for one chunk size, or None for "always load".
@@ -118,41 +108,24 @@ class CostModel:
         Only the disk read is weighed against recomputing (the meaning of
         ``disk_read_bytes_per_s``): the CPU->GPU copy that follows is the same as for any CPU
         hit, so its hop gets no cost. The disk bandwidth then follows measured reads."""
-        if self.prefill_tokens_per_s is None or self.disk_read_bytes_per_s is None:
+        if self.prefill_tokens_per_s is None:
             return None
         from kvtier_rs.orchestrator.cost import CostModel as Model
 
+        bandwidth = {"cpu": math.inf}
+        if self.disk_read_bytes_per_s is not None:
+            bandwidth["disk"] = self.disk_read_bytes_per_s
         return Model(
             prefill_tokens_per_s=self.prefill_tokens_per_s,
             tokens_per_block=tokens_per_chunk,
             block_bytes=chunk_bytes,
-            bandwidth={"disk": self.disk_read_bytes_per_s, "cpu": math.inf},
+            bandwidth=bandwidth,
             latency_s={"disk": 0.0, "cpu": 0.0},
         )
 
     def load_beats_recompute(self, tokens: int, nbytes: int) -> bool:
         model = self.build(tokens, nbytes)
         return model is None or model.worth_loading("disk", 1)
-
-
-def _cost_model(value: Any) -> CostModel:
-    key = "cost_model"
-    if value == "always_load":
-        return CostModel()
-    if not isinstance(value, Mapping):
-        raise _err(
-            key,
-            f'expected "always_load" or a dict with prefill_tokens_per_s and disk_read_bytes_per_s, got {show(value)}',
-        )
-    fields = ("prefill_tokens_per_s", "disk_read_bytes_per_s")
-    unknown = set(value) - set(fields)
-    if unknown:
-        raise _err(
-            key,
-            f"unknown field(s) {sorted(map(str, unknown))}; expected prefill_tokens_per_s and disk_read_bytes_per_s",
-        )
-    rates = {f: _opts.positive(key, value.get(f), field=f) for f in fields}
-    return CostModel(**rates)
 
 
 @dataclass(frozen=True)
@@ -170,7 +143,9 @@ class KvtierOptions:
     cost_model: CostModel = CostModel()
     guard: str = "checksum"
     disk_slo_guard: GuardRule | None = None
-    disk_max_promotions_in_flight: int = DISK_PROMOTIONS_IN_FLIGHT
+    disk_max_promotions_in_flight: int = S.BY_KEY["disk_max_promotions_in_flight"].default_for(S.VLLM)
+    #: Each option given -> the name the user wrote for it (``disk_tier_names``).
+    written: dict[str, str] = field(default_factory=dict, compare=False)
 
     @property
     def disk_enabled(self) -> bool:
@@ -187,16 +162,20 @@ def check_vllm_bools(extra: Mapping[str, Any]) -> None:
 
 
 def cpu_bytes_to_use(extra: Mapping[str, Any]) -> int:
-    """The required ``cpu_bytes_to_use``: bytes (an int) or a size string such as "32GiB"."""
-    value = extra.get("cpu_bytes_to_use")
+    """The required CPU tier size, ``cpu_bytes`` or vLLM's own name for it, ``cpu_bytes_to_use``:
+    bytes (an int) or a size string such as "32GiB"."""
+    if "cpu_bytes" in extra and "cpu_bytes_to_use" in extra:
+        raise _err("cpu_bytes", "set either cpu_bytes_to_use or cpu_bytes, not both (they are the same option)")
+    key = "cpu_bytes" if "cpu_bytes" in extra else "cpu_bytes_to_use"
+    value = extra.get(key)
     if value in (None, "", 0):
-        raise _err("cpu_bytes_to_use", "required: total bytes of the CPU tier, e.g. 4294967296 or '4GiB'")
-    return _opts.size("cpu_bytes_to_use", value)
+        raise _err(key, "required: total bytes of the CPU tier, e.g. 4294967296 or '4GiB'")
+    return _opts.size(key, value)
 
 
 def parse_options(extra: Mapping[str, Any]) -> KvtierOptions:
     """Validate ``extra`` (the connector's extra config) and return kvtier's options."""
-    known = VLLM_KEYS | set(KVTIER_KEYS)
+    names = S.names_for(S.VLLM)
     other = sorted((k for k in extra if k in OTHER_SPEC_KEYS), key=str)
     if other:
         raise _err(
@@ -204,7 +183,9 @@ def parse_options(extra: Mapping[str, Any]) -> KvtierOptions:
             f"read only by {OTHER_SPEC_KEYS[other[0]]}; KvtierOffloadingSpec does not use it "
             "and would ignore it, so it is refused",
         )
-    unknown = sorted((k for k in extra if k not in known and k != "cache_policy_module_path"), key=str)
+    unknown = sorted(
+        (k for k in extra if k not in names and k not in VLLM_KEYS and k != "cache_policy_module_path"), key=str
+    )
     if unknown:
         raise _err(
             unknown[0],
@@ -221,71 +202,38 @@ def parse_options(extra: Mapping[str, Any]) -> KvtierOptions:
             "choose one of " + ", ".join(policy_names()) + " with eviction_policy",
         )
     cpu_bytes = cpu_bytes_to_use(extra)
-    policy = _opts.policy("eviction_policy", extra.get("eviction_policy", "lru"))
     # vLLM's "store a chunk on its N-th offer" (N >= 2; 0 and 1 store every chunk) is kvtier's
     # uses:N admission, whose N the core takes up to 255.
     st = _opts.int_in("store_threshold", extra.get("store_threshold", 0), 0, 255)
     if "cpu_admission" in extra and st >= 2:
         raise _err("cpu_admission", "set either cpu_admission or store_threshold, not both")
-    admission = _opts.admission("cpu_admission", extra.get("cpu_admission", D.CPU_ADMISSION))
+    values = S.read_values({k: v for k, v in extra.items() if k in names}, S.VLLM, _opts)
     if st >= 2:
-        admission = _opts.admission("store_threshold", f"uses:{st}")
-
-    disk_root = extra.get("disk_root")
-    disk_keys = [
-        k
-        for k in (
-            "disk_bytes_to_use",
-            "disk_policy",
-            "disk_admission",
-            "disk_io_engine",
-            "disk_queue_depth",
-            "disk_on_reset",
-            "cost_model",
-            "disk_slo_guard",
-            "disk_max_promotions_in_flight",
-        )
-        if k in extra
-    ]
-    if disk_root is None:
-        if disk_keys:
-            raise _err(disk_keys[0], "needs disk_root (the disk tier is off without it)")
-        disk_bytes = None
-    else:
-        disk_root = _opts.directory("disk_root", disk_root)
-        if "disk_bytes_to_use" not in extra:
-            raise _err("disk_bytes_to_use", "required with disk_root: capacity of the disk tier")
-        disk_bytes = _opts.size("disk_bytes_to_use", extra["disk_bytes_to_use"])
-    engine = _opts.disk_io_engine("disk_io_engine", extra.get("disk_io_engine", D.DISK_IO_ENGINE))
-    qd = _opts.queue_depth("disk_queue_depth", extra.get("disk_queue_depth", D.DISK_QUEUE_DEPTH))
-    guard = extra.get("guard", "checksum")
-    if guard not in _GUARDS:
-        raise _err(
-            "guard",
-            f"{show(guard)} is not supported; kvtier always verifies disk checksums "
-            '("checksum"): serving unverified KV is never an option',
-        )
+        values["cpu_admission"] = _opts.admission("store_threshold", f"uses:{st}")
     return KvtierOptions(
         cpu_bytes=cpu_bytes,
-        cpu_policy=policy,
-        cpu_admission=admission,
-        disk_root=disk_root,
-        disk_bytes=disk_bytes,
-        disk_policy=_opts.policy("disk_policy", extra.get("disk_policy", "lru")),
-        disk_admission=_opts.admission("disk_admission", extra.get("disk_admission", D.DISK_ADMISSION)),
-        disk_io_engine=engine,
-        disk_queue_depth=qd,
-        disk_on_reset=_opts.choice("disk_on_reset", extra.get("disk_on_reset", "clear"), ("clear", "keep")),
-        cost_model=_cost_model(extra.get("cost_model", "always_load")),
-        guard=guard,
-        disk_slo_guard=guard_rule(_opts, "disk_slo_guard", extra.get("disk_slo_guard")),
-        disk_max_promotions_in_flight=_opts.int_in(
-            "disk_max_promotions_in_flight",
-            extra.get("disk_max_promotions_in_flight", DISK_PROMOTIONS_IN_FLIGHT),
-            1,
-            1 << 20,
-        ),
+        cpu_policy=values["cpu_policy"],
+        cpu_admission=values["cpu_admission"],
+        disk_root=values["disk_root"],
+        disk_bytes=values["disk_bytes"],
+        **{k: values[k] for k in _DISK_OPTION_KEYS if values[k] is not None},
+        cost_model=CostModel.of(values["cost_model"]),
+        guard=values["guard"],
+        disk_slo_guard=values["disk_slo_guard"],
+        written=S.written_names(extra, S.VLLM),
     )
+
+
+# The disk tier's options that KvtierOptions holds under the tree's keys (their defaults stand
+# when the disk tier is off).
+_DISK_OPTION_KEYS = (
+    "disk_policy",
+    "disk_admission",
+    "disk_io_engine",
+    "disk_queue_depth",
+    "disk_on_reset",
+    "disk_max_promotions_in_flight",
+)
 
 
 # ---- KvtierDiskTier, an entry of secondary_tiers under vLLM's tiering spec ---------------------
@@ -303,13 +251,17 @@ LOCALITIES = ("LOCAL", "REMOTE")
 
 @dataclass(frozen=True)
 class DiskTierOptions:
-    root_dir: str
-    capacity_bytes: int
-    policy: str = "lru"
-    admission: str = D.DISK_ADMISSION
-    io_engine: str = D.DISK_IO_ENGINE
-    queue_depth: int = D.DISK_QUEUE_DEPTH
+    """A KvtierDiskTier entry's options, under the configuration tree's keys."""
+
+    disk_root: str
+    disk_bytes: int
+    disk_policy: str = D.POLICY
+    disk_admission: str = D.DISK_ADMISSION
+    disk_io_engine: str = D.DISK_IO_ENGINE
+    disk_queue_depth: int = D.DISK_QUEUE_DEPTH
     locality: str = "LOCAL"
+    #: Each option given -> the name the user wrote for it (``disk_tier_names``).
+    written: dict[str, str] = field(default_factory=dict, compare=False)
 
 
 def parse_disk_tier(entry: Mapping[str, Any], *, localities: tuple[str, ...] = LOCALITIES) -> DiskTierOptions:
@@ -317,23 +269,21 @@ def parse_disk_tier(entry: Mapping[str, Any], *, localities: tuple[str, ...] = L
     ``VLLM_TIER_KEYS``); every error names its key. What only the open tier can check (a
     capacity that holds no block, a directory it cannot open) is left to it."""
     r = DISK_TIER_READER
-    known = sorted(f.name for f in fields(DiskTierOptions))
-    unknown = sorted((k for k in entry if k not in known), key=str)
+    names = S.names_for(S.VLLM_DISK_TIER)
+    unknown = sorted((k for k in entry if k not in names), key=str)
     if unknown:
         theirs = ", ".join(VLLM_TIER_KEYS)
-        raise r.error(unknown[0], f"unknown key; {DISK_TIER_TYPE} keys: {', '.join(known)} (and vLLM's {theirs})")
-    if entry.get("root_dir") is None:
-        raise r.error("root_dir", "required: the disk tier's directory, got None")
-    root_dir = r.directory("root_dir", entry["root_dir"])
-    if entry.get("capacity_bytes") is None:
-        raise r.error("capacity_bytes", "required: the disk tier's size, e.g. '64GiB'")
-    locality = entry.get("locality")
-    return DiskTierOptions(
-        root_dir=root_dir,
-        capacity_bytes=r.size("capacity_bytes", entry["capacity_bytes"]),
-        policy=r.policy("policy", entry.get("policy", "lru")),
-        admission=r.admission("admission", entry.get("admission", D.DISK_ADMISSION)),
-        io_engine=r.disk_io_engine("io_engine", entry.get("io_engine", D.DISK_IO_ENGINE)),
-        queue_depth=r.queue_depth("queue_depth", entry.get("queue_depth", D.DISK_QUEUE_DEPTH)),
-        locality="LOCAL" if locality is None else r.choice("locality", locality, localities),
-    )
+        raise r.error(
+            unknown[0], f"unknown key; {DISK_TIER_TYPE} keys: {', '.join(sorted(names))} (and vLLM's {theirs})"
+        )
+    if entry.get("locality", "") is None:  # vLLM's own default
+        entry = {k: x for k, x in entry.items() if k != "locality"}
+    v = S.read_values(entry, S.VLLM_DISK_TIER, r)
+    locality = v["locality"]
+    if locality not in localities:
+        raise r.error("locality", f"{show(locality)} is not one of " + ", ".join(localities))
+    written = S.written_names(entry, S.VLLM_DISK_TIER)
+    return DiskTierOptions(**{f: v[f] for f in _DISK_TIER_FIELDS}, locality=locality, written=written)
+
+
+_DISK_TIER_FIELDS = ("disk_root", "disk_bytes", "disk_policy", "disk_admission", "disk_io_engine", "disk_queue_depth")

@@ -1,7 +1,7 @@
 """kvtier's disk tier as a vLLM ``SecondaryTierManager`` (under vLLM's ``TieringOffloadingSpec``).
 
     "secondary_tiers": [{"type": "KvtierDiskTier", "module_path": "kvtier_rs.integrations.vllm",
-                         "root_dir": "/nvme/kv", "capacity_bytes": "64GiB"}]
+                         "disk_root": "/nvme/kv", "disk_bytes": "64GiB"}]
 
 Against vLLM's own ``fs`` tier: bounded capacity with an eviction policy and admission, a
 checksummed header per block (a corrupt or torn block is a miss, never served), restart
@@ -48,7 +48,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 from kvtier_rs._core import HostPool, IndexFailedError, InvalidArgumentError, KvTierError, NoSpaceError
 from kvtier_rs.integrations.vllm import metrics as m
 from kvtier_rs.integrations.vllm.disk_layer import tier_dir
-from kvtier_rs.integrations.vllm.options import DISK_TIER_READER, cpu_bytes_to_use, parse_disk_tier
+from kvtier_rs.integrations.vllm.options import DISK_TIER_READER, cpu_bytes_to_use, disk_tier_names, parse_disk_tier
 from kvtier_rs.integrations.vllm.worker import KvtierWorker
 from kvtier_rs.tiers.disk import open_disk_tier
 
@@ -95,28 +95,20 @@ class KvtierDiskTier(SecondaryTierManager):
                 "kvtier's disk tier needs page-aligned rows of a multiple of 4096 bytes, as vLLM's "
                 "shared offload region provides"
             ) from None
-        path = tier_dir(opts.root_dir, offloading_spec.config, row)
+        path = tier_dir(opts.disk_root, offloading_spec.config, row)
         # What only the tier can check (a capacity holding no block of this size, a directory
         # it cannot open) is reported under the key the user wrote.
-        with _opts.naming(
-            {
-                "capacity_bytes": "capacity_bytes",
-                "policy": "policy",
-                "admission": "admission",
-                "engine": "io_engine",
-                "queue_depth": "queue_depth",
-            },
-            path_key="root_dir",
-        ):
+        args, root_name = disk_tier_names(opts.written)
+        with _opts.naming(args, path_key=root_name):
             try:
                 self.disk = open_disk_tier(
                     path,
-                    opts.capacity_bytes,
+                    opts.disk_bytes,
                     row,
-                    policy=opts.policy,
-                    admission=opts.admission,
-                    engine=opts.io_engine,
-                    queue_depth=opts.queue_depth,
+                    policy=opts.disk_policy,
+                    admission=opts.disk_admission,
+                    engine=opts.disk_io_engine,
+                    queue_depth=opts.disk_queue_depth,
                 )
             except BaseException:
                 # The error's traceback keeps this half-built tier alive; without this its
@@ -239,6 +231,7 @@ class KvtierTieringOffloadingSpec(TieringOffloadingSpec):
         # engine is up: parse it here (naming the key) and hand vLLM the bytes.
         extra = dict(config.extra_config)
         extra["cpu_bytes_to_use"] = cpu_bytes_to_use(extra)
+        extra.pop("cpu_bytes", None)  # kvtier's name for it, which vLLM does not read
         super().__init__(dataclasses.replace(config, extra_config=extra))
         # kvtier's worker where vLLM's refuses the platform (vLLM's `_worker` slot is typed for its own).
         self._kvtier_worker: KvtierWorker | None = None
