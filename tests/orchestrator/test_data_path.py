@@ -434,7 +434,7 @@ def orchestrator_state(orch):
         orch.host.index.entries(),
         dict(orch.host.stats()),
         orch.counts.as_dict(),
-        dict(orch._loads),
+        dict(orch._in_flight.loads),
         orch.pending(),
     )
 

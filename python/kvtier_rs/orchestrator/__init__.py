@@ -14,13 +14,10 @@ if TYPE_CHECKING:
     from kvtier_rs.orchestrator.disk_stager import DiskStager, PromotionDone
     from kvtier_rs.orchestrator.guard import GuardRule, SloGuard
     from kvtier_rs.orchestrator.latency import BUCKETS, LatencyRecorder
-    from kvtier_rs.orchestrator.orchestrator import (
-        LoadPlan,
-        LoadResult,
-        OffloadTicket,
-        Reservation,
-        TierOrchestrator,
-    )
+    from kvtier_rs.orchestrator.loads import LoadResult, Reservation
+    from kvtier_rs.orchestrator.orchestrator import TierOrchestrator
+    from kvtier_rs.orchestrator.plans import LoadPlan
+    from kvtier_rs.orchestrator.stores import OffloadTicket
 
 # Each public name and the submodule that defines it.
 _WHERE = {
@@ -29,11 +26,11 @@ _WHERE = {
     "DiskStager": "disk_stager",
     "GuardRule": "guard",
     "LatencyRecorder": "latency",
-    "LoadPlan": "orchestrator",
-    "LoadResult": "orchestrator",
-    "OffloadTicket": "orchestrator",
+    "LoadPlan": "plans",
+    "LoadResult": "loads",
+    "OffloadTicket": "stores",
     "PromotionDone": "disk_stager",
-    "Reservation": "orchestrator",
+    "Reservation": "loads",
     "SloGuard": "guard",
     "TierOrchestrator": "orchestrator",
 }
