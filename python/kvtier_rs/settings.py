@@ -29,9 +29,10 @@ from typing import Any
 
 from kvtier_rs import defaults as D
 from kvtier_rs.checks import show
-from kvtier_rs.options import OptionReader, guard_rule
+from kvtier_rs.options import MIN_SAMPLES_MAX, OptionReader, guard_rule
 from kvtier_rs.orchestrator.gate import DEFAULT_MAX_IN_FLIGHT
 from kvtier_rs.orchestrator.guard import GuardRule
+from kvtier_rs.orchestrator.request_guard import RequestRule
 
 #: The entry points that read options through the tree.
 API, VLLM, VLLM_DISK_TIER, TRTLLM, PLANNER = "api", "vllm", "vllm_disk_tier", "trtllm", "planner"
@@ -124,6 +125,26 @@ def _in_flight(r: OptionReader, k: str, v: Any) -> int:
 
 def _guard(r: OptionReader, k: str, v: Any) -> GuardRule | None:
     return guard_rule(r, k, v)
+
+
+_REQUEST_FIELDS = ("ttft_p99_ms", "itl_p99_ms", "window_s", "recover_s", "min_samples")
+
+
+def _request_rule(r: OptionReader, k: str, v: Any) -> RequestRule | None:
+    if v is None:
+        return None
+    if not isinstance(v, Mapping):
+        raise r.error(k, f"expected null or a dict with ttft_p99_ms and/or itl_p99_ms, got {show(v)}")
+    unknown = sorted(map(str, set(v) - set(_REQUEST_FIELDS)))
+    if unknown:
+        raise r.error(k, f"unknown field(s) {unknown}; expected {', '.join(_REQUEST_FIELDS)}")
+    if "ttft_p99_ms" not in v and "itl_p99_ms" not in v:
+        raise r.error(k, "needs ttft_p99_ms, itl_p99_ms or both: the budgets for requests' p99 TTFT and ITL, in ms")
+    numbers = {f: r.positive(k, v[f], field=f) for f in _REQUEST_FIELDS[:4] if f in v}
+    samples = v.get("min_samples", GuardRule.min_samples)
+    if isinstance(samples, bool) or not isinstance(samples, int) or not 1 <= samples <= MIN_SAMPLES_MAX:
+        raise r.error(k, f"min_samples must be an int in 1..{MIN_SAMPLES_MAX}, got {show(samples)}")
+    return RequestRule(**numbers, min_samples=samples)
 
 
 def _choice(*choices: str) -> Check:
@@ -340,6 +361,18 @@ TREE: tuple[Setting, ...] = (
         default=None,
         needs="disk_root",
     ),
+    Setting(
+        "slo_guard",
+        "guard",
+        "null (off) or a dict with `ttft_p99_ms` and/or `itl_p99_ms` and optionally `window_s`, `recover_s` "
+        "and `min_samples` (defaults as above): when the p99 of requests' time to first token or inter-token "
+        "latency over `window_s` exceeds its budget, the newest tier in service (disk, then CPU) is "
+        "bypassed for `recover_s`, then re-probed; a tier that trips again soon after returning stays out "
+        "twice as long (up to 8 `recover_s`). vLLM: needs `KvtierConnector`, which measures the requests",
+        _request_rule,
+        default=None,
+        takes=frozenset({API, VLLM}),
+    ),
     # -- engine-specific --
     Setting(
         "disk_on_reset",
@@ -505,6 +538,8 @@ class DataPathSettings:
     max_promotions_in_flight: dict[str, int] = field(default_factory=dict)
     #: tier -> its SLO guard (the tiers that have one).
     guards: dict[str, GuardRule] = field(default_factory=dict)
+    #: The request-level rule (TTFT / ITL budgets), or None.
+    request_rule: RequestRule | None = None
 
 
 @dataclass(frozen=True)
@@ -536,7 +571,7 @@ def settings_from_values(values: Mapping[str, Any]) -> Settings:
     return Settings(
         cpu=CpuTierSettings(values["cpu_bytes"], values["cpu_policy"], values["cpu_admission"]),
         disk=disk,
-        data_path=DataPathSettings(values.get("cost_model"), limits, guards),
+        data_path=DataPathSettings(values.get("cost_model"), limits, guards, values.get("slo_guard")),
         engine={k: v for k, v in values.items() if BY_KEY[k].section == "engine"},
     )
 

@@ -81,6 +81,7 @@ def test_kvtier_offloading_spec_settings(capsys):
         "cpu_bytes": 8 << 30,
         "cpu_policy": "arc",
         "cpu_admission": "always",
+        "slo_guard": None,
         "disk_root": None,
     }
 
@@ -89,6 +90,10 @@ def test_kvtier_connector_is_accepted_with_its_module_path(capsys):
     cfg = {**OFFLOADING, "kv_connector": "KvtierConnector", "kv_connector_module_path": MODULE}
     rc, out, err = run(capsys, json.dumps(cfg))
     assert (rc, err) == (0, "") and out.startswith(f"ok: KvtierOffloadingSpec ({MODULE})")
+    # The request rule needs it (it measures the requests): accepted here.
+    cfg = with_extra(cfg, slo_guard={"ttft_p99_ms": 500, "itl_p99_ms": 50})
+    rc, out, err = run(capsys, json.dumps(cfg))
+    assert (rc, err) == (0, ""), err
 
 
 def test_tiering_spec_settings(capsys):
@@ -197,6 +202,14 @@ OFFLOADING_CASES = [
     (with_extra(OFFLOADING, disk_root=None), "kv_connector_extra_config['disk_bytes_to_use']: needs disk_root"),
     (with_extra(OFFLOADING, disk_policy="mru"), "kv_connector_extra_config['disk_policy']: unknown eviction policy"),
     (with_extra(OFFLOADING, dsik_root="/kv"), "kv_connector_extra_config['dsik_root']: unknown key"),
+    (
+        with_extra(OFFLOADING, slo_guard={"ttft_p99_ms": 500}),
+        "kv_connector_extra_config['slo_guard']: needs kv_connector KvtierConnector",
+    ),
+    (
+        with_extra(OFFLOADING, slo_guard={"window_s": 5}),
+        "kv_connector_extra_config['slo_guard']: needs ttft_p99_ms, itl_p99_ms or both",
+    ),
     (with_extra(OFFLOADING, secondary_tiers=[DISK_TIER]), "kv_connector_extra_config['secondary_tiers']: read only by"),
     (with_extra(OFFLOADING, canonical_layout=True), "kv_connector_extra_config['canonical_layout']: not supported"),
     (with_extra(OFFLOADING, spec_name=None), "kv_connector_extra_config['spec_name']: required: one of kvtier's specs"),

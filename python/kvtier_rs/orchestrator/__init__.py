@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from kvtier_rs.orchestrator.loads import LoadResult, Reservation
     from kvtier_rs.orchestrator.orchestrator import TierOrchestrator
     from kvtier_rs.orchestrator.plans import LoadPlan
+    from kvtier_rs.orchestrator.request_guard import RequestGuard, RequestRule
     from kvtier_rs.orchestrator.stores import OffloadTicket
 
 # Each public name and the submodule that defines it.
@@ -30,6 +31,8 @@ _WHERE = {
     "LoadResult": "loads",
     "OffloadTicket": "stores",
     "PromotionDone": "disk_stager",
+    "RequestGuard": "request_guard",
+    "RequestRule": "request_guard",
     "Reservation": "loads",
     "SloGuard": "guard",
     "TierOrchestrator": "orchestrator",
@@ -45,6 +48,8 @@ __all__ = [
     "LoadResult",
     "OffloadTicket",
     "PromotionDone",
+    "RequestGuard",
+    "RequestRule",
     "Reservation",
     "SloGuard",
     "TierOrchestrator",

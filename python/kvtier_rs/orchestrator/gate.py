@@ -2,8 +2,10 @@
 
 One decision for every adapter, in this order:
 
-1. the tier's SLO guard (``guard.SloGuard``): while it bypasses the tier, its hits are
-   recomputed and nothing waits on it;
+1. the SLO guards: the tier's own (``guard.SloGuard``, on the wait for its promotions) and the
+   request-level rule (``request_guard.RequestGuard``, on requests' TTFT and ITL, which
+   bypasses the newest tier first): while either bypasses the tier, its hits are recomputed
+   and nothing waits on it;
 2. back-pressure: at most ``max_in_flight[tier]`` promotions from the tier in flight, so a burst
    of hits beyond that is recomputed, never queued without bound;
 3. the cost rule (``cost.CostModel``): load only when loading is estimated faster than
@@ -28,6 +30,7 @@ from typing import Any
 from kvtier_rs.checks import check_count, invalid_argument, show
 from kvtier_rs.orchestrator.cost import CostModel
 from kvtier_rs.orchestrator.guard import GuardRule, SloGuard
+from kvtier_rs.orchestrator.request_guard import RequestGuard
 
 #: The tiers a gate can watch, in promotion order (the newest tier last).
 TIERS = ("cpu", "disk")
@@ -89,6 +92,7 @@ class LoadGate:
         log: logging.Logger | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_change: Callable[[str, bool, str], None] | None = None,
+        request_guard: RequestGuard | None = None,
     ) -> None:
         if cost is not None and not isinstance(cost, CostModel):
             raise invalid_argument("cost", f"expected a CostModel or None, got {show(cost)}")
@@ -96,6 +100,10 @@ class LoadGate:
         self.guards = {t: SloGuard(t, r, clock=clock) for t, r in check_guards(guards, tiers).items()}
         self.max_in_flight = check_in_flight_limits(max_in_flight, tiers)
         self.cost = cost
+        if request_guard is not None and not isinstance(request_guard, RequestGuard):
+            raise invalid_argument("request_guard", f"expected a RequestGuard or None, got {show(request_guard)}")
+        #: The request-level rule; it logs and reports its own bypasses (``on_change``).
+        self.request_guard = request_guard
         self._log = log or logging.getLogger(__name__)
         #: Called as on_change(tier, bypassed, why) at each trip (True) and recovery (False).
         self._on_change = on_change
@@ -112,6 +120,11 @@ class LoadGate:
         `in_flight`: the caller's promotions from `tier` in flight now."""
         if n == 0:
             return None
+        rg = self.request_guard
+        if rg is not None:
+            self.notice()
+            if not rg.allows(tier):
+                return "guard"
         guard = self.guards.get(tier)
         if guard is not None:
             self.notice()
@@ -163,6 +176,13 @@ class LoadGate:
     def notice(self) -> None:
         """Log guard trips and recoveries that happened since the last look (cheap: no
         percentile is computed here)."""
+        rg = self.request_guard
+        if rg is not None:
+            for tier in rg.tiers:
+                rg.allows(tier)  # a cool-down that ended returns its tier to service (logged)
+            if rg.changed:
+                rg.changed = False
+                self.changed = True
         for tier, guard in self.guards.items():
             bypassed = not guard.allows()
             if guard.trip_count > self._seen_trips[tier]:
@@ -187,5 +207,17 @@ class LoadGate:
             self._was_bypassed[tier] = bypassed
 
     def state(self) -> dict[str, dict[str, object]]:
-        """Each guard's state (``SloGuard.state``), by tier."""
-        return {t: g.state() for t, g in self.guards.items()}
+        """Each guarded tier's state, by tier: its own guard's (``SloGuard.state``), with the
+        request-level rule folded in: bypassed while either bypasses it, trips of both
+        counted. A tier only the request rule covers reports ``p99_ms`` 0 (no promotion wait
+        is watched there)."""
+        out = {t: g.state() for t, g in self.guards.items()}
+        if self.request_guard is not None:
+            self.notice()  # a return to service found by state() is reported like any other
+            for tier, rs in self.request_guard.state().items():
+                st = out.setdefault(tier, {"tier": tier, "state": "active", "trips": 0, "p99_ms": 0.0})
+                if rs["state"] == "bypassed":
+                    st["state"] = "bypassed"
+                st["trips"] = int(st["trips"]) + int(rs["trips"])  # type: ignore[call-overload]
+                st["request_rule"] = rs
+        return out

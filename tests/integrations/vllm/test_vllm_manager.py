@@ -460,6 +460,97 @@ def test_a_slow_disk_trips_the_guard_its_hits_are_recomputed_then_it_is_reprobed
     mg.shutdown()
 
 
+def test_the_request_rule_bypasses_the_disk_tier_first_then_the_cpu_tier(tmp_path, caplog):
+    """slo_guard: requests over the TTFT budget bypass the newest tier (disk) first; still over
+    it, the CPU tier goes too; after the cool-down both are re-probed. Driven on a fake clock
+    with the TTFT samples KvtierConnector would record."""
+    from kvtier_rs.orchestrator.request_guard import RequestGuard
+
+    now = [100.0]
+    rule = {"ttft_p99_ms": 200, "window_s": 60, "recover_s": 30, "min_samples": 3}
+    cpu, disk, layer = disk_layer(tmp_path, clock=lambda: now[0], slo_guard=rule)
+    guard = RequestGuard(layer.options.slo_guard, ("cpu", "disk"), clock=lambda: now[0])
+    layer.gate.request_guard = guard
+    mg = KvtierOffloadingManager(cpu, lower=layer, request_guard=guard)
+    for keys in ([key(1)], [key(2), key(3)]):
+        store(mg, keys)
+        assert disk.wait_idle(WAIT_S)
+        mg.on_schedule_end(None)
+    assert cpu.state(key(1)) is None and disk.contains([key(1)]) == [True]
+
+    def slow_requests():
+        now[0] += 1.0
+        for _ in range(3):
+            now[0] += 0.01
+            guard.record("ttft", 0.5)
+
+    slow_requests()
+    r = ctx("after-trip")
+    assert mg.lookup(key(1), r) is LookupResult.MISS  # a disk hit, recomputed
+    assert mg.lookup(key(3), r) is LookupResult.HIT  # the CPU tier still serves
+    assert (mg.counters.disk_refused_guard, mg.counters.cpu_refused_guard) == (1, 0)
+    values = mg.get_stats().data["data"]
+    assert values[m.PREFIX + "guard_state"] == {("cpu",): 0, ("disk",): 1}
+    slow_requests()  # still over budget with the disk tier out
+    assert mg.lookup(key(3), ctx("later")) is LookupResult.MISS
+    assert mg.counters.cpu_refused_guard == 1
+    values = mg.get_stats().data["data"]
+    assert values[m.PREFIX + "guard_state"] == {("cpu",): 1, ("disk",): 1}
+    assert values[m.PREFIX + "guard_trips"] == {("cpu",): 1}  # the disk trip went out before
+    assert values[m.PREFIX + "cpu_refused_guard"] == {(): 1}
+    assert "the disk tier is bypassed" in caplog.text and "the cpu tier is bypassed" in caplog.text
+    # Nothing measured requests here (no KvtierConnector): said once in the log.
+    assert caplog.text.count("the connector is not KvtierConnector") == 1
+    now[0] += 31
+    assert mg.lookup(key(3), ctx("re-probed")) is LookupResult.HIT
+    assert mg.lookup(key(1), ctx("re-probed")) is LookupResult.HIT_PENDING
+    values = mg.get_stats().data["data"]
+    assert values[m.PREFIX + "guard_state"] == {("cpu",): 0, ("disk",): 0}
+    assert "the disk tier is back in service" in caplog.text
+    assert disk.wait_idle(WAIT_S)
+    mg.on_schedule_end(None)
+    mg.shutdown()
+
+
+def test_request_timings_record_each_requests_ttft_and_itl_once():
+    import types
+
+    from kvtier_rs.integrations.vllm.timings import RequestTimings
+    from kvtier_rs.orchestrator.request_guard import RequestGuard, RequestRule
+
+    wall, mono = [1000.0], [50.0]
+    seen: list[tuple[str, float]] = []
+
+    class Recorder(RequestGuard):
+        def record(self, signal, seconds, *, started_s_ago=None):
+            seen.append((signal, round(seconds, 6)))
+
+    t = RequestTimings(
+        Recorder(RequestRule(ttft_p99_ms=1), ("cpu",)), wall_clock=lambda: wall[0], clock=lambda: mono[0]
+    )
+    a = types.SimpleNamespace(request_id="a", arrival_time=999.0, num_output_tokens=0)
+    b = types.SimpleNamespace(request_id="b", arrival_time=999.5, num_output_tokens=0)
+    t.arrived(a)
+    t.arrived(a)  # asked again while it waits: one request
+    t.arrived(b)
+    t.step()
+    assert seen == []  # no token yet
+    a.num_output_tokens = 1
+    wall[0] += 0.25
+    t.step()
+    t.step()
+    assert seen == [("ttft", 1.25)]
+    a.num_output_tokens, mono[0] = 5, mono[0] + 2.0
+    t.finished(a)
+    assert seen == [("ttft", 1.25), ("itl", 0.5)]  # 2 s over 4 gaps
+    b.num_output_tokens = 1  # a one-token answer: first token and finish in one step
+    t.finished(b)
+    assert seen == [("ttft", 1.25), ("itl", 0.5), ("ttft", 0.75)]
+    t.arrived(a)  # a finished request's id seen again is a new arrival only if it waits again
+    t.finished(a)
+    assert len(seen) == 4 and seen[-1][0] == "ttft"
+
+
 def test_a_hung_disk_trips_the_guard_from_its_reads_in_flight(tmp_path):
     # Reads that never complete produce no completions: the reads in flight past the budget are
     # the guard's samples. Here they have landed but are not polled, so they look in flight.

@@ -6,7 +6,8 @@ The tests of this module run in order and share one disk directory: CPU-tier hit
 hits from one server, then disk hits after a SIGTERM restart and after SIGKILL of the whole
 process tree; then tensor parallelism (two worker processes), vLLM's tiering spec with
 kvtier's disk tier, the disk tier's SLO guard tripped by a slow disk and back after its
-cool-down, and a negative control whose
+cool-down, the request rule (a TTFT budget) bypassing the newest tier first, and a negative
+control whose
 worker loads wrong bytes (the comparison must catch it). kvtier's counters are read from the
 server's own Prometheus exposition, scraped over HTTP.
 """
@@ -258,6 +259,58 @@ def test_a_slow_disk_trips_the_slo_guard_and_is_back_after_the_cool_down(env, pr
         samples = srv.metrics()
         assert metric(samples, K + "guard_state", tier="disk") == 0
         assert metric(samples, K + "guard_trips_total", tier="disk") == 1
+        assert "the disk tier is back in service" in srv.log_text()
+    finally:
+        srv.stop()
+
+
+def test_a_request_over_the_ttft_budget_bypasses_the_newest_tier_first(env, prompts, baseline):
+    """The request rule (slo_guard) watches what users see: the disk tier's first read is made
+    very slow (12 s), so the request that waits on it misses the 8 s TTFT budget, which no
+    request of this test comes near otherwise. The rule bypasses the newest tier, the disk
+    tier: its hits are recomputed while the CPU tier keeps serving. After the cool-down the
+    disk tier is re-probed and serves again. Greedy outputs match the baseline throughout."""
+    recover_s = 20
+    rule = {"ttft_p99_ms": 8000, "window_s": 600, "recover_s": recover_s, "min_samples": 1}
+    cfg = kvtier_config(env, disk_root=str(env["tmp"] / "ttft-disk"), slo_guard=rule)
+    srv = start(env, "kvtier-ttft", cfg, extra_env={FAULT_ENV: "read_delay_ms:12000*1"})
+    try:
+        for i, name in enumerate("ABCD", start=1):
+            tokens, _ = srv.complete(prompts[name])
+            assert tokens == baseline[name], name
+            srv.wait_for_metric(K + "stores_completed_total", 3 * i, tier="disk")
+        samples = srv.metrics()
+        assert metric(samples, K + "guard_state", tier="disk") == 0
+        assert metric(samples, K + "guard_trips_total", tier="disk") == 0
+        # A's prefix comes back from disk through the slow read: its TTFT is over the budget.
+        tokens, cached, moved = served_by(srv, prompts["A"])
+        assert tokens == baseline["A"]
+        assert cached == SERVED and moved["loads_disk"] >= 1, (cached, moved)
+        srv.wait_for_metric(K + "guard_trips_total", 1, tier="disk")
+        tripped_seen = time.monotonic()
+        samples = srv.metrics()
+        assert metric(samples, K + "guard_state", tier="disk") == 1
+        assert metric(samples, K + "guard_state", tier="cpu") == 0
+        assert "request SLO rule tripped (p99 TTFT" in srv.log_text()
+        # The disk tier is out: B's disk hits are recomputed, nothing is promoted from disk ...
+        refused = metric(samples, K + "disk_refused_guard_total")
+        tokens, _, moved = served_by(srv, prompts["B"])
+        assert tokens == baseline["B"]
+        assert moved["loads_disk"] == 0, moved
+        assert metric(srv.metrics(), K + "disk_refused_guard_total") > refused
+        # ... while the CPU tier still serves: C and D's stores pushed A out, B is computed
+        # now and stored, so B's prefix is a CPU hit.
+        tokens, cached, moved = served_by(srv, prompts["B"])
+        assert tokens == baseline["B"]
+        assert cached == SERVED and moved["loads_cpu"] == 3, (cached, moved)
+        # After the cool-down the disk tier is re-probed: C's prefix is promoted from disk.
+        time.sleep(max(0.0, recover_s - (time.monotonic() - tripped_seen)) + 0.5)
+        tokens, cached, moved = served_by(srv, prompts["C"])
+        assert tokens == baseline["C"]
+        assert cached == SERVED and moved["loads_disk"] >= 1, (cached, moved)
+        samples = srv.metrics()
+        assert metric(samples, K + "guard_state", tier="disk") == 0
+        assert metric(samples, K + "guard_trips_total", tier="cpu") == 0
         assert "the disk tier is back in service" in srv.log_text()
     finally:
         srv.stop()

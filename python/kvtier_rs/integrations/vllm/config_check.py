@@ -75,7 +75,14 @@ def check(cfg: Any) -> dict[str, Any]:
     extra = cfg.get("kv_connector_extra_config", {})
     if not isinstance(extra, Mapping):
         raise _TOP.error("kv_connector_extra_config", f"expected an object, got {_show(extra)}")
-    return check_extra(extra)
+    out = check_extra(extra)
+    if connector != CONNECTOR and extra.get("slo_guard") is not None:
+        raise _EXTRA.error(
+            "slo_guard",
+            f"needs kv_connector {CONNECTOR} (kv_connector_module_path {MODULE!r}), which measures "
+            f"requests' TTFT and ITL; under {connector} nothing does, so the rule would never trip",
+        )
+    return out
 
 
 def check_extra(extra: Mapping[str, Any]) -> dict[str, Any]:
@@ -109,6 +116,7 @@ def _offloading(extra: Mapping[str, Any]) -> dict[str, Any]:
         "cpu_bytes": o.cpu_bytes,
         "cpu_policy": o.cpu_policy,
         "cpu_admission": o.cpu_admission,
+        "slo_guard": None if o.slo_guard is None else asdict(o.slo_guard),
     }
     if o.disk_root is None:
         out["disk_root"] = None

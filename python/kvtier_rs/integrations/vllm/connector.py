@@ -10,6 +10,12 @@ under ``OffloadingConnector``, and the data path is vLLM's connector's, unchange
   first request, so an alert on them cannot tell "no traffic" from "not configured". The API
   server builds the connector's Prometheus metrics before it serves /metrics; here every series
   whose label values are known up front is created there, at zero.
+* **Requests' TTFT and ITL for the request SLO rule** (``slo_guard``): the scheduler-side
+  connector sees each request arrive (``get_num_new_matched_tokens``), sees its first token at
+  the next step it schedules (``build_connector_meta``), and sees it finish. Its time to first
+  token (from the request's arrival, as the API server stamped it) and its mean inter-token
+  latency go to the manager's ``RequestGuard``. Under ``OffloadingConnector`` nothing measures
+  requests, so ``kvtier vllm-config`` refuses ``slo_guard`` there and the engine logs it.
 * **The configuration checked in the API server's process**, where vLLM first hands it to the
   connector class (``requires_piecewise_for_cudagraph``, asked while vLLM builds its config when
   CUDA graphs are on), before any engine process starts or a model loads. Without CUDA graphs
@@ -27,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import Of
 
 from kvtier_rs.integrations.vllm import metrics as m
 from kvtier_rs.integrations.vllm.config_check import check_extra
+from kvtier_rs.integrations.vllm.timings import RequestTimings
 
 
 class KvtierPromMetrics(OffloadPromMetrics):
@@ -62,8 +69,40 @@ def _known_label_values(name: str, labelnames: tuple[str, ...], tiers: tuple[str
 
 
 class KvtierConnector(OffloadingConnector):
-    """``OffloadingConnector`` whose metrics exist from start-up and whose configuration is
-    checked before the engine starts where vLLM allows it (see the module docstring)."""
+    """``OffloadingConnector`` whose metrics exist from start-up, whose configuration is
+    checked before the engine starts where vLLM allows it, and which measures requests for the
+    request SLO rule (see the module docstring)."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        guard = None
+        if self.connector_scheduler is not None:
+            guard = getattr(self.connector_scheduler.manager, "request_guard", None)
+        self._timings = None if guard is None else RequestTimings(guard)
+        if guard is not None:
+            self.connector_scheduler.manager.request_timings = True  # type: ignore[union-attr]
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self._timings is not None:
+            self._timings.arrived(request)
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        if self._timings is not None:
+            self._timings.step()
+        return super().build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self._timings is not None:
+            self._timings.finished(request)
+        return super().request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        if self._timings is not None:
+            self._timings.finished(request)
+        return super().request_finished_all_groups(request, block_ids)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

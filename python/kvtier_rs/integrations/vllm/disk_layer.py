@@ -39,6 +39,7 @@ from kvtier_rs.integrations.vllm import metrics as m
 from kvtier_rs.integrations.vllm.options import KvtierOptions
 from kvtier_rs.orchestrator.disk_stager import DiskStager
 from kvtier_rs.orchestrator.gate import LoadGate
+from kvtier_rs.orchestrator.request_guard import RequestGuard
 from kvtier_rs.tiers.disk import DIR_FORMAT, earlier_format, open_disk_tier
 from kvtier_rs.tiers.events import EventStream
 from kvtier_rs.tiers.shared_region import SlotSeals
@@ -163,6 +164,7 @@ class DiskLayer:  # noqa: PLR0904 - the manager's whole interface to the disk ti
         max_write_backlog: int = 1024,
         seals: SlotSeals | None = None,
         clock: Callable[[], float] = time.monotonic,
+        request_guard: RequestGuard | None = None,
     ) -> None:
         self.disk = disk
         self.host = host
@@ -190,6 +192,7 @@ class DiskLayer:  # noqa: PLR0904 - the manager's whole interface to the disk ti
             tiers=("disk",),
             log=log,
             clock=clock,
+            request_guard=request_guard,
         )
         self._clock = clock
         # promotion job id -> the request whose lookup started it, and when
@@ -204,7 +207,6 @@ class DiskLayer:  # noqa: PLR0904 - the manager's whole interface to the disk ti
         #: Why the tier serves and stores nothing any more (see `reset`); None while it does.
         self.off_reason: str | None = None
         self._last_stats: dict[str, int] = {}
-        self._guard_trips: dict[str, int] = {}  # trips reported to vLLM so far, per tier
 
     @classmethod
     def open(
@@ -216,6 +218,7 @@ class DiskLayer:  # noqa: PLR0904 - the manager's whole interface to the disk ti
         cpu_index: BlockIndex,
         tokens_per_chunk: int,
         seals: SlotSeals | None = None,
+        request_guard: RequestGuard | None = None,
     ) -> DiskLayer:
         from kvtier_rs.integrations.vllm.options import READER, disk_tier_names
 
@@ -235,7 +238,7 @@ class DiskLayer:  # noqa: PLR0904 - the manager's whole interface to the disk ti
                 engine=options.disk_io_engine,
                 queue_depth=options.disk_queue_depth,
             )
-        layer = cls(disk, host, cpu_index, options, tokens_per_chunk, seals=seals)
+        layer = cls(disk, host, cpu_index, options, tokens_per_chunk, seals=seals, request_guard=request_guard)
         log.info(
             "kvtier: disk tier: %s, %d blocks of %d bytes, policy %s, I/O engine %s (%s), %d block(s) recovered",
             path,
@@ -394,13 +397,6 @@ class DiskLayer:  # noqa: PLR0904 - the manager's whole interface to the disk ti
         now["switched_off"] = int(self.off_reason is not None)
         m.emit_index_stats(stats, "disk", now, self._last_stats)
         self._last_stats = now
-        m.emit_guards(stats, self.gate.state(), self._guard_trips)
-        self.gate.changed = False
-
-    def has_news(self) -> bool:
-        """Whether there is something to report now: work in flight, or a guard that tripped or
-        recovered since the last report."""
-        return self.has_pending_work() or self.gate.changed
 
     def shutdown(self) -> None:
         self.drain()

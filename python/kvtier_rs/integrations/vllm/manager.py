@@ -20,6 +20,7 @@ translates vLLM's contract onto it:
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Collection, Iterable
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -45,6 +46,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier_rs._core import BlockIndex, IndexFailedError, InvalidArgumentError, NoSpaceError, NotReadyError
 from kvtier_rs.checks import invalid_argument
 from kvtier_rs.integrations.vllm import metrics as m
+from kvtier_rs.orchestrator.gate import LoadGate
+from kvtier_rs.orchestrator.request_guard import RequestGuard
 from kvtier_rs.tiers.shared_region import SlotSeals, seals_of
 
 if TYPE_CHECKING:
@@ -172,6 +175,7 @@ class KvtierOffloadingManager(OffloadingManager):  # noqa: PLR0904 - vLLM's Offl
         enable_events: bool = False,
         lower: DiskLayer | None = None,
         seals: SlotSeals | None = None,
+        request_guard: RequestGuard | None = None,
     ) -> None:
         self._cpu = cpu_index
         self._seals = seals
@@ -191,7 +195,24 @@ class KvtierOffloadingManager(OffloadingManager):  # noqa: PLR0904 - vLLM's Offl
                 raise invalid_argument("cpu_index", "its lookup results were set to other objects") from None
         # Answers with the LookupResult members set above; the context is ignored.
         self._lookup_result = cast(_LookupResultFn, cpu_index.lookup_result)
-        if lower is None:
+        #: The request-level rule (``slo_guard``): while it bypasses the CPU tier, CPU hits are
+        #: answered as misses; the disk tier's gate consults it for disk hits.
+        self.request_guard = request_guard
+        # The gate whose guard states are reported: the disk tier's, or one for the CPU tier
+        # alone when only the request rule watches it.
+        self._guard_gate: LoadGate | None = (
+            lower.gate
+            if lower is not None
+            else None
+            if request_guard is None
+            else LoadGate(tiers=("cpu",), request_guard=request_guard, log=logging.getLogger(__name__))
+        )
+        self._guard_trips: dict[str, int] = {}  # trips reported to vLLM so far, per tier
+        #: Set by KvtierConnector, which measures requests for the request rule; without it
+        #: the rule would wait for samples that never come (said once in the log).
+        self.request_timings = False
+        self._said_untimed = False
+        if lower is None and request_guard is None:
             # The bound Rust call replaces the method on this instance (mypy types it unbound).
             self.lookup = self._lookup_result  # type: ignore[method-assign, assignment]
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
@@ -259,6 +280,12 @@ class KvtierOffloadingManager(OffloadingManager):  # noqa: PLR0904 - vLLM's Offl
         if req_context is not self._lookup_req:
             self._end_lookups()
             self._lookup_req = req_context
+        rg = self.request_guard
+        if rg is not None and res is not _MISS and not rg.allows("cpu"):
+            # The CPU tier is out (and the disk tier with it: the rule bypasses it first).
+            self.counters.cpu_refused_guard += 1
+            self._dirty = True
+            return _MISS
         if res is _HIT:
             self._lookup_hits.append(key)
         # The disk tier is vLLM's STORAGE medium, local to this engine: a request whose
@@ -489,7 +516,7 @@ class KvtierOffloadingManager(OffloadingManager):  # noqa: PLR0904 - vLLM's Offl
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         now_t = time.monotonic()
-        pending = self._lower is not None and self._lower.has_news()
+        pending = (self._lower is not None and self._lower.has_pending_work()) or self._guard_news()
         if not (self._dirty or pending) and now_t - self._last_report < STATS_INTERVAL_S:
             return None
         self._dirty = False
@@ -507,7 +534,25 @@ class KvtierOffloadingManager(OffloadingManager):  # noqa: PLR0904 - vLLM's Offl
         self._alloc_sizes.clear()
         if self._lower is not None:
             self._lower.emit_stats(stats)
+        if self.request_guard is not None and not self.request_timings and not self._said_untimed:
+            self._said_untimed = True
+            logging.getLogger(__name__).error(
+                "kvtier: slo_guard is set, but the connector is not KvtierConnector: nothing measures "
+                "requests' TTFT and ITL, so the request SLO rule never trips. Use "
+                '"kv_connector":"KvtierConnector","kv_connector_module_path":"kvtier_rs.integrations.vllm"'
+            )
+        if self._guard_gate is not None:
+            m.emit_guards(stats, self._guard_gate.state(), self._guard_trips)
+            self._guard_gate.changed = False
         return stats
+
+    def _guard_news(self) -> bool:
+        """Whether a guard tripped or a tier returned to service since the last report."""
+        gate = self._guard_gate
+        if gate is None:
+            return False
+        gate.notice()
+        return gate.changed
 
     def shutdown(self) -> None:
         if self._lower is not None:

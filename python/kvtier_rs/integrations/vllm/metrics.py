@@ -48,6 +48,8 @@ MANAGER_COUNTERS = {
     "request once).",
     "disk_refused_backpressure": "Disk hits recomputed because disk_max_promotions_in_flight promotions were "
     "in flight (each chunk of a request once).",
+    "cpu_refused_guard": "CPU hits answered as misses (recomputed) because the request SLO rule (slo_guard) "
+    "bypasses the CPU tier (each lookup).",
 }
 # The SLO guard of a tier (label "tier"), from LoadGate.state(); only tiers with a guard report.
 GUARD_GAUGES = {
@@ -75,6 +77,7 @@ class ManagerCounters:
     disk_skipped_by_cost: int = 0
     disk_refused_guard: int = 0
     disk_refused_backpressure: int = 0
+    cpu_refused_guard: int = 0
     store_no_space: int = 0
 
     def __post_init__(self) -> None:

@@ -20,6 +20,7 @@ from kvtier_rs._core import policy_names
 from kvtier_rs.checks import show
 from kvtier_rs.options import OptionReader
 from kvtier_rs.orchestrator.guard import GuardRule
+from kvtier_rs.orchestrator.request_guard import RequestGuard, RequestRule
 
 # vLLM's keys that KvtierOffloadingSpec honours: those vLLM itself reads from the same dict
 # whichever spec runs (spec_name .. self_describing_kv_events; vLLM validates the chunk sizes,
@@ -75,6 +76,15 @@ DISK_TIER_KEYS = {
     "engine": "disk_io_engine",
     "queue_depth": "disk_queue_depth",
 }
+
+
+def request_guard(options: KvtierOptions, log: Any = None) -> RequestGuard | None:
+    """The request-level rule of ``slo_guard`` over this engine's tiers (CPU, then disk), or
+    None when it is off."""
+    if options.slo_guard is None:
+        return None
+    tiers = ("cpu", "disk") if options.disk_enabled else ("cpu",)
+    return RequestGuard(options.slo_guard, tiers, log=log)
 
 
 def disk_tier_names(written: Mapping[str, str]) -> tuple[dict[str, str], str]:
@@ -143,6 +153,7 @@ class KvtierOptions:
     cost_model: CostModel = CostModel()
     guard: str = "checksum"
     disk_slo_guard: GuardRule | None = None
+    slo_guard: RequestRule | None = None
     disk_max_promotions_in_flight: int = S.BY_KEY["disk_max_promotions_in_flight"].default_for(S.VLLM)
     #: Each option given -> the name the user wrote for it (``disk_tier_names``).
     written: dict[str, str] = field(default_factory=dict, compare=False)
@@ -220,6 +231,7 @@ def parse_options(extra: Mapping[str, Any]) -> KvtierOptions:
         cost_model=CostModel.of(values["cost_model"]),
         guard=values["guard"],
         disk_slo_guard=values["disk_slo_guard"],
+        slo_guard=values["slo_guard"],
         written=S.written_names(extra, S.VLLM),
     )
 

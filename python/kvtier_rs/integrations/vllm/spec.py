@@ -28,7 +28,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from kvtier_rs._core import BlockIndex, HostPool, InvalidArgumentError, KvTierError
 from kvtier_rs.integrations.vllm import metrics as m
 from kvtier_rs.integrations.vllm.manager import KvtierOffloadingManager
-from kvtier_rs.integrations.vllm.options import READER, KvtierOptions, parse_options
+from kvtier_rs.integrations.vllm.options import READER, KvtierOptions, parse_options, request_guard
 from kvtier_rs.integrations.vllm.worker import KvtierWorker, chunk_bytes
 from kvtier_rs.tiers.shared_region import SharedHostRegion, region_name
 
@@ -132,6 +132,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
         if st.manager is None:
             o = self.options
             lower = None
+            guard = request_guard(o, log)
             try:
                 # vLLM builds the scheduler once every worker has registered its KV caches: a
                 # rank missing now runs where this process cannot see its memory.
@@ -154,12 +155,17 @@ class KvtierOffloadingSpec(OffloadingSpec):
                         cpu_index=index,
                         tokens_per_chunk=self.tokens_per_block[0] * self.blocks_per_chunk,
                         seals=st.region.seals,
+                        request_guard=guard,
                     )
             except BaseException:
                 self._release()  # the host memory goes too, unless the worker holds it
                 raise
             st.manager = KvtierOffloadingManager(
-                index, enable_events=self.kv_events_config.enable_kv_cache_events, lower=lower, seals=st.region.seals
+                index,
+                enable_events=self.kv_events_config.enable_kv_cache_events,
+                lower=lower,
+                seals=st.region.seals,
+                request_guard=guard,
             )
             st.manager.on_shutdown = self._manager_closed
             log.info(
