@@ -25,10 +25,10 @@ def test_every_entry_point_defaults_to_the_shared_values(tmp_path):
     s = parse_disk_tier({"root_dir": str(tmp_path), "capacity_bytes": "1GiB"})
     p = PlanOptions(trace="t")
     assert v.cpu_admission == t.cpu_admission == p.cpu_admission == D.CPU_ADMISSION
-    assert v.disk_admission == t.disk_admission == s.disk_admission == p.disk_admission == D.DISK_ADMISSION
-    assert v.disk_io_engine == t.disk_io_engine == s.disk_io_engine == D.DISK_IO_ENGINE
-    assert v.disk_queue_depth == t.disk_queue_depth == s.disk_queue_depth == D.DISK_QUEUE_DEPTH
-    assert v.disk_policy == s.disk_policy == D.POLICY  # TensorRT-LLM's tiers default to `priority`
+    assert v.disk_admission == t.disk_admission == s.disk.admission == p.disk_admission == D.DISK_ADMISSION
+    assert v.disk_io_engine == t.disk_io_engine == s.disk.io_engine == D.DISK_IO_ENGINE
+    assert v.disk_queue_depth == t.disk_queue_depth == s.disk.queue_depth == D.DISK_QUEUE_DEPTH
+    assert v.disk_policy == s.disk.policy == D.POLICY  # TensorRT-LLM's tiers default to `priority`
 
 
 def test_the_planner_command_line_defaults_to_the_shared_values():

@@ -93,7 +93,7 @@ def test_every_entry_point_takes_the_trees_defaults(entry):
         )
         assert got.max_promotions_in_flight == {"cpu": 64, "disk": 16}
     elif entry == S.VLLM_DISK_TIER:
-        assert (got.disk_admission, got.disk_policy, got.disk_io_engine) == ("always", "lru", "auto")
+        assert (got.disk.admission, got.disk.policy, got.disk.io_engine) == ("always", "lru", "auto")
 
 
 def test_only_documented_defaults_differ_between_entry_points():

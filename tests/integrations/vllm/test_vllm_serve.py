@@ -82,6 +82,17 @@ def baseline(env, prompts):
         srv.stop()
 
 
+def serve_abcd(srv: Server, prompts, baseline) -> None:
+    """Prompts A..D in turn, each with the baseline's tokens, each one's three chunks written
+    to the disk tier before the next: a request's chunks stay pinned until their disk writes
+    are done, so which chunks the next stores evict does not hang on the disk's speed. The
+    CPU tier (four chunks) then holds D's; A, B and C are on disk only."""
+    for i, name in enumerate("ABCD", start=1):
+        tokens, _ = srv.complete(prompts[name])
+        assert tokens == baseline[name], name
+        srv.wait_for_metric(K + "stores_completed_total", 3 * i, tier="disk")
+
+
 def served_by(srv: Server, ids: list[int]):
     """Drop the GPU prefix cache, then send the prompt: whatever prefix it does not compute now
     comes from kvtier."""
@@ -110,12 +121,7 @@ def test_cpu_and_disk_tier_hits_match_the_baseline(env, prompts, baseline):
             assert present, (n, labels, sorted(offload_series(srv)))
             assert metric(samples, K + n, **labels) == 0
         assert "vllm:kv_offload_load_bytes_total" in offload_series(srv)
-        for i, name in enumerate("ABCD", start=1):
-            tokens, _ = srv.complete(prompts[name])
-            assert tokens == baseline[name], name
-            # A request's chunks stay pinned until their disk writes are done: wait for them, so
-            # that which chunks the next stores evict does not hang on the disk's speed.
-            srv.wait_for_metric(K + "stores_completed_total", 3 * i, tier="disk")
+        serve_abcd(srv, prompts, baseline)
         # D's chunks are the CPU tier's newest: served from host memory.
         before = metric(srv.metrics(), "vllm:kv_offload_load_bytes_total")
         tokens, cached, moved = served_by(srv, prompts["D"])
@@ -221,6 +227,19 @@ def test_tiering_spec_with_kvtiers_disk_tier_matches_the_baseline(env, prompts, 
         srv.stop()
 
 
+def disk_tier_back_after(srv: Server, cool_down_left_s: float, prompts, baseline):
+    """Once the cool-down is over the disk tier is re-probed: C's prefix (on disk only) is
+    promoted again, with the baseline's tokens, and the guard reads 0. Returns the metrics."""
+    time.sleep(max(0.0, cool_down_left_s) + 0.5)
+    tokens, cached, moved = served_by(srv, prompts["C"])
+    assert tokens == baseline["C"]
+    assert cached == SERVED and moved["loads_disk"] >= 1, (cached, moved)
+    samples = srv.metrics()
+    assert metric(samples, K + "guard_state", tier="disk") == 0
+    assert "the disk tier is back in service" in srv.log_text()
+    return samples
+
+
 def test_a_slow_disk_trips_the_slo_guard_and_is_back_after_the_cool_down(env, prompts, baseline):
     """The disk tier's first two reads are made slow (400 ms each, armed through the environment
     of the engine's processes): the requests that waited on them trip the disk guard; while it
@@ -231,10 +250,7 @@ def test_a_slow_disk_trips_the_slo_guard_and_is_back_after_the_cool_down(env, pr
     cfg = kvtier_config(env, disk_root=str(env["tmp"] / "guard-disk"), disk_slo_guard=rule)
     srv = start(env, "kvtier-guard", cfg, extra_env={FAULT_ENV: "read_delay_ms:400*2"})
     try:
-        for i, name in enumerate("ABCD", start=1):
-            tokens, _ = srv.complete(prompts[name])
-            assert tokens == baseline[name], name
-            srv.wait_for_metric(K + "stores_completed_total", 3 * i, tier="disk")
+        serve_abcd(srv, prompts, baseline)
         # A's prefix comes back from disk through the two slow reads (and a fast one, maybe).
         tokens, cached, moved = served_by(srv, prompts["A"])
         assert tokens == baseline["A"]
@@ -251,15 +267,8 @@ def test_a_slow_disk_trips_the_slo_guard_and_is_back_after_the_cool_down(env, pr
         assert moved["loads_disk"] == 0, moved
         assert metric(srv.metrics(), K + "disk_refused_guard_total") > refused
         assert "SLO guard tripped: the disk tier is bypassed" in srv.log_text()
-        # After the cool-down the tier is re-probed: C's prefix is promoted from disk again.
-        time.sleep(max(0.0, recover_s - (time.monotonic() - tripped_seen)) + 0.5)
-        tokens, cached, moved = served_by(srv, prompts["C"])
-        assert tokens == baseline["C"]
-        assert cached == SERVED and moved["loads_disk"] >= 1, (cached, moved)
-        samples = srv.metrics()
-        assert metric(samples, K + "guard_state", tier="disk") == 0
+        samples = disk_tier_back_after(srv, recover_s - (time.monotonic() - tripped_seen), prompts, baseline)
         assert metric(samples, K + "guard_trips_total", tier="disk") == 1
-        assert "the disk tier is back in service" in srv.log_text()
     finally:
         srv.stop()
 
@@ -275,10 +284,7 @@ def test_a_request_over_the_ttft_budget_bypasses_the_newest_tier_first(env, prom
     cfg = kvtier_config(env, disk_root=str(env["tmp"] / "ttft-disk"), slo_guard=rule)
     srv = start(env, "kvtier-ttft", cfg, extra_env={FAULT_ENV: "read_delay_ms:12000*1"})
     try:
-        for i, name in enumerate("ABCD", start=1):
-            tokens, _ = srv.complete(prompts[name])
-            assert tokens == baseline[name], name
-            srv.wait_for_metric(K + "stores_completed_total", 3 * i, tier="disk")
+        serve_abcd(srv, prompts, baseline)
         samples = srv.metrics()
         assert metric(samples, K + "guard_state", tier="disk") == 0
         assert metric(samples, K + "guard_trips_total", tier="disk") == 0
@@ -303,15 +309,8 @@ def test_a_request_over_the_ttft_budget_bypasses_the_newest_tier_first(env, prom
         tokens, cached, moved = served_by(srv, prompts["B"])
         assert tokens == baseline["B"]
         assert cached == SERVED and moved["loads_cpu"] == 3, (cached, moved)
-        # After the cool-down the disk tier is re-probed: C's prefix is promoted from disk.
-        time.sleep(max(0.0, recover_s - (time.monotonic() - tripped_seen)) + 0.5)
-        tokens, cached, moved = served_by(srv, prompts["C"])
-        assert tokens == baseline["C"]
-        assert cached == SERVED and moved["loads_disk"] >= 1, (cached, moved)
-        samples = srv.metrics()
-        assert metric(samples, K + "guard_state", tier="disk") == 0
+        samples = disk_tier_back_after(srv, recover_s - (time.monotonic() - tripped_seen), prompts, baseline)
         assert metric(samples, K + "guard_trips_total", tier="cpu") == 0
-        assert "the disk tier is back in service" in srv.log_text()
     finally:
         srv.stop()
 

@@ -188,15 +188,15 @@ def _tiering(extra: Mapping[str, Any], *, vllm_own: bool) -> dict[str, Any]:
             )
         t = vo.parse_disk_tier({k: v for k, v in entry.items() if k not in vo.VLLM_TIER_KEYS})
         root_name = t.written.get("disk_root", "disk_root")
-        _existing_directory(_DISK, root_name, t.disk_root)
+        _existing_directory(_DISK, root_name, t.disk.root)
         # Two tiers on one root would derive the same per-model directory, which one tier locks.
-        real = os.path.realpath(t.disk_root)
+        real = os.path.realpath(t.disk.root)
         if real in roots:
             raise _DISK.error(
-                root_name, f"{t.disk_root!r}: also the {root_name} of secondary_tiers entry {roots[real]}"
+                root_name, f"{t.disk.root!r}: also the {root_name} of secondary_tiers entry {roots[real]}"
             )
         roots[real] = i
-        shown = {k: v for k, v in asdict(t).items() if k != "written"}
+        shown = {f"disk_{k}": v for k, v in asdict(t.disk).items()} | {"locality": t.locality}
         out_tiers.append({"type": vo.DISK_TIER_TYPE, "checked": True, **shown})
     if vllm_own and not roots:
         raise _EXTRA.error(

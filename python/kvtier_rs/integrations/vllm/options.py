@@ -263,14 +263,9 @@ LOCALITIES = ("LOCAL", "REMOTE")
 
 @dataclass(frozen=True)
 class DiskTierOptions:
-    """A KvtierDiskTier entry's options, under the configuration tree's keys."""
+    """A KvtierDiskTier entry's options: the disk tier's settings and vLLM's locality."""
 
-    disk_root: str
-    disk_bytes: int
-    disk_policy: str = D.POLICY
-    disk_admission: str = D.DISK_ADMISSION
-    disk_io_engine: str = D.DISK_IO_ENGINE
-    disk_queue_depth: int = D.DISK_QUEUE_DEPTH
+    disk: S.DiskTierSettings
     locality: str = "LOCAL"
     #: Each option given -> the name the user wrote for it (``disk_tier_names``).
     written: dict[str, str] = field(default_factory=dict, compare=False)
@@ -295,7 +290,10 @@ def parse_disk_tier(entry: Mapping[str, Any], *, localities: tuple[str, ...] = L
     if locality not in localities:
         raise r.error("locality", f"{show(locality)} is not one of " + ", ".join(localities))
     written = S.written_names(entry, S.VLLM_DISK_TIER)
-    return DiskTierOptions(**{f: v[f] for f in _DISK_TIER_FIELDS}, locality=locality, written=written)
+    disk = S.settings_from_values({**_NO_CPU, **v}).disk
+    assert disk is not None  # disk_root is required here
+    return DiskTierOptions(disk, locality=locality, written=written)
 
 
-_DISK_TIER_FIELDS = ("disk_root", "disk_bytes", "disk_policy", "disk_admission", "disk_io_engine", "disk_queue_depth")
+# A disk tier entry sizes no CPU tier: the typed tree's CPU part is a placeholder here.
+_NO_CPU = {"cpu_bytes": 0, "cpu_policy": D.POLICY, "cpu_admission": D.CPU_ADMISSION}

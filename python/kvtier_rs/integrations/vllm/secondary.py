@@ -95,7 +95,7 @@ class KvtierDiskTier(SecondaryTierManager):
                 "kvtier's disk tier needs page-aligned rows of a multiple of 4096 bytes, as vLLM's "
                 "shared offload region provides"
             ) from None
-        path = tier_dir(opts.disk_root, offloading_spec.config, row)
+        path = tier_dir(opts.disk.root, offloading_spec.config, row)
         # What only the tier can check (a capacity holding no block of this size, a directory
         # it cannot open) is reported under the key the user wrote.
         args, root_name = disk_tier_names(opts.written)
@@ -103,12 +103,12 @@ class KvtierDiskTier(SecondaryTierManager):
             try:
                 self.disk = open_disk_tier(
                     path,
-                    opts.disk_bytes,
+                    opts.disk.bytes,
                     row,
-                    policy=opts.disk_policy,
-                    admission=opts.disk_admission,
-                    engine=opts.disk_io_engine,
-                    queue_depth=opts.disk_queue_depth,
+                    policy=opts.disk.policy,
+                    admission=opts.disk.admission,
+                    engine=opts.disk.io_engine,
+                    queue_depth=opts.disk.queue_depth,
                 )
             except BaseException:
                 # The error's traceback keeps this half-built tier alive; without this its
