@@ -17,7 +17,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kvtier_rs.integrations.vllm.config_check import check
 from kvtier_rs.planner.errors import PlanError
 
 
@@ -37,6 +36,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_vllm_config(args: argparse.Namespace) -> int:
+    # Imported here, not at the top: it pulls in numpy, which every other command would pay
+    # for at start-up just to build the parser.
+    from kvtier_rs.integrations.vllm.config_check import check
+
     text = _read(args)
     report = check(load(text))
     if args.json:

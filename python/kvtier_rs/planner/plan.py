@@ -7,6 +7,7 @@ progress bar), and turns counts into the report described by `SCHEMA` below.
 
 from __future__ import annotations
 
+import bisect
 import math
 import sys
 import threading
@@ -74,37 +75,54 @@ def _progress_run(fn, total: int, desc: str, show: bool | None):
     return out["value"]
 
 
+def _percentile(s: list[float], q: float) -> float:
+    """numpy's default ("linear") percentile `q` of the sorted, non-empty `s`."""
+    pos = (len(s) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    frac = pos - lo
+    return s[lo] + (s[hi] - s[lo]) * frac
+
+
 def _percentiles(values: list[float]) -> dict[str, float] | None:
+    # Plain Python (a sort and three look-ups): importing numpy for this would cost the
+    # command more than the computation.
     if not values:
         return None
-    import numpy as np
-
-    a = np.asarray(values, dtype=float)
-    q = np.percentile(a, [50, 90, 99])
+    s = sorted(values)
     return {
-        "count": int(a.size),
-        "mean": float(a.mean()),
-        "p50": float(q[0]),
-        "p90": float(q[1]),
-        "p99": float(q[2]),
+        "count": len(s),
+        "mean": math.fsum(s) / len(s),
+        "p50": _percentile(s, 50),
+        "p90": _percentile(s, 90),
+        "p99": _percentile(s, 99),
     }
 
 
-def _histogram(values: list[float], *, log: bool) -> dict[str, list[float]] | None:
+def _histogram(values: list[float], *, log: bool) -> dict[str, list[Any]] | None:
+    """24 bins as numpy.histogram counts them (each [a, b), the last [a, b]), over edges spaced
+    evenly from 0 to the largest value, or logarithmically from the smallest positive value
+    (at least 1e-3) with the first edge at 0."""
     if not values:
         return None
-    import numpy as np
-
-    a = np.asarray(values, dtype=float)
+    s = sorted(values)
+    n_edges = 25
     if log:
-        lo = max(a[a > 0].min(), 1e-3) if (a > 0).any() else 1e-3
-        hi = max(a.max(), lo * 10)
-        edges = np.logspace(math.log10(lo), math.log10(hi), 25)
+        pos = [v for v in s if v > 0]
+        lo = max(pos[0], 1e-3) if pos else 1e-3
+        hi = max(s[-1], lo * 10)
+        a, b = math.log10(lo), math.log10(hi)
+        step = (b - a) / (n_edges - 1)
+        edges = [10.0 ** (a + i * step) for i in range(n_edges - 1)] + [10.0**b]
         edges[0] = 0.0
     else:
-        edges = np.linspace(0, a.max() or 1, 25)
-    counts, edges = np.histogram(a, bins=edges)
-    return {"edges": [float(e) for e in edges], "counts": [int(c) for c in counts]}
+        top = s[-1] or 1
+        step = top / (n_edges - 1)
+        # As numpy.linspace: a step that underflows to 0 scales the fractions instead.
+        edges = [i * step if step else i / (n_edges - 1) * top for i in range(n_edges - 1)] + [float(top)]
+    cuts = [bisect.bisect_left(s, e) for e in edges[:-1]] + [bisect.bisect_right(s, edges[-1])]
+    counts = [cuts[i + 1] - cuts[i] for i in range(n_edges - 1)]
+    return {"edges": [float(e) for e in edges], "counts": counts}
 
 
 def default_capacities(n_keys: int, tier_blocks: list[int]) -> list[int]:

@@ -143,6 +143,9 @@ def _ids(rec: dict, name: str) -> list[int]:
     v = rec[name]
     if not isinstance(v, list):
         raise _Bad(name, f"expected a list of integers, got {type(v).__name__}")
+    # The common case in C loops: only ints (not bools: their type is bool) within range.
+    if not v or (set(map(type, v)) == {int} and min(v) >= 0 and max(v) <= U64):
+        return v
     for i, x in enumerate(v):
         if isinstance(x, bool) or not isinstance(x, int) or x < 0 or x > U64:
             raise _Bad(name, f"item {i} is {show(x)}; expected an unsigned 64-bit integer")
