@@ -38,21 +38,6 @@ KEYS: dict[str, str] = {s.key: s.meaning for s in S.settings_for(S.TRTLLM)}
 READER = OptionReader("kvtier trtllm config")
 _opts = READER
 _err = _opts.error
-#: The CPU tier's (TierConfig, HostPool) and the disk tier's constructor arguments -> the keys
-#: they come from (for READER.naming).
-CPU_TIER_KEYS = {
-    "capacity_bytes": "cpu_bytes",
-    "total_bytes": "cpu_bytes",
-    "policy": "cpu_policy",
-    "admission": "cpu_admission",
-}
-DISK_TIER_KEYS = {
-    "capacity_bytes": "disk_bytes",
-    "policy": "disk_policy",
-    "admission": "disk_admission",
-    "engine": "disk_io_engine",
-    "queue_depth": "disk_queue_depth",
-}
 
 
 @dataclass(frozen=True)
@@ -75,6 +60,9 @@ class ConnectorOptions:
     block_identity: str = "auto"
     guards: dict[str, GuardRule] = field(default_factory=dict)
     max_promotions_in_flight: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_MAX_IN_FLIGHT))
+    #: The same options as the configuration tree's typed settings (``tiers.build`` opens the
+    #: tiers from them).
+    settings: S.Settings | None = field(default=None, compare=False)
 
 
 def parse_options(raw: Mapping[str, Any]) -> ConnectorOptions:
@@ -110,6 +98,7 @@ def parse_options(raw: Mapping[str, Any]) -> ConnectorOptions:
         disk_read_bytes_per_s=path.cost.disk_read_bytes_per_s if path.cost else None,
         guards=dict(path.guards),
         max_promotions_in_flight=dict(path.max_promotions_in_flight),
+        settings=settings,
         **settings.engine,
     )
 

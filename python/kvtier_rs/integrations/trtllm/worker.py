@@ -26,14 +26,12 @@ import torch
 
 from kvtier_rs._core import KvTierError
 from kvtier_rs.checks import invalid_argument
-from kvtier_rs.config import TierConfig
 from kvtier_rs.integrations.trtllm import shared
-from kvtier_rs.integrations.trtllm.config import CPU_TIER_KEYS, DISK_TIER_KEYS, READER, ConnectorOptions, load_options
+from kvtier_rs.integrations.trtllm.config import READER, ConnectorOptions, load_options
 from kvtier_rs.integrations.trtllm.metadata import KvtierConnectorMetadata, validate_metadata
 from kvtier_rs.integrations.trtllm.scheduler import tokens_per_block_of
-from kvtier_rs.orchestrator import CostModel, TierOrchestrator
-from kvtier_rs.tiers.disk import open_disk_tier
-from kvtier_rs.tiers.host import HostTier
+from kvtier_rs.orchestrator import TierOrchestrator
+from kvtier_rs.tiers.build import open_data_path, open_disk, open_host_tier
 from kvtier_rs.transfer import BlockLayout, CpuTransferEngine, Region, TransferEngine
 
 _PAGE = 4096
@@ -124,10 +122,9 @@ class WorkerCore:
         o = self.options
         # What only the tiers can check (a capacity that holds no block of this engine's size, a
         # directory the disk tier cannot open) is reported under the key the user wrote.
-        with READER.naming(CPU_TIER_KEYS):
-            host = HostTier(
-                TierConfig(o.cpu_bytes, layout.bytes_per_block, policy=o.cpu_policy, admission=o.cpu_admission)
-            )
+        settings = o.settings
+        assert settings is not None  # parse_options sets it
+        host = open_host_tier(settings, layout.bytes_per_block, reader=READER)
         factory = type(self).engine_factory
         if factory is not None:
             engine = factory(layout, host.pool)
@@ -137,35 +134,19 @@ class WorkerCore:
             from kvtier_rs.transfer.cuda import CudaTransferEngine
 
             engine = CudaTransferEngine(layout, host.pool)
+        # One directory per engine name and block geometry under disk_root: a different model
+        # or layout never reads another's blocks.
+        sub = f"{self.engine.replace('/', '_')}_{layout.bytes_per_block}b_{len(layout.regions)}l"
         disk = None
-        if o.disk_root is not None:
-            # One directory per engine name and block geometry: a different model or layout never
-            # reads another's blocks.
-            sub = f"{self.engine.replace('/', '_')}_{layout.bytes_per_block}b_{len(layout.regions)}l"
-            path = Path(o.disk_root) / sub
-            assert o.disk_bytes is not None  # load_options requires it with disk_root
-            with READER.naming(DISK_TIER_KEYS, path_key="disk_root"):
-                disk = open_disk_tier(
-                    path,
-                    o.disk_bytes,
-                    host.pool.slot_bytes,
-                    policy=o.disk_policy,
-                    admission=o.disk_admission,
-                    engine=o.disk_io_engine,
-                    queue_depth=o.disk_queue_depth,
-                )
-        cost = None
-        if o.prefill_tokens_per_s is not None:
-            cost = CostModel(o.prefill_tokens_per_s, self.tokens_per_block, layout.bytes_per_block)
-            if o.disk_read_bytes_per_s is not None:
-                cost.bandwidth["disk"] = o.disk_read_bytes_per_s  # the first estimate; reads refine it
-        orch = TierOrchestrator(
+        if settings.disk is not None:
+            disk = open_disk(settings, host.pool.slot_bytes, path=Path(settings.disk.root) / sub, reader=READER)
+        orch = open_data_path(
+            settings,
             host,
             engine,
+            tokens_per_block=self.tokens_per_block,
+            block_bytes=layout.bytes_per_block,
             disk=disk,
-            cost=cost,
-            guards=o.guards,
-            max_promotions_in_flight=dict(o.max_promotions_in_flight),
         )
         self.tiers = shared.EngineTiers(orch, layout, len(layout.regions), self.tokens_per_block)
         shared.publish(self.engine, self.tiers)

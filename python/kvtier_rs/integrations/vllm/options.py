@@ -21,6 +21,7 @@ from kvtier_rs.checks import show
 from kvtier_rs.options import OptionReader
 from kvtier_rs.orchestrator.guard import GuardRule
 from kvtier_rs.orchestrator.request_guard import RequestGuard, RequestRule
+from kvtier_rs.tiers.build import DISK_TIER_ARGS, as_written
 
 # vLLM's keys that KvtierOffloadingSpec honours: those vLLM itself reads from the same dict
 # whichever spec runs (spec_name .. self_describing_kv_events; vLLM validates the chunk sizes,
@@ -68,14 +69,6 @@ KVTIER_KEYS: dict[str, str] = {
 READER = OptionReader("kv_connector_extra_config")
 _opts = READER
 _err = _opts.error
-#: The disk tier's constructor arguments -> the keys they come from (for READER.naming).
-DISK_TIER_KEYS = {
-    "capacity_bytes": "disk_bytes",
-    "policy": "disk_policy",
-    "admission": "disk_admission",
-    "engine": "disk_io_engine",
-    "queue_depth": "disk_queue_depth",
-}
 
 
 def request_guard(options: KvtierOptions, log: Any = None) -> RequestGuard | None:
@@ -90,7 +83,7 @@ def request_guard(options: KvtierOptions, log: Any = None) -> RequestGuard | Non
 def disk_tier_names(written: Mapping[str, str]) -> tuple[dict[str, str], str]:
     """For ``OptionReader.naming``: the disk tier's constructor arguments -> the names the user
     wrote for their options (``written``: option key -> name), and the name of disk_root."""
-    return {arg: written.get(key, key) for arg, key in DISK_TIER_KEYS.items()}, written.get("disk_root", "disk_root")
+    return as_written(DISK_TIER_ARGS, written), written.get("disk_root", "disk_root")
 
 
 @dataclass(frozen=True)
