@@ -69,7 +69,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--endpoint", action="append", default=[], metavar="[NAME=]URL", help="a running server per step")
     s.add_argument("--launch", metavar="MODEL", help="start vllm serve with MODEL for each step")
     s.add_argument("--served-model-name", default="model", help="the launched servers' model name (default model)")
-    s.add_argument("--engine-args", default="", help="more vllm serve arguments for launched steps (one string)")
+    s.add_argument(
+        "--engine-args",
+        default="",
+        help="more vllm serve arguments for launched steps, one string (one flag alone: --engine-args=--enforce-eager)",
+    )
     s.add_argument("--cpu", help="CPU tier size of the +cpu (and +disk) step, e.g. 32GiB")
     s.add_argument("--disk", help="disk tier size of the +disk step, e.g. 500GiB")
     s.add_argument("--disk-root", help="the disk tier's parent directory")
