@@ -123,3 +123,15 @@ def test_a_step_config_with_a_bad_kvtier_key_is_refused_before_any_start(capsys,
     assert code == 2
     line = one_line(err)
     assert "steps[0]" in line and "eviction_policy" in line, line
+
+
+def test_a_launched_server_that_dies_at_start_is_one_line_and_nothing_is_written(capsys, tmp_path, trace):
+    """Launcher mode with a model that does not exist: `vllm serve` exits before it is ready
+    (or, without vLLM installed, python cannot find it); the step is named, the server's log is
+    pointed at, and the temporary output is removed."""
+    code, err = rollout(
+        capsys, tmp_path, "--trace", str(trace), "--launch", str(tmp_path / "no-model"), "--no-progress"
+    )
+    assert code == 2
+    line = one_line(err)
+    assert line.startswith("kvtier rollout: error: step baseline: vllm serve exited with status"), line

@@ -84,16 +84,19 @@ class Launched:
             code = self.proc.poll()
             if code is not None:
                 last = self.log_tail(1).strip()
+                # The log lives in the output's temporary directory, removed with it: its last
+                # line, usually the exception, goes into the message.
                 raise RolloutError(
-                    f"step {step}: vllm serve exited with status {code} before it was ready "
-                    f"(log: {self.log_path}; last line: {last[-200:]})"
+                    f"step {step}: vllm serve exited with status {code} before it was ready; "
+                    f"its last line: {last[-300:]}"
                 )
             with contextlib.suppress(httpx.HTTPError):  # not listening yet
                 if httpx.get(self.url + "/health", timeout=5).status_code == 200:
                     return
             time.sleep(0.5)
+        last = self.log_tail(1).strip()
         self.stop()
-        raise RolloutError(f"step {step}: vllm serve not ready after {timeout_s:.0f} s (log: {self.log_path})")
+        raise RolloutError(f"step {step}: vllm serve not ready after {timeout_s:.0f} s; its last line: {last[-300:]}")
 
     def stop(self) -> None:
         """SIGTERM (vLLM shuts its engine down cleanly), SIGKILL to the group if it hangs; then

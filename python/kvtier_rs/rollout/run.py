@@ -138,18 +138,23 @@ def _measure_step(opts: RolloutOptions, data: TraceData, step: Step, url: str, i
         lv = level_report(name, conc, results, wall, {"deltas": d, "hit_quality": M.hit_quality(d)})
         lv["engine_counters_settled"] = settled
         levels.append(lv)
+    info = M.engine_info(M.scrape(url))
+    tiers = list(step.tiers)
+    if step.endpoint is not None:
+        # An endpoint's configuration is the user's: its tiers are those kvtier reports there.
+        tiers += [t for t in ("cpu", "disk") if info["kvtier_capacity_blocks"].get(t, 0) > 0]
     return {
         "name": step.name,
         "index": i,
         "mode": "endpoint" if step.endpoint else "launched",
         "endpoint": step.endpoint,
         "model": model,
-        "tiers": list(step.tiers),
+        "tiers": tiers,
         "kv_transfer_config": step.kv_transfer_config,
         "env": step.env,
         "block_tokens": wopts.block_tokens,
         "max_prompt_tokens": max_prompt,
-        "engine_info": M.engine_info(M.scrape(url)),
+        "engine_info": info,
         "levels": levels,
     }
 

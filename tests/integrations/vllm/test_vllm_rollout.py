@@ -124,6 +124,7 @@ def test_endpoint_mode_reports_hit_quality_that_matches_the_engines_counters(env
     assert "baseline" in r.stdout and "recommended: cpu" in r.stdout, r.stdout
     steps = {s["name"]: s for s in report["steps"]}
     assert [lv["level"] for lv in steps["cpu"]["levels"]] == ["1", "2"]
+    assert steps["baseline"]["tiers"] == ["gpu"] and steps["cpu"]["tiers"] == ["gpu", "cpu"]
     for step in steps.values():
         for lv in step["levels"]:
             assert lv["failed"] == 0 and lv["requests"] == 10, lv["errors"]
@@ -154,6 +155,41 @@ def test_endpoint_mode_reports_hit_quality_that_matches_the_engines_counters(env
     # The same requests recompute less with the CPU tier than without it.
     recomputed = {n: sum(lv["hit_quality"]["tokens"]["recomputed"] for lv in steps[n]["levels"]) for n in steps}
     assert recomputed["cpu"] < recomputed["baseline"], recomputed
+
+
+def test_trace_timing_sends_each_request_at_its_scaled_arrival(env, servers):
+    out = env["tmp"] / "trace-timing"
+    r = kvtier_cli(
+        env,
+        "--endpoint",
+        servers["cpu"].url,
+        "--block-tokens",
+        str(BLOCK_TOKENS),
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--concurrency",
+        "trace",
+        "--time-scale",
+        "0.5",
+        "--no-predict",
+        "--format",
+        "json",
+        "--out",
+        str(out),
+        "--no-progress",
+    )
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["timing"] == "trace" and report["recommendation"] is None
+    (step,) = report["steps"]
+    assert step["verdict"] is None and step["predicted"] is None  # no budget, --no-predict
+    (lv,) = step["levels"]
+    assert lv["level"] == "trace" and lv["concurrency"] is None and lv["failed"] == 0
+    # The trace's records are 100 ms apart, halved: no request leaves before its arrival time
+    # (asyncio's timer may fire up to its clock resolution early).
+    sent = {q["index"]: q["sent_s"] for q in lv["per_request"]}
+    assert sorted(sent) == list(range(10))
+    assert all(sent[i] >= i * 0.05 - 0.01 for i in sent), sent
 
 
 def test_a_model_the_real_endpoint_does_not_serve_is_refused(env, servers):
