@@ -135,3 +135,20 @@ def test_a_launched_server_that_dies_at_start_is_one_line_and_nothing_is_written
     assert code == 2
     line = one_line(err)
     assert line.startswith("kvtier rollout: error: step baseline: vllm serve exited with status"), line
+
+
+def test_a_model_name_launched_servers_will_not_serve_is_refused_before_any_start(capsys, tmp_path, trace):
+    code, err = rollout(
+        capsys, tmp_path, "--trace", str(trace), "--launch", "/models/any", "--model", "llama", "--no-progress"
+    )
+    assert code == 2
+    line = one_line(err)
+    assert "--model llama" in line and "'model'" in line and "--served-model-name" in line, line
+
+
+def test_endpoints_and_a_launch_together_are_refused(capsys, tmp_path, trace):
+    code, err = rollout(
+        capsys, tmp_path, "--trace", str(trace), "--endpoint", closed_port_url(), "--launch", "/models/any"
+    )
+    assert code == 2
+    assert "give one of --endpoint, --launch, --config" in one_line(err)

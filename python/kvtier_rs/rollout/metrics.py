@@ -29,6 +29,9 @@ COUNTERS = {
     "external_queries": "vllm:external_prefix_cache_queries_total",
     "external_hits": "vllm:external_prefix_cache_hits_total",
     "preemptions": "vllm:num_preemptions_total",
+    # GPU blocks evicted from vLLM's prefix cache, as sampled by --kv-cache-metrics (a sampled
+    # count, --kv-cache-metrics-sample of them; absent without the flag).
+    "gpu_evictions_sampled": "vllm:kv_block_idle_before_evict_seconds_count",
     "kvtier_loads_cpu": K + "loads_cpu_total",
     "kvtier_loads_disk": K + "loads_disk_total",
     "kvtier_promotions": K + "promotions_total",

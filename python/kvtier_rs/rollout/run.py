@@ -74,6 +74,12 @@ def check_options(opts: RolloutOptions) -> TraceData:
         raise RolloutError(f"steps: names must differ, got {names}")
     if any(s.endpoint is None for s in opts.steps) and opts.launch is None:
         raise RolloutError("--launch: a step without an endpoint needs a model to launch (--launch MODEL)")
+    if opts.launch is not None and opts.model is not None and opts.model != opts.launch.served_model_name:
+        # Refused now, not after a server start of minutes.
+        raise RolloutError(
+            f"--model {opts.model}: launched servers serve {opts.launch.served_model_name!r} "
+            "(--served-model-name); give the same name"
+        )
     check_out_dir(opts.out, opts.overwrite)
     data = read_trace(
         opts.trace, opts.trace_format, block_size=opts.block_size, skip_bad=opts.skip_bad, limit=opts.limit
