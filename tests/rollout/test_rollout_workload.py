@@ -85,3 +85,26 @@ def test_the_rollback_rule_names_the_budget_the_level_and_the_value():
     failing = {"name": "cpu", "levels": [level(1, 0.1, 0.01, failed=2)]}
     assert verdict(failing, budgets, is_baseline=False)["reasons"] == ["2 of 10 requests failed at concurrency 1"]
     assert verdict(cpu, {"ttft_p99_s": None, "itl_p99_s": None}, is_baseline=False) is None
+
+
+def test_the_prediction_replays_what_was_sent_with_the_engines_sizes(tmp_path):
+    from kvtier_rs.rollout.predict import predict
+
+    data = read_trace(write_reuse_trace(tmp_path / "t.jsonl"))
+    reqs = build_requests(data, WorkloadOptions(block_tokens=BLOCK_TOKENS, max_tokens=4))
+    # vLLM's GPU cache of 8 blocks of 32 tokens; kvtier's CPU tier of 64 chunks of 32.
+    engine = {"cache_config": {"block_size": "32", "num_gpu_blocks": "8"}, "kvtier_capacity_blocks": {"cpu": 64.0}}
+    p = predict(reqs, BLOCK_TOKENS, engine, None)
+    assert p["capacity_blocks"] == {"gpu": 8, "cpu": 64} and p["note"] is None
+    shares = p["shares"]
+    assert sum(shares.values()) == pytest.approx(1.0)
+    # Requests 5-9 come back to chains the GPU cache lost: a CPU tier that holds everything serves them.
+    assert shares["cpu"] > 0 and shares["disk"] == 0
+    gpu_only = predict(reqs, BLOCK_TOKENS, {**engine, "kvtier_capacity_blocks": {}}, None)["shares"]
+    assert gpu_only["cpu"] == 0 and gpu_only["recomputed"] > shares["recomputed"]
+    # Cut to two blocks each, the prompts share only their first two ids: less to hit.
+    cut = build_requests(data, WorkloadOptions(block_tokens=BLOCK_TOKENS, max_tokens=4, max_prompt_tokens=64))
+    assert all(r.cut and r.blocks == 2 and len(r.prompt) == 64 for r in cut)
+    assert predict(cut, BLOCK_TOKENS, engine, None)["shares"] != shares
+    no_size = predict(reqs, BLOCK_TOKENS, {"kvtier_capacity_blocks": {}}, None)
+    assert no_size["shares"] is None and "cache_config_info" in no_size["note"]

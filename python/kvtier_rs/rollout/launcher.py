@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -27,6 +28,8 @@ from kvtier_rs.rollout.errors import RolloutError
 #: machine takes minutes).
 READY_TIMEOUT_S = 900.0
 STOP_TIMEOUT_S = 120.0
+#: A Python exception's line in a traceback ("ValueError: ...", "torch.OutOfMemoryError: ...").
+_EXCEPTION = re.compile(r"^[\w.]*(Error|Exception): ")
 
 
 def free_port() -> int:
@@ -75,28 +78,32 @@ class Launched:
             args, env={**os.environ, **env}, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
         )
 
-    def log_tail(self, n: int = 20) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+    def failure(self) -> str:
+        """The line of the server's log that says why it failed: the first exception line (the
+        root cause: vLLM logs it before the engine-core failure that follows from it), or else
+        the last line."""
+        self._log.flush()
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        first = next((ln for ln in lines if _EXCEPTION.match(ln)), None)
+        return (first or (lines[-1] if lines else "(empty log)")).strip()[:300]
 
     def wait_ready(self, step: str, timeout_s: float = READY_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             code = self.proc.poll()
             if code is not None:
-                last = self.log_tail(1).strip()
-                # The log lives in the output's temporary directory, removed with it: its last
-                # line, usually the exception, goes into the message.
+                # The log lives in the output's temporary directory, removed with it: the line
+                # that says why goes into the message.
                 raise RolloutError(
-                    f"step {step}: vllm serve exited with status {code} before it was ready; "
-                    f"its last line: {last[-300:]}"
+                    f"step {step}: vllm serve exited with status {code} before it was ready: {self.failure()}"
                 )
             with contextlib.suppress(httpx.HTTPError):  # not listening yet
                 if httpx.get(self.url + "/health", timeout=5).status_code == 200:
                     return
             time.sleep(0.5)
-        last = self.log_tail(1).strip()
+        last = self.failure()
         self.stop()
-        raise RolloutError(f"step {step}: vllm serve not ready after {timeout_s:.0f} s; its last line: {last[-300:]}")
+        raise RolloutError(f"step {step}: vllm serve not ready after {timeout_s:.0f} s; its log says: {last}")
 
     def stop(self) -> None:
         """SIGTERM (vLLM shuts its engine down cleanly), SIGKILL to the group if it hangs; then

@@ -53,6 +53,11 @@ def p99_vs_concurrency(report: dict[str, Any], path: Path) -> None:
             if pts:
                 xs, ys = zip(*pts, strict=True)
                 ax.plot(xs, np.asarray(ys) * 1e3, marker="o", label=step["name"])
+        levels = report.get("concurrency") or []
+        if levels:
+            if max(levels) >= 4 * min(levels):
+                ax.set_xscale("log", base=2)  # levels usually double: evenly spaced
+            ax.set_xticks(levels, [str(c) for c in levels])  # the levels run, not fractions between them
         if budget is not None:
             ax.axhline(budget * 1e3, color="k", linestyle="--", label="budget")
         ax.set_xlabel("concurrency (requests in flight)")

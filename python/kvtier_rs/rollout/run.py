@@ -124,6 +124,7 @@ def _measure_step(opts: RolloutOptions, data: TraceData, step: Step, url: str, i
         run_level(url, model, warm, "warmup", 1, progress=False)
     levels = []
     plan = [(str(c), c) for c in opts.concurrency] if opts.concurrency else [(TRACE_TIMING, None)]
+    reqs = []
     for li, (name, conc) in enumerate(plan):
         # Each level's prompts have their own tokens (salt): every level replays the trace's reuse
         # from a cold start instead of hitting what the level before it left in the caches.
@@ -160,8 +161,11 @@ def _measure_step(opts: RolloutOptions, data: TraceData, step: Step, url: str, i
         "env": step.env,
         "block_tokens": wopts.block_tokens,
         "max_prompt_tokens": max_prompt,
+        "prompts_cut": sum(r.cut for r in reqs),
         "engine_info": info,
         "levels": levels,
+        # The same requests (block ids, lengths) at every level: one prediction for them all.
+        "predicted": predict(reqs, wopts.block_tokens, info, step.kv_transfer_config) if opts.predict else None,
     }
 
 
@@ -202,9 +206,6 @@ def run_rollout(opts: RolloutOptions) -> dict[str, Any]:
             "skipped_records": data.skipped,
         }
         for s in steps:
-            s["predicted"] = (
-                predict(trace, s["block_tokens"], s["engine_info"], s["kv_transfer_config"]) if opts.predict else None
-            )
             # The reference is the first step when it runs no kvtier tier (an endpoint's setup is
             # the user's to say: the first endpoint is taken as the baseline).
             baseline = s["index"] == 0 and s["kv_transfer_config"] is None

@@ -29,7 +29,12 @@ class Request:
     prompt: list[int]
     max_tokens: int
     arrival_s: float  # from the first request's timestamp
-    blocks: int  # trace blocks in the prompt
+    chain: list[int]  # the trace's block ids the prompt holds (fewer than the record's when cut)
+    cut: bool = False  # cut to fit the endpoint's prompt limit
+
+    @property
+    def blocks(self) -> int:
+        return len(self.chain)
 
 
 @dataclass(frozen=True)
@@ -79,12 +84,13 @@ def build_requests(data: TraceData, opts: WorkloadOptions, salt: int = 0) -> lis
     t0 = data.timestamps_s[0] if data.n_requests else 0.0
     out = []
     for r in range(data.n_requests):
-        ids = data.keys[data.offsets[r] : data.offsets[r + 1]]
+        ids = list(data.keys[data.offsets[r] : data.offsets[r + 1]])
         if not ids:
             continue  # a record with no blocks has no prefix to share or reuse
         n = math.ceil(data.input_tokens[r] * bt / bs)
         n = min(max(n, (len(ids) - 1) * bt + 1), len(ids) * bt)
-        if opts.max_prompt_tokens is not None and n > opts.max_prompt_tokens:
+        cut = opts.max_prompt_tokens is not None and n > opts.max_prompt_tokens
+        if opts.max_prompt_tokens is not None and cut:
             keep = opts.max_prompt_tokens // bt
             if keep == 0:
                 raise RolloutError(
@@ -96,7 +102,7 @@ def build_requests(data: TraceData, opts: WorkloadOptions, salt: int = 0) -> lis
         for key in ids:
             prompt.extend(blocks_of(key))
         out_tokens = max(1, min(opts.max_tokens, data.output_tokens[r] or opts.max_tokens))
-        out.append(Request(r, prompt[:n], out_tokens, data.timestamps_s[r] - t0, len(ids)))
+        out.append(Request(r, prompt[:n], out_tokens, data.timestamps_s[r] - t0, ids, cut))
     if not out:
         raise RolloutError(f"{data.path}: no request of the trace has any block to replay")
     return out
