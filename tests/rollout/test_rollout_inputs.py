@@ -154,3 +154,10 @@ def test_endpoints_and_a_launch_together_are_refused(capsys, tmp_path, trace):
     )
     assert code == 2
     assert "give one of --endpoint, --launch, --config" in one_line(err)
+
+
+def test_a_negative_seed_is_named(capsys, tmp_path, trace):
+    with model_list(["tiny"]) as url:
+        code, err = rollout(capsys, tmp_path, "--trace", str(trace), "--endpoint", url, "--seed", "-1")
+    assert code == 2
+    assert one_line(err) == "kvtier rollout: error: --seed: must be >= 0, got -1"

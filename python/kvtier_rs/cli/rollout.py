@@ -96,7 +96,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--max-prompt-tokens", type=int, help="cut longer prompts at a block boundary (default: fit the model)"
     )
     w.add_argument("--token-range", default="100:1000", help="token ids LO:HI the prompts are drawn from")
-    w.add_argument("--seed", type=int, default=0)
+    w.add_argument(
+        "--seed",
+        type=int,
+        help="seed of the prompt tokens (default: drawn per run, so a rerun meets no cache left warm by the last)",
+    )
     w.add_argument("--warmup-requests", type=int, default=1, help="unmeasured requests before each step (default 1)")
     b = p.add_argument_group("rollback rule")
     b.add_argument("--ttft-p99", help="p99 TTFT budget, e.g. 500ms")

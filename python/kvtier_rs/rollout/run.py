@@ -5,6 +5,8 @@ the output directory written in one piece."""
 
 from __future__ import annotations
 
+import dataclasses
+import secrets
 import sys
 import time
 from dataclasses import dataclass, field
@@ -44,7 +46,10 @@ class RolloutOptions:
     max_tokens: int = 16
     max_prompt_tokens: int | None = None  # default: the model's max_model_len less max_tokens
     token_range: tuple[int, int] = TOKEN_RANGE
-    seed: int = 0
+    # None: drawn per run. A rerun with the same seed sends the same prompts, which an engine
+    # still up, or a disk tier's directory (it outlives its server), may hold already: the rerun
+    # would measure warm caches as if cold. Give one to repeat a run's prompts exactly.
+    seed: int | None = None
     concurrency: list[int] | None = field(default_factory=lambda: [1])  # None: the trace's timing
     time_scale: float = 1.0
     ttft_p99_s: float | None = None
@@ -65,6 +70,8 @@ def check_options(opts: RolloutOptions) -> TraceData:
         raise RolloutError(f"--concurrency: levels must be positive integers, got {opts.concurrency}")
     if not opts.time_scale > 0:
         raise RolloutError(f"--time-scale: must be positive, got {opts.time_scale}")
+    if opts.seed is not None and opts.seed < 0:
+        raise RolloutError(f"--seed: must be >= 0, got {opts.seed}")
     if opts.warmup_requests < 0:
         raise RolloutError(f"--warmup-requests: must be >= 0, got {opts.warmup_requests}")
     if not opts.steps:
@@ -115,7 +122,7 @@ def _measure_step(opts: RolloutOptions, data: TraceData, step: Step, url: str, i
         max_tokens=opts.max_tokens,
         max_prompt_tokens=max_prompt,
         token_range=opts.token_range,
-        seed=opts.seed,
+        seed=opts.seed or 0,
     )
     if opts.warmup_requests:
         # The engine's first requests pay one-time costs (allocations, kernel set-up) that are no
@@ -194,6 +201,8 @@ def _run_step(opts: RolloutOptions, data: TraceData, step: Step, i: int, tmp: Pa
 
 def run_rollout(opts: RolloutOptions) -> dict[str, Any]:
     data = check_options(opts)
+    if opts.seed is None:
+        opts = dataclasses.replace(opts, seed=secrets.randbelow(1 << 32))
     budgets = {"ttft_p99_s": opts.ttft_p99_s, "itl_p99_s": opts.itl_p99_s}
     out = Path(opts.out)
     with staged_dir(out) as tmp:

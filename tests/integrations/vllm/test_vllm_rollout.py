@@ -171,6 +171,8 @@ def test_trace_timing_sends_each_request_at_its_scaled_arrival(env, servers):
         "trace",
         "--time-scale",
         "0.5",
+        "--seed",
+        "7",
         "--no-predict",
         "--format",
         "json",
@@ -180,7 +182,7 @@ def test_trace_timing_sends_each_request_at_its_scaled_arrival(env, servers):
     )
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
-    assert report["timing"] == "trace" and report["recommendation"] is None
+    assert report["timing"] == "trace" and report["recommendation"] is None and report["seed"] == 7
     (step,) = report["steps"]
     assert step["verdict"] is None and step["predicted"] is None  # no budget, --no-predict
     (lv,) = step["levels"]
