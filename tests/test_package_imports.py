@@ -151,3 +151,17 @@ def test_every_module_imports_on_its_own():
     assert not failed, "\n".join(f"{m}:\n{err}" for m, err in failed.items())
     if not have_vllm:
         pytest.skip("SKIPPED LOUDLY: vLLM is not installed, its adapter's modules were not imported")
+
+
+def test_nothing_but_its_command_imports_the_rollout():
+    """`kvtier rollout` sits on top: it reads the planner and the vLLM config checks, and no
+    module of kvtier's own (tiers, orchestrator, adapters, planner) depends on it."""
+    modules = package_modules()
+    assert "kvtier_rs.rollout.run" in modules
+    users = {
+        name
+        for name, path in modules.items()
+        if not name.startswith("kvtier_rs.rollout")
+        and any(m.startswith("kvtier_rs.rollout") for m in imports_of(path, modules))
+    }
+    assert users == {"kvtier_rs.cli.rollout"}

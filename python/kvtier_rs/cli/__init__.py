@@ -12,7 +12,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ["plan", "trace", "status", "vllm_config"]
+COMMANDS = ["plan", "trace", "status", "vllm_config", "rollout"]
 
 
 def build_parser() -> argparse.ArgumentParser:
