@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvtier_rs import settings
 from kvtier_rs._core import InvalidArgumentError
 from kvtier_rs.config import parse_bytes
 from kvtier_rs.rollout.errors import RolloutError
@@ -48,9 +49,9 @@ class Step:
         """The tiers this step runs, as far as its configuration tells."""
         extra = (self.kv_transfer_config or {}).get("kv_connector_extra_config") or {}
         out = ["gpu"]
-        if self.cpu_bytes or extra.get("cpu_bytes_to_use"):
+        if self.cpu_bytes or _given(extra, "cpu_bytes"):
             out.append("cpu")
-        if self.disk_bytes or extra.get("disk_bytes_to_use"):
+        if self.disk_bytes or _given(extra, "disk_bytes"):
             out.append("disk")
         return tuple(out)
 
@@ -60,6 +61,11 @@ class Launch:
     model: str
     served_model_name: str = "model"
     args: list[str] = field(default_factory=list)
+
+
+def _given(extra: dict[str, Any], key: str) -> bool:
+    """Whether vLLM's extra config sets the tree's option `key`, under its name or an alias."""
+    return any(extra.get(name) for name in settings.BY_KEY[key].names_for(settings.VLLM))
 
 
 def _size(value: Any, where: str) -> int:
@@ -72,9 +78,12 @@ def _size(value: Any, where: str) -> int:
 def kvtier_config(cpu: int, disk: int | None, disk_root: str | None, extra: dict[str, Any]) -> dict[str, Any]:
     """The --kv-transfer-config of a step: kvtier's connector and spec, the CPU tier, the disk
     tier when sized, and any other kvtier keys (`extra`)."""
-    cfg: dict[str, Any] = {"spec_name": "KvtierOffloadingSpec", "spec_module_path": MODULE, "cpu_bytes_to_use": cpu}
+    cfg: dict[str, Any] = {"spec_name": "KvtierOffloadingSpec", "spec_module_path": MODULE, "cpu_bytes": cpu}
     if disk is not None:
-        cfg.update(disk_root=disk_root, disk_bytes_to_use=disk)
+        cfg.update(disk_root=disk_root, disk_bytes=disk)
+    # An option `extra` gives under another of its names (cpu_bytes_to_use) replaces ours.
+    for key in [k for k in cfg if k in settings.BY_KEY and _given(extra, k)]:
+        del cfg[key]
     cfg.update(extra)
     return {
         "kv_connector": "KvtierConnector",
