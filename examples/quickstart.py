@@ -142,16 +142,16 @@ def part2_orchestrator() -> None:
         print(f"loaded {res.loaded_cpu} from CPU and {res.loaded_disk} from disk, byte-identical: {identical}")
         if not identical or res.loaded_disk == 0:
             raise SystemExit("quickstart failed: the disk path did not bring the blocks back intact")
-        s = orch.stats()
-        t = s["tiers"]
+        s = orch.snapshot()  # typed; orch.stats() is the same as a dict
+        gpu, cpu, on_disk = s.tiers.gpu, s.tiers.cpu, s.tiers.disk
+        if on_disk is None:  # None only without a disk tier
+            raise SystemExit("quickstart failed: the orchestrator reports no disk tier")
         print("per-tier counters:")
-        print(f"  GPU hits           {t['gpu']['hits']}")
-        print(f"  CPU promotions     {t['cpu']['promotions']}   (CPU hits {t['cpu']['hits']})")
-        print(f"  disk promotions    {t['disk']['promotions']}   (disk hits {t['disk']['hits']})")
-        print(f"  misses (recompute) {s['misses']}")
-        print(
-            f"  disk blocks written {t['disk']['writes']['completed']}, CPU evictions {t['cpu']['index']['evictions']}"
-        )
+        print(f"  GPU hits           {gpu.hits}")
+        print(f"  CPU promotions     {cpu.promotions}   (CPU hits {cpu.hits})")
+        print(f"  disk promotions    {on_disk.promotions}   (disk hits {on_disk.hits})")
+        print(f"  misses (recompute) {s.misses}")
+        print(f"  disk blocks written {on_disk.writes.completed}, CPU evictions {cpu.evictions}")
         engine.close()
         disk.close()
 

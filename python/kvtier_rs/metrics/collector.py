@@ -1,9 +1,9 @@
 """A Prometheus collector over the tiers' own counters.
 
 Nothing is counted twice: the core and the orchestrator already count everything, so the
-collector holds no metric objects of its own. Each scrape reads the orchestrator's `stats()`
-once (which reads each tier's core stats once), or each bare tier's `stats()` once, and turns
-that snapshot into the series of `names.SERIES`, every label combination present, zero where a
+collector holds no metric objects of its own. Each scrape takes the orchestrator's `snapshot()`
+once (which reads each tier's core stats once), or reads each bare tier's `stats()` once, and
+turns that into the series of `names.SERIES`, every label combination present, zero where a
 tier has not moved data or is not configured.
 """
 
@@ -25,7 +25,8 @@ from kvtier_rs._core import InvalidArgumentError
 from kvtier_rs.checks import invalid_argument
 from kvtier_rs.metrics.names import SERIES, Series
 from kvtier_rs.orchestrator.latency import BUCKETS
-from kvtier_rs.orchestrator.orchestrator import occupancy
+from kvtier_rs.orchestrator.orchestrator import TierOrchestrator, occupancy
+from kvtier_rs.orchestrator.stats import CpuTierSnapshot, DataPathSnapshot, DiskTierSnapshot
 from kvtier_rs.tiers.events import EventStream
 
 Labels = tuple[str, ...]
@@ -84,7 +85,7 @@ class KvTierCollector(Collector):
 
     def __init__(
         self,
-        orchestrator: Any = None,
+        orchestrator: TierOrchestrator | None = None,
         *,
         host: Any = None,
         disk: Any = None,
@@ -109,7 +110,7 @@ class KvTierCollector(Collector):
         missing combinations are filled with zeros by `collect`."""
         v: dict[str, dict[Labels, Any]] = {s.name: {} for s in SERIES}
         if self.orchestrator is not None:
-            self._from_orchestrator(v, self.orchestrator.stats(histograms=True))
+            self._from_orchestrator(v, self.orchestrator.snapshot(histograms=True))
         else:
             if self.host is not None:
                 self._from_index(v, "cpu", self.host.stats(), self.host.block_bytes)
@@ -145,42 +146,45 @@ class KvTierCollector(Collector):
         v["kvtier_transferred_bytes"][("disk", "store")] = d["bytes_written"]
         v["kvtier_transferred_bytes"][("disk", "load")] = d["bytes_read"]
 
-    def _from_orchestrator(self, v: dict[str, dict[Labels, Any]], s: Mapping[str, Any]) -> None:
-        v["kvtier_lookups"][()] = s["lookups"]
-        v["kvtier_misses"][()] = s["misses"]
-        v["kvtier_load_failures"][()] = s["load_failed"]
-        v["kvtier_load_released"][()] = s["load_released"]
-        v["kvtier_load_unreserved"][()] = s["load_unreserved"]
-        v["kvtier_transferred_bytes"][("cpu", "store")] = s["bytes"]["d2h"]
-        v["kvtier_transferred_bytes"][("cpu", "load")] = s["bytes"]["h2d"]
-        tiers = s["tiers"]
-        gpu = tiers["gpu"]
-        v["kvtier_hits"][("gpu",)] = gpu["hits"]
-        v["kvtier_lookup_blocks"][("gpu",)] = gpu["lookup_blocks"]
-        for tier in ("cpu", "disk"):
-            t = tiers.get(tier)
+    def _from_orchestrator(self, v: dict[str, dict[Labels, Any]], s: DataPathSnapshot) -> None:
+        v["kvtier_lookups"][()] = s.lookups
+        v["kvtier_misses"][()] = s.misses
+        v["kvtier_load_failures"][()] = s.load_failed
+        v["kvtier_load_released"][()] = s.load_released
+        v["kvtier_load_unreserved"][()] = s.load_unreserved
+        v["kvtier_transferred_bytes"][("cpu", "store")] = s.bytes.d2h
+        v["kvtier_transferred_bytes"][("cpu", "load")] = s.bytes.h2d
+        gpu = s.tiers.gpu
+        v["kvtier_hits"][("gpu",)] = gpu.hits
+        v["kvtier_lookup_blocks"][("gpu",)] = gpu.lookup_blocks
+        tiers: tuple[tuple[str, CpuTierSnapshot | DiskTierSnapshot | None], ...] = (
+            ("cpu", s.tiers.cpu),
+            ("disk", s.tiers.disk),
+        )
+        for tier, t in tiers:
             if t is None:
                 continue
-            self._from_index(v, tier, t["index"], t["block_bytes"])
-            if tier == "disk":
-                self._from_disk(v, t["index"])
-                v["kvtier_disk_write_backlog_blocks"][()] = t["write_backlog"]
-            v["kvtier_hits"][(tier,)] = t["hits"]
-            v["kvtier_lookup_blocks"][(tier,)] = t["lookup_blocks"]
-            v["kvtier_promotions"][(tier,)] = t["promotions"]
-            v["kvtier_promotions_in_flight"][(tier,)] = t["promotions_in_flight"]
-            for reason, n in t["refused"].items():
+            self._from_index(v, tier, t.index, t.block_bytes)
+            if isinstance(t, DiskTierSnapshot):
+                self._from_disk(v, t.index)
+                v["kvtier_disk_write_backlog_blocks"][()] = t.write_backlog
+            v["kvtier_hits"][(tier,)] = t.hits
+            v["kvtier_lookup_blocks"][(tier,)] = t.lookup_blocks
+            v["kvtier_promotions"][(tier,)] = t.promotions
+            v["kvtier_promotions_in_flight"][(tier,)] = t.promotions_in_flight
+            for reason, n in t.refused.items():
                 v["kvtier_refusals"][(tier, "load", reason)] = n
-            for reason, n in t["store_refused"].items():
+            for reason, n in t.store_refused.as_dict().items():
                 v["kvtier_refusals"][(tier, "store", reason)] = n
-            v["kvtier_latency_seconds"][(tier, "load")] = t["load_histogram"]
-            v["kvtier_latency_seconds"][(tier, "store")] = t["store_histogram"]
-        for tier, g in s["guards"].items():
+            v["kvtier_latency_seconds"][(tier, "load")] = t.load_histogram
+            v["kvtier_latency_seconds"][(tier, "store")] = t.store_histogram
+        for tier, g in s.guards.items():
             v["kvtier_guard_enabled"][(tier,)] = 1
-            v["kvtier_guard_state"][(tier,)] = int(g["state"] == "bypassed")
-            v["kvtier_guard_trips"][(tier,)] = g["trips"]
-            v["kvtier_guard_p99_seconds"][(tier,)] = g["p99_ms"] / 1e3
-            v["kvtier_guard_threshold_seconds"][(tier,)] = g["threshold_ms"] / 1e3
+            v["kvtier_guard_state"][(tier,)] = int(g.state == "bypassed")
+            v["kvtier_guard_trips"][(tier,)] = g.trips
+            v["kvtier_guard_p99_seconds"][(tier,)] = g.p99_ms / 1e3
+            if g.threshold_ms is not None:  # None: no SLO guard of its own, only the request rule
+                v["kvtier_guard_threshold_seconds"][(tier,)] = g.threshold_ms / 1e3
 
     # ---- exposition ------------------------------------------------------------------------
     def describe(self) -> Iterator[Metric]:

@@ -18,12 +18,14 @@ if TYPE_CHECKING:
     from kvtier_rs.orchestrator.orchestrator import TierOrchestrator
     from kvtier_rs.orchestrator.plans import LoadPlan
     from kvtier_rs.orchestrator.request_guard import RequestGuard, RequestRule
+    from kvtier_rs.orchestrator.stats import DataPathSnapshot
     from kvtier_rs.orchestrator.stores import OffloadTicket
 
 # Each public name and the submodule that defines it.
 _WHERE = {
     "BUCKETS": "latency",
     "CostModel": "cost",
+    "DataPathSnapshot": "stats",
     "DiskStager": "disk_stager",
     "GuardRule": "guard",
     "LatencyRecorder": "latency",
@@ -41,6 +43,7 @@ _WHERE = {
 __all__ = [
     "BUCKETS",
     "CostModel",
+    "DataPathSnapshot",
     "DiskStager",
     "GuardRule",
     "LatencyRecorder",

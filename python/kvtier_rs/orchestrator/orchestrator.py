@@ -27,7 +27,7 @@ does the job, each in its own module and usable on its own:
     loads.LoadJobs           reserve, bind, release; the copies; the loads' results
     stores.StoreJobs         offloads and their write-through to the disk tier
     stalls.StallDetector     promotions in flight too long: guard samples, hung tiers, timeouts
-    stats.DataPathStats      the stats mapping
+    stats.DataPathStats      the stats: a typed snapshot, and the mapping of it
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from kvtier_rs.orchestrator.latency import LatencyRecorder
 from kvtier_rs.orchestrator.loads import InFlight, LoadJob, LoadJobs, LoadResult, Reservation
 from kvtier_rs.orchestrator.plans import LoadPlan, LoadPlanner
 from kvtier_rs.orchestrator.stalls import StallDetector
-from kvtier_rs.orchestrator.stats import DataPathStats, occupancy
+from kvtier_rs.orchestrator.stats import DataPathSnapshot, DataPathStats, occupancy
 from kvtier_rs.orchestrator.stores import OffloadTicket, StoreJobs
 from kvtier_rs.tiers.events import EventStream
 from kvtier_rs.tiers.host import HostTier
@@ -364,8 +364,13 @@ class TierOrchestrator:  # noqa: PLR0904 - the public API, one delegating method
             time.sleep(0.001)
 
     # ---- stats ---------------------------------------------------------------------------
+    def snapshot(self, *, histograms: bool = False) -> DataPathSnapshot:
+        """Counters of the whole data path as frozen dataclasses, reading each tier's core stats
+        once. With `histograms`, each latency also comes as cumulative Prometheus buckets (for
+        the metrics collector)."""
+        return self._stats.snapshot(histograms=histograms)
+
     def stats(self, *, histograms: bool = False) -> dict[str, Any]:
-        """Counters of the whole data path, reading each tier's core stats once. Keys are only
-        ever added, never renamed (dashboards and adapters read them). With `histograms`, each
-        latency also comes as cumulative Prometheus buckets (for the metrics collector)."""
-        return self._stats.stats(histograms=histograms)
+        """`snapshot()` as a mapping of plain values: its fields' names are the keys. Keys are
+        only ever added, never renamed (dashboards and scripts read them)."""
+        return self.snapshot(histograms=histograms).as_dict()
