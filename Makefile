@@ -9,7 +9,7 @@ UV := $(VENV)/bin/uv
 STAMP := $(VENV)/.deps-stamp
 export PYO3_PYTHON := $(abspath $(VPY))
 
-.PHONY: demo test check build venv rust-test loom py-test py-test-core lint stubtest bench bench-disk bench-vllm clean
+.PHONY: demo test check build venv redis rust-test loom py-test py-test-core lint stubtest bench bench-disk bench-vllm clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -30,6 +30,23 @@ demo: build
 	$(VPY) examples/quickstart.py
 	$(VPY) examples/plan_demo.py out/plan-demo
 
+# The remote tier's tests start a real Redis Cluster (tests/support/valkey.py): Debian's
+# redis-server and redis-cli, installed here when missing (CI runs as root on a fresh Debian 12).
+# The package's init script starts a system server on 6379; the tests use free ports of their
+# own, so it is stopped, not needed.
+redis:
+	@if command -v redis-server >/dev/null && command -v redis-cli >/dev/null; then :; \
+	elif [ "$$(id -u)" != 0 ]; then \
+		echo "make redis: redis-server/redis-cli are missing and this is not root;" \
+			"install them (apt-get install redis-server) or run as root" >&2; exit 1; \
+	else \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get install -y -q --no-install-recommends redis-server \
+			|| { apt-get update -q && apt-get install -y -q --no-install-recommends redis-server; }; \
+		service redis-server stop >/dev/null 2>&1 || true; \
+	fi
+	@redis-server --version
+
 rust-test:
 	cargo test --all-targets --features fault-injection
 
@@ -38,18 +55,18 @@ rust-test:
 loom:
 	RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test --release --test loom_entry_state
 
-py-test: build
+py-test: build redis
 	$(VPY) -m pytest -q tests
 
 # Every Python test but the vLLM adapter's, which need the vLLM engine (`make vllm-env`).
-py-test-core: build
+py-test-core: build redis
 	$(VPY) -m pytest -q tests --ignore=tests/integrations/vllm
 
-test: build vllm-env lint stubtest rust-test loom py-test
+test: build redis vllm-env lint stubtest rust-test loom py-test
 
 # The inner loop, a few minutes and no vLLM: static checks, the stub, the Rust tests and every
 # Python test that needs no engine.
-check: build lint stubtest rust-test py-test-core
+check: build redis lint stubtest rust-test py-test-core
 
 # Static checks, part of `make test` so CI keeps the tree clean.
 lint: venv

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier_rs import defaults as D
+from kvtier_rs._core import InvalidArgumentError
 from kvtier_rs.checks import show
 from kvtier_rs.options import MIN_SAMPLES_MAX, OptionReader, guard_rule
 from kvtier_rs.orchestrator.gate import DEFAULT_MAX_IN_FLIGHT
@@ -38,7 +39,7 @@ from kvtier_rs.orchestrator.request_guard import RequestRule
 API, VLLM, VLLM_DISK_TIER, TRTLLM, PLANNER = "api", "vllm", "vllm_disk_tier", "trtllm", "planner"
 ENTRY_POINTS = (API, VLLM, VLLM_DISK_TIER, TRTLLM, PLANNER)
 #: The sections of the tree, in the order the docs list them.
-SECTIONS = ("cpu tier", "disk tier", "data path", "guard", "engine")
+SECTIONS = ("cpu tier", "disk tier", "remote tier", "data path", "guard", "engine")
 
 
 class _Required:
@@ -121,6 +122,38 @@ def _queue_depth(r: OptionReader, k: str, v: Any) -> int:
 
 def _in_flight(r: OptionReader, k: str, v: Any) -> int:
     return r.int_in(k, v, 1, 1 << 20)
+
+
+def _remote_url(r: OptionReader, k: str, v: Any) -> str:
+    from kvtier_rs.tiers.remote.client import parse_url
+
+    if not isinstance(v, str):
+        raise r.error(k, f"expected redis://host:port[,host:port...] or rediss://..., got {show(v)}")
+    try:
+        parse_url(v, k)
+    except InvalidArgumentError as e:
+        raise r.error(k, e.reason) from None
+    return v
+
+
+def _key_prefix(r: OptionReader, k: str, v: Any) -> str:
+    if not isinstance(v, str) or not v or any(c in v for c in ": \t\r\n"):
+        raise r.error(k, f"expected a non-empty string without ':' or spaces, got {show(v)}")
+    return v
+
+
+def _string(r: OptionReader, k: str, v: Any) -> str:
+    if not isinstance(v, str):
+        raise r.error(k, f"expected a string, got {show(v)}")
+    return v
+
+
+def _file(r: OptionReader, k: str, v: Any) -> str:
+    return r.directory(k, v)  # a path; whether it can be read is said at open
+
+
+def _positive_seconds(r: OptionReader, k: str, v: Any) -> float:
+    return r.positive(k, v, unit="(seconds)")
 
 
 def _guard(r: OptionReader, k: str, v: Any) -> GuardRule | None:
@@ -209,6 +242,7 @@ def _guard_meaning(tier: str, what: str) -> str:
 
 _ALL = frozenset({API, VLLM, TRTLLM})
 _DISK = frozenset({API, VLLM, VLLM_DISK_TIER, TRTLLM})
+_REMOTE = frozenset({API, VLLM})
 
 #: The tree, in the order the docs list it.
 TREE: tuple[Setting, ...] = (
@@ -311,6 +345,116 @@ TREE: tuple[Setting, ...] = (
         takes=_DISK,
         aliases={VLLM_DISK_TIER: ("queue_depth",)},
         needs="disk_root",
+    ),
+    # -- the remote tier --
+    Setting(
+        "remote_url",
+        "remote tier",
+        "seed nodes of a Valkey / Redis (>= 7) Cluster, `redis://host:port[,host:port...]` (`rediss://` for "
+        "TLS; an ACL user as `redis://user@host:port`, never a password); setting it turns the shared remote "
+        "tier on",
+        _remote_url,
+        default=None,
+        takes=_REMOTE,
+        shown_default="null (no remote tier)",
+    ),
+    Setting(
+        "remote_prefix",
+        "remote tier",
+        "first part of every key in the store: one per deployment, so that deployments sharing a cluster "
+        "never read each other's blocks",
+        _key_prefix,
+        default="kvtier",
+        takes=_REMOTE,
+        needs="remote_url",
+    ),
+    Setting(
+        "remote_salt",
+        "remote tier",
+        "tenant or cache salt mixed into the namespace digest: blocks stored under one salt are never read "
+        "under another",
+        _string,
+        default="",
+        takes=_REMOTE,
+        needs="remote_url",
+    ),
+    Setting(
+        "remote_secret_file",
+        "remote tier",
+        "file holding the deployment secret: values are then checked by a keyed BLAKE3 MAC, so a client "
+        "that can write to the store but lacks the secret cannot plant KV that replicas serve",
+        _file,
+        default=None,
+        takes=_REMOTE,
+        needs="remote_url",
+        shown_default="null (a plain BLAKE3 checksum)",
+    ),
+    Setting(
+        "remote_password_env",
+        "remote tier",
+        "environment variable holding the store's password (AUTH / ACL); never logged",
+        _string,
+        default="KVTIER_REMOTE_PASSWORD",
+        takes=_REMOTE,
+        needs="remote_url",
+    ),
+    Setting(
+        "remote_password_file",
+        "remote tier",
+        "file whose first line is the store's password, instead of `remote_password_env`",
+        _file,
+        default=None,
+        takes=_REMOTE,
+        needs="remote_url",
+    ),
+    Setting(
+        "remote_tls_ca_file",
+        "remote tier",
+        "CA certificate file for a `rediss://` cluster",
+        _file,
+        default=None,
+        takes=_REMOTE,
+        needs="remote_url",
+    ),
+    Setting(
+        "remote_deadline_s",
+        "remote tier",
+        "seconds one operation on the store may take; a later answer is a miss (reads) or a dropped "
+        "write, and counts toward the circuit breaker",
+        _positive_seconds,
+        default=1.0,
+        takes=_REMOTE,
+        needs="remote_url",
+    ),
+    Setting(
+        "remote_ttl_s",
+        "remote tier",
+        "seconds a stored block lives (`SET ... EX`); null leaves eviction to the server's "
+        "`maxmemory-policy allkeys-lru`",
+        _positive_seconds,
+        default=None,
+        takes=_REMOTE,
+        needs="remote_url",
+    ),
+    Setting(
+        "remote_admission",
+        "remote tier",
+        'remote tier admission: `"uses:K"` (a block offered K times: stored, then reused from the CPU '
+        'tier), `"always"` or `"priority:T"`; the shared store receives only blocks with reuse evidence',
+        _admission,
+        default="uses:2",
+        takes=_REMOTE,
+        needs="remote_url",
+    ),
+    Setting(
+        "remote_max_write_bytes",
+        "remote tier",
+        "bytes of write-throughs in flight to the store at most; beyond them writes are dropped and "
+        "counted (`writes_dropped_backlog`), never queued",
+        _size,
+        default=1 << 30,
+        takes=_REMOTE,
+        needs="remote_url",
     ),
     # -- the data path --
     Setting(
@@ -487,7 +631,7 @@ def read_values(raw: Mapping[Any, Any], entry: str, reader: OptionReader) -> dic
         name = given.get(s.key)
         if s.needs is not None and s.needs not in given:
             if name is not None:
-                raise reader.error(name, f"needs {s.needs} (the disk tier is off without it)")
+                raise reader.error(name, f"needs {s.needs} (the {BY_KEY[s.needs].section} is off without it)")
             out[s.key] = None
             continue
         if name is None:
@@ -532,6 +676,21 @@ class DiskTierSettings:
 
 
 @dataclass(frozen=True)
+class RemoteTierSettings:
+    url: str
+    prefix: str = "kvtier"
+    salt: str = ""
+    secret_file: str | None = None
+    password_env: str = "KVTIER_REMOTE_PASSWORD"
+    password_file: str | None = None
+    tls_ca_file: str | None = None
+    deadline_s: float = 1.0
+    ttl_s: float | None = None
+    admission: str = "uses:2"
+    max_write_bytes: int = 1 << 30
+
+
+@dataclass(frozen=True)
 class DataPathSettings:
     cost: CostRates | None = None
     #: tier -> promotions in flight at most (the tiers that are on).
@@ -548,6 +707,7 @@ class Settings:
 
     cpu: CpuTierSettings
     disk: DiskTierSettings | None = None
+    remote: RemoteTierSettings | None = None
     data_path: DataPathSettings = field(default_factory=DataPathSettings)
     #: The engine's own options, by key (``section == "engine"``).
     engine: dict[str, Any] = field(default_factory=dict)
@@ -565,14 +725,35 @@ def settings_from_values(values: Mapping[str, Any]) -> Settings:
             io_engine=values["disk_io_engine"],
             queue_depth=values["disk_queue_depth"],
         )
+    remote = remote_settings(values)
     tiers = ("cpu", "disk") if disk is not None else ("cpu",)
     limits = {t: values[f"{t}_max_promotions_in_flight"] for t in tiers if values.get(f"{t}_max_promotions_in_flight")}
     guards = {t: values[f"{t}_slo_guard"] for t in tiers if values.get(f"{t}_slo_guard") is not None}
     return Settings(
         cpu=CpuTierSettings(values["cpu_bytes"], values["cpu_policy"], values["cpu_admission"]),
         disk=disk,
+        remote=remote,
         data_path=DataPathSettings(values.get("cost_model"), limits, guards, values.get("slo_guard")),
         engine={k: v for k, v in values.items() if BY_KEY[k].section == "engine"},
+    )
+
+
+def remote_settings(values: Mapping[str, Any]) -> RemoteTierSettings | None:
+    """The remote tier's part of `read_values`' output, or None when it is off."""
+    if values.get("remote_url") is None:
+        return None
+    return RemoteTierSettings(
+        url=values["remote_url"],
+        prefix=values["remote_prefix"],
+        salt=values["remote_salt"],
+        secret_file=values["remote_secret_file"],
+        password_env=values["remote_password_env"],
+        password_file=values["remote_password_file"],
+        tls_ca_file=values["remote_tls_ca_file"],
+        deadline_s=values["remote_deadline_s"],
+        ttl_s=values["remote_ttl_s"],
+        admission=values["remote_admission"],
+        max_write_bytes=values["remote_max_write_bytes"],
     )
 
 

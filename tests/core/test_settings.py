@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # The smallest valid configuration of each reader, with the disk tier on.
 MINIMAL = {
-    S.API: {"cpu_bytes": "1GiB", "disk_root": "/d", "disk_bytes": "2GiB"},
-    S.VLLM: {"cpu_bytes": "1GiB", "disk_root": "/d", "disk_bytes": "2GiB"},
+    S.API: {"cpu_bytes": "1GiB", "disk_root": "/d", "disk_bytes": "2GiB", "remote_url": "redis://h:7000"},
+    S.VLLM: {"cpu_bytes": "1GiB", "disk_root": "/d", "disk_bytes": "2GiB", "remote_url": "redis://h:7000"},
     S.VLLM_DISK_TIER: {"disk_root": "/d", "disk_bytes": "2GiB"},
     S.TRTLLM: {"cpu_bytes": "1GiB", "disk_root": "/d", "disk_bytes": "2GiB"},
 }
@@ -85,7 +85,11 @@ def test_every_entry_point_takes_the_trees_defaults(entry):
             S.BY_KEY["disk_queue_depth"].default,
         )
         assert got.disk_max_promotions_in_flight == 1024
-    elif entry == S.TRTLLM:
+    if entry in (S.API, S.VLLM):
+        # The typed remote settings' own defaults are the tree's.
+        assert got.remote == S.RemoteTierSettings(url="redis://h:7000")
+        assert got.remote == S.remote_settings(values)
+    if entry == S.TRTLLM:
         assert (got.disk_admission, got.disk_policy, got.cpu_policy) == (
             S.BY_KEY["disk_admission"].default,
             "priority",

@@ -697,6 +697,9 @@ def test_grafana_dashboard_uses_only_exported_series():
     declared = {vm.PREFIX + n for n in vm.GUARD_GAUGES} | {vm.PREFIX + n + "_total" for n in vm.GUARD_COUNTERS}
     declared |= {vm.PREFIX + n for n in vm.INDEX_GAUGES} | {vm.PREFIX + n + "_total" for n in vm.INDEX_COUNTERS}
     declared |= {vm.PREFIX + n + "_total" for n in vm.MANAGER_COUNTERS}
+    declared |= {vm.PREFIX + n + "_total" for n in (*vm.REMOTE_COUNTERS, vm.REMOTE_MISS)}
+    declared |= {vm.PREFIX + n for n in vm.REMOTE_GAUGES}
+    declared |= {vm.PREFIX + f"remote_{op}_seconds_bucket" for op in vm.REMOTE_HISTOGRAMS}
     vllm_used = {n for e in exprs for n in re.findall(r"vllm:kv_offload_kvtier_[a-z0-9_]+", e)}
     assert vllm_used <= declared, vllm_used - declared
     assert {vm.PREFIX + "guard_trips_total", vm.PREFIX + "guard_state"} <= vllm_used

@@ -333,7 +333,8 @@ def test_cost_model_accepts_a_free_hop_and_zero_latency_and_copies_its_dicts():
 
 def test_a_plan_never_raises_a_bare_key_error_for_a_missing_hop():
     # Refused at construction, before any plan could reach the missing hop.
-    with pytest.raises(kv.InvalidArgumentError, match="`bandwidth`: expected a dict with keys 'cpu' and 'disk'"):
+    expected = "`bandwidth`: expected a dict with keys 'cpu' and 'disk' \\(and optionally 'remote'\\)"
+    with pytest.raises(kv.InvalidArgumentError, match=expected):
         orchestrator(cost=cost(bandwidth={"disk": 1e9}))
 
 

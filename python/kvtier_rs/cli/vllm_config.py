@@ -116,6 +116,8 @@ def _print_settings(settings: Mapping[str, Any], indent: str) -> None:
             continue
         if key == "disk_root":
             shown = "none (disk tier off)" if value is None else f"{value} (a directory per model is made under it)"
+        elif key == "remote_url" and value is None:
+            shown = "none (remote tier off)"
         elif key in _SIZE_KEYS and isinstance(value, int):
             shown = _size(value)
         elif isinstance(value, Mapping):

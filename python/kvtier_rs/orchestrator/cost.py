@@ -36,29 +36,38 @@ import numbers
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from kvtier_rs.checks import check_count, check_number, invalid_argument, usable_sample
 
-#: Promotion hops: "cpu" = host -> device, "disk" = disk -> host.
+#: Promotion hops: "cpu" = host -> device, "disk" = disk -> host, always set.
 HOPS = ("cpu", "disk")
+#: "remote" = the shared store -> host: set when given, else from these first estimates (a
+#: round trip to another machine, and a network's rate) until transfers measure it.
+OPTIONAL_HOPS = {"remote": (1e9, 1e-3)}
 
 
 def _per_hop(name: str, value: object, *, zero_ok: bool, inf_ok: bool) -> dict[str, float]:
-    """A {hop: number} setting naming exactly the hops, as a new dict (the model updates its
-    own copy; the caller's dict is never changed behind its back)."""
-    if not isinstance(value, Mapping) or set(value) != set(HOPS):
+    """A {hop: number} setting naming the hops (and optionally "remote"), as a new dict (the
+    model updates its own copy; the caller's dict is never changed behind its back)."""
+    if not isinstance(value, Mapping) or not set(HOPS) <= set(value) <= {*HOPS, *OPTIONAL_HOPS}:
         got = f"keys {sorted(value, key=repr)!r}" if isinstance(value, Mapping) else repr(value)
-        raise invalid_argument(name, f"expected a dict with keys 'cpu' and 'disk', got {got}")
-    return {hop: check_number(f"{name}[{hop!r}]", value[hop], zero_ok=zero_ok, inf_ok=inf_ok) for hop in HOPS}
+        raise invalid_argument(name, f"expected a dict with keys 'cpu' and 'disk' (and optionally 'remote'), got {got}")
+    return {hop: check_number(f"{name}[{hop!r}]", value[hop], zero_ok=zero_ok, inf_ok=inf_ok) for hop in value}
 
 
 @dataclass
 class CostModel:
+    #: The disk's first read-rate estimate, before any read is measured.
+    DEFAULT_DISK_BYTES_PER_S: ClassVar[float] = 1e9
+
     prefill_tokens_per_s: float
     tokens_per_block: int
     block_bytes: int
     #: bytes/s per promotion hop: "cpu" = host -> device, "disk" = disk -> host (inf: free).
-    bandwidth: dict[str, float] = field(default_factory=lambda: {"cpu": 10e9, "disk": 1e9})
+    bandwidth: dict[str, float] = field(
+        default_factory=lambda: {"cpu": 10e9, "disk": CostModel.DEFAULT_DISK_BYTES_PER_S}
+    )
     #: fixed seconds per promotion job (submission, completion polling) per hop.
     latency_s: dict[str, float] = field(default_factory=lambda: {"cpu": 50e-6, "disk": 200e-6})
     alpha: float = 0.2
@@ -92,8 +101,9 @@ class CostModel:
     def observe(self, hop: str, nbytes: int, seconds: float) -> None:
         """Fold one measured transfer into the hop's bandwidth estimate, unless it carries no
         bandwidth information (dropped or skipped and counted, see the module docstring)."""
-        if hop not in HOPS:
-            raise invalid_argument("hop", f"expected 'cpu' or 'disk', got {hop!r}")
+        if hop not in HOPS and hop not in OPTIONAL_HOPS:
+            raise invalid_argument("hop", f"expected 'cpu', 'disk' or 'remote', got {hop!r}")
+        self._ensure(hop)
         if not (usable_sample(nbytes, "nbytes") and usable_sample(seconds, "seconds")):
             self.observations_dropped += 1
             return
@@ -116,11 +126,19 @@ class CostModel:
             return
         self.bandwidth[hop] = (1 - self.alpha) * self.bandwidth[hop] + self.alpha * measured
 
+    def _ensure(self, hop: str) -> None:
+        """An optional hop's first estimates, on first use."""
+        if hop in OPTIONAL_HOPS:
+            self.bandwidth.setdefault(hop, OPTIONAL_HOPS[hop][0])
+            self.latency_s.setdefault(hop, OPTIONAL_HOPS[hop][1])
+
     def load_seconds(self, tier: str, n_blocks: int) -> float:
-        """Estimated time to bring n blocks from `tier` to the device (disk goes through CPU)."""
+        """Estimated time to bring n blocks from `tier` to the device (disk and remote go
+        through CPU)."""
         if n_blocks <= 0:
             return 0.0
-        hops = ["cpu"] if tier == "cpu" else ["disk", "cpu"]
+        hops = ["cpu"] if tier == "cpu" else [tier, "cpu"]
+        self._ensure(tier)
         nbytes = n_blocks * self.block_bytes
         return sum(self.latency_s[h] + nbytes / self.bandwidth[h] for h in hops)
 

@@ -1,6 +1,6 @@
 """What the data path needs of a disk tier: the contract ``DiskStager`` and ``TierOrchestrator``
-are written against. ``kvtier_rs.DiskTier`` (the Rust core's) is the implementation; the
-contract lets a test or another store stand in without the data path knowing.
+are written against. ``kvtier_rs.DiskTier`` (the Rust core's) is the implementation; the remote
+tier (``tiers.remote.RemoteTier``) keeps the same contract, so the same stager drives it.
 
 Every method is called from the engine's scheduler thread; none may block on I/O except
 ``wait_idle``.
@@ -8,11 +8,45 @@ Every method is called from the engine's scheduler thread; none may block on I/O
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
-from kvtier_rs._core import DiskJobResult, DiskWriteTicket, HostPool
+from kvtier_rs._core import HostPool
 from kvtier_rs.tiers.keys import Key
+
+
+class WriteTicket(Protocol):
+    """What a write submission accepted (``DiskWriteTicket``, or the remote tier's)."""
+
+    @property
+    def job_id(self) -> int: ...
+    @property
+    def keys(self) -> list[Key]: ...
+    @property
+    def skipped(self) -> list[Key]: ...
+    @property
+    def refused(self) -> list[Key]: ...
+    @property
+    def evicted(self) -> list[Key]: ...
+
+
+class JobResult(Protocol):
+    """A finished job (``DiskJobResult``, or the remote tier's)."""
+
+    @property
+    def job_id(self) -> int: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def success(self) -> bool: ...
+    @property
+    def ok_keys(self) -> list[Key]: ...
+    @property
+    def failed_keys(self) -> list[Key]: ...
+    @property
+    def bytes(self) -> int: ...
+    @property
+    def seconds(self) -> float: ...
 
 
 class StagingDisk(Protocol):
@@ -37,7 +71,7 @@ class StagingDisk(Protocol):
         *,
         priority: int = 35,
         duration_s: float | None = None,
-    ) -> DiskWriteTicket:
+    ) -> WriteTicket:
         """Start writing block ``keys[i]`` from host slot ``slots[i]``.
 
         Preconditions: the slots hold the blocks' bytes and are not rewritten until the job's
@@ -61,11 +95,11 @@ class StagingDisk(Protocol):
         """
         ...
 
-    def poll(self) -> list[DiskJobResult]:
+    def poll(self) -> Sequence[JobResult]:
         """The results of the jobs finished since the last call (each once)."""
         ...
 
-    def try_take(self, job_id: int) -> DiskJobResult | None:
+    def try_take(self, job_id: int) -> JobResult | None:
         """The result of `job_id` if it has finished (taken: ``poll`` will not return it), else
         None."""
         ...
@@ -86,7 +120,7 @@ class StagingDisk(Protocol):
         """Give the held keys this retention priority and duration; returns how many it renewed."""
         ...
 
-    def stats(self) -> dict[str, int | float | str]:
+    def stats(self) -> Mapping[str, Any]:
         """Counters and gauges, by name."""
         ...
 

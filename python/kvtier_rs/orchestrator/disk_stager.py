@@ -95,10 +95,13 @@ class DiskStager:
         max_write_backlog: int = 1024,
         events: EventStream | None = None,
         seals: SlotSeals | None = None,
+        tier: str = "disk",
     ) -> None:
+        """`disk`: the staged tier (the disk tier, or the remote tier, which keeps the same
+        contract); `tier` names it in the events."""
         if disk.block_bytes < host.block_bytes:
             raise InvalidArgumentError(
-                f"disk: its blocks ({disk.block_bytes} B) are smaller than the host tier's ({host.block_bytes} B)"
+                f"{tier}: its blocks ({disk.block_bytes} B) are smaller than the host tier's ({host.block_bytes} B)"
             )
         # The disk tier moves whole 4 KiB pages between a host slot and the disk: a block takes
         # its payload rounded up to 4 KiB (its slot stride less the header page) of a host slot.
@@ -107,11 +110,12 @@ class DiskStager:
         pool, need = host.pool, disk.slot_stride - _PAGE
         if pool.slot_bytes < need:
             raise InvalidArgumentError(
-                f"disk: its blocks need host slots of {need} B (block_bytes={disk.block_bytes} rounded up to "
+                f"{tier}: its blocks need host slots of {need} B (block_bytes={disk.block_bytes} rounded up to "
                 f"4 KiB); the host pool's slots are {pool.slot_bytes} B"
             )
         self.host = host
         self.disk = disk
+        self.tier = tier
         self.max_write_backlog = max_write_backlog
         self.counters = StagerCounters()
         self.events = events
@@ -182,7 +186,7 @@ class DiskStager:
             self.host.index.unpin(not_written)
         self.counters.writes_refused += len(ticket.refused)
         if self.events is not None:
-            self.events.publish("removed", "disk", ticket.evicted, reason="evicted")
+            self.events.publish("removed", self.tier, ticket.evicted, reason="evicted")
         if written:
             self._writes[ticket.job_id] = written
             self._write_backlog += len(written)
@@ -272,7 +276,7 @@ class DiskStager:
             self.counters.writes_failed += len(r.failed_keys)
             self.counters.write_latency.observe(r.seconds)
             if self.events is not None:
-                self.events.publish("stored", "disk", r.ok_keys)
+                self.events.publish("stored", self.tier, r.ok_keys)
             return
         read = self._reads.pop(r.job_id, None)
         if read is None:
@@ -318,7 +322,7 @@ class DiskStager:
                 except KvTierError:
                     held = [False] * len(r.failed_keys)  # closed, or its index failed: holds nothing
                 gone = [k for k, h in zip(r.failed_keys, held, strict=True) if not h]
-                self.events.publish("removed", "disk", gone, reason="failed_read")
+                self.events.publish("removed", self.tier, gone, reason="failed_read")
         return prefix
 
     def drain(self, timeout: float | None = None) -> list[PromotionDone]:

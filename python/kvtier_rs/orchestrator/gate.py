@@ -37,7 +37,7 @@ TIERS = ("cpu", "disk")
 #: Why a hit is recomputed instead of loaded.
 REFUSAL_REASONS = ("cost", "backpressure", "guard")
 #: Promotions in flight per tier unless the caller says otherwise.
-DEFAULT_MAX_IN_FLIGHT = {"cpu": 64, "disk": 16}
+DEFAULT_MAX_IN_FLIGHT = {"cpu": 64, "disk": 16, "remote": 16}
 
 
 def check_guards(guards: Any, tiers: tuple[str, ...] = TIERS) -> dict[str, GuardRule]:

@@ -44,7 +44,7 @@ from kvtier_rs.tiers.keys import Key, key_list
 EVENT_KINDS = ("stored", "removed", "promoted", "bypassed", "restored")
 #: Kinds about a whole tier, not blocks: published with no keys.
 TIER_EVENT_KINDS = ("bypassed", "restored")
-EVENT_TIERS = ("cpu", "disk")
+EVENT_TIERS = ("cpu", "disk", "remote")
 
 
 @dataclass(frozen=True, slots=True)

@@ -122,7 +122,7 @@ def test_disk_tier_serves_prefix_evicted_from_cpu_tier(env, prompts, baseline):
             # busy machine B's chunks were still pinned when C stored, C evicted A's head, and
             # A came back from disk whole). And before A is looked up, C's must not be held, or
             # A's promotions could find no slot they may take and A would be recomputed.
-            mgr.lower.drain()
+            mgr.lower.layer("disk").drain()
         assert mgr.cpu_index.stats()["evictions"] >= 3
         E.drop_gpu_cache(llm)
         tokens, cached = E.generate(llm, prompts["A"])
@@ -130,7 +130,7 @@ def test_disk_tier_serves_prefix_evicted_from_cpu_tier(env, prompts, baseline):
         assert tokens == baseline["A"]
         c = counters(llm)
         assert c["loads_disk"] == 2 and c["loads_cpu"] == 1 and c["promotions"] == 2, c
-        disk = mgr.lower.stats()
+        disk = mgr.lower.layer("disk").stats()
         assert disk["blocks_written"] == 9 and disk["blocks_read"] == 2
     finally:
         E.shutdown(llm)
@@ -139,7 +139,7 @@ def test_disk_tier_serves_prefix_evicted_from_cpu_tier(env, prompts, baseline):
 def test_disk_tier_survives_engine_restart(env, prompts, baseline):
     llm = kvtier_llm(env, **disk_cfg(env))
     try:
-        assert state(llm).manager.lower.stats()["recovered_blocks"] == 9
+        assert state(llm).manager.lower.layer("disk").stats()["recovered_blocks"] == 9
         for name in "BA":
             tokens, cached = E.generate(llm, prompts[name])
             assert cached == SERVED
@@ -159,7 +159,7 @@ def test_corrupt_disk_block_is_recomputed(env, prompts, baseline):
         assert tokens == baseline["C"]
         c = counters(llm)
         assert c["promotion_failures"] >= 1 and c["loads_disk"] == 0
-        assert state(llm).manager.lower.stats()["checksum_failures"] >= 1
+        assert state(llm).manager.lower.layer("disk").stats()["checksum_failures"] >= 1
         # The recomputed head chunk was stored again and is served from the CPU tier. (Later
         # chunks may not be: if their doomed promotion reads were still in flight when the
         # request recomputed them, they were "being written" at store time and so skipped.)

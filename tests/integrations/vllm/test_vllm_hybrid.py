@@ -82,7 +82,7 @@ def test_disk_tier_hits_of_both_groups_match_the_baseline(env, prompts, baseline
         for name in "ABCD":
             tokens, _ = E.generate(llm, prompts[name])
             assert tokens == baseline[name], name
-            mgr.lower.drain()
+            mgr.lower.layer("disk").drain()
         assert mgr.cpu_index.stats()["evictions"] > 0
         E.drop_gpu_cache(llm)
         for name in "AB":

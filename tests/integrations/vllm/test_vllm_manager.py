@@ -356,7 +356,7 @@ def test_a_disk_tier_that_cannot_be_cleared_is_switched_off(tmp_path, caplog, mo
         def clear(self):
             raise KvTierError("write kvtier-disk.meta: No space left on device")
 
-    mg.lower.disk = Unclearable()
+    mg.lower.layer("disk").disk = Unclearable()
     mg.reset_cache()
     assert "disk tier switched off" in caplog.text and "No space left" in caplog.text
     assert disk.contains([key(1)]) == [True]  # still on disk, but never served again here
@@ -381,9 +381,9 @@ def test_a_disk_hit_skipped_by_the_cost_rule_counts_once_per_request_and_chunk(t
     for _ in range(3):  # three steps
         assert mg.lookup(key(1), waiting) is LookupResult.MISS
         mg.on_schedule_end(None)
-    assert mg.lower.counters.disk_skipped_by_cost == 1
+    assert mg.lower.layer("disk").counters.disk_skipped_by_cost == 1
     assert mg.lookup(key(1), ctx("another")) is LookupResult.MISS
-    assert mg.lower.counters.disk_skipped_by_cost == 2
+    assert mg.lower.layer("disk").counters.disk_skipped_by_cost == 2
     mg.shutdown()
 
 
@@ -409,8 +409,8 @@ def test_disk_hits_beyond_the_promotion_cap_are_recomputed_and_counted_once(tmp_
     assert [mg.lookup(key(i), r) for i in (1, 2)] == [LookupResult.HIT_PENDING] * 2
     assert [mg.lookup(key(i), r) for i in (3, 4)] == [LookupResult.MISS] * 2
     assert mg.lookup(key(3), r) is LookupResult.MISS  # vLLM asks again next step: counted once
-    assert mg.lower.counters.disk_refused_backpressure == 2
-    assert mg.lower.stats()["promotions_in_flight"] == 2
+    assert mg.lower.layer("disk").counters.disk_refused_backpressure == 2
+    assert mg.lower.layer("disk").stats()["promotions_in_flight"] == 2
     assert disk.wait_idle(WAIT_S)
     mg.on_schedule_end(None)  # the two reads land: room again
     mg.on_request_finished(r)  # (its promoted chunks are no longer held for it)
@@ -435,14 +435,14 @@ def test_a_slow_disk_trips_the_guard_its_hits_are_recomputed_then_it_is_reprobed
         mg.on_request_finished(r)  # (its promoted chunk is no longer held for it)
 
     promote_slowly(key(1))
-    assert mg.lower.gate.guards["disk"].allows(), "one slow sample is not a trip"
+    assert mg.lower.layer("disk").gate.guards["disk"].allows(), "one slow sample is not a trip"
     promote_slowly(key(2))
     # Two waits of 500 ms against a 100 ms budget: bypassed; its hits are misses, counted.
-    assert not mg.lower.gate.guards["disk"].allows()
+    assert not mg.lower.layer("disk").gate.guards["disk"].allows()
     waiting = ctx("waiting")
     assert mg.lookup(key(3), waiting) is LookupResult.MISS
     assert mg.lookup(key(3), waiting) is LookupResult.MISS
-    assert mg.lower.counters.disk_refused_guard == 1
+    assert mg.lower.layer("disk").counters.disk_refused_guard == 1
     assert "SLO guard tripped: the disk tier is bypassed for 30 s" in caplog.text
     values = mg.get_stats().data["data"]
     assert values[m.PREFIX + "guard_state"] == {("disk",): 1}
@@ -557,7 +557,7 @@ def test_a_hung_disk_trips_the_guard_from_its_reads_in_flight(tmp_path):
     now = [0.0]
     rule = {"p99_ms": 100, "min_samples": 2}
     mg, _ = _disk_only(tmp_path, 3, clock=lambda: now[0], disk_slo_guard=rule)
-    layer = mg.lower
+    layer = mg.lower.layer("disk")
     assert [mg.lookup(key(i), ctx()) for i in (1, 2)] == [LookupResult.HIT_PENDING] * 2
     now[0] += 0.5
     layer.gate.stalled("disk", {job: now[0] - r.started for job, r in layer._reads.items()})
@@ -1143,7 +1143,7 @@ def test_a_promotion_never_evicts_a_chunk_that_answered_hit_to_the_same_request(
     # vLLM's own sliding-window scan (it reads nothing of the scheduler but its manager).
     scan = OffloadingConnectorScheduler._sliding_window_lookup
     assert scan(SimpleNamespace(manager=mg), window, 2, r) == 2, "not deferred: vLLM loads now"
-    assert mg.lower.stager.counters.promotions_submitted == 1, "the scan promoted window[3]"
+    assert mg.lower.layer("disk").stager.counters.promotions_submitted == 1, "the scan promoted window[3]"
     loads = [*full[:2], *window[:2]]
     spec = mg.prepare_load(loads, r)  # raised NotReadyError before
     assert len(set(spec.block_ids.tolist())) == 4
@@ -1186,7 +1186,7 @@ def test_a_request_that_excludes_storage_is_not_served_from_disk(tmp_path):
     cpu_only = ReqContext(req_id="c", load_tier_filter=TierFilter(matchers=(TierMatcher(medium=Medium.CPU),)))
     mg.on_new_request(cpu_only)
     assert mg.lookup(key(1), cpu_only) == LookupResult.MISS
-    assert mg.lower.stager.counters.promotions_submitted == 0
+    assert mg.lower.layer("disk").stager.counters.promotions_submitted == 0
     anyone = ctx("a")
     mg.on_new_request(anyone)
     assert mg.lookup(key(1), anyone) == LookupResult.HIT_PENDING

@@ -80,7 +80,7 @@ def run_scenario(llm, mgr, prompts):
     written), then A again with the GPU cache dropped."""
     for name in "ABC":
         E.generate(llm, prompts[name])
-        mgr.lower.drain()
+        mgr.lower.layer("disk").drain()
     E.drop_gpu_cache(llm)
     return E.generate(llm, prompts["A"])
 
@@ -90,7 +90,7 @@ def test_a_scheduler_on_memory_no_worker_fills_writes_nothing_to_disk(env, promp
     try:
         tokens, _ = run_scenario(llm, mgr, prompts)
         assert tokens == baseline["A"], "a wrong block was served"
-        stager = mgr.lower.stager.counters
+        stager = mgr.lower.layer("disk").stager.counters
         # Every chunk stored (nine, and any offered again) was refused, none written.
         assert stager.writes_dropped_unsealed >= 9 and stager.writes_submitted == 0, stager
         assert mgr.counters.loads_disk == 0

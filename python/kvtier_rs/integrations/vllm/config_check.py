@@ -118,6 +118,7 @@ def _offloading(extra: Mapping[str, Any]) -> dict[str, Any]:
         "cpu_admission": o.cpu_admission,
         "slo_guard": None if o.slo_guard is None else asdict(o.slo_guard),
     }
+    out.update(_remote(o))
     if o.disk_root is None:
         out["disk_root"] = None
         return out
@@ -139,6 +140,29 @@ def _offloading(extra: Mapping[str, Any]) -> dict[str, Any]:
         }
     )
     return out
+
+
+def _remote(o: vo.KvtierOptions) -> dict[str, Any]:
+    """The remote tier's settings, with what can be checked without the store: the password
+    and secret files readable (their contents are never shown). Whether the cluster answers is
+    the engine's to find out: a store that is down costs misses, not a failed start."""
+    r = o.remote
+    if r is None:
+        return {"remote_url": None}
+    from kvtier_rs.tiers.remote.build import read_secret
+    from kvtier_rs.tiers.remote.client import read_password
+
+    read_password(r.password_env, r.password_file)
+    if r.secret_file:
+        read_secret(r.secret_file)
+    return {
+        "remote_url": r.url,
+        "remote_prefix": r.prefix,
+        "remote_values": "MAC-keyed (remote_secret_file)" if r.secret_file else "checksummed, no secret",
+        "remote_admission": r.admission,
+        "remote_deadline_s": r.deadline_s,
+        "remote_ttl_s": r.ttl_s,
+    }
 
 
 def _tiering(extra: Mapping[str, Any], *, vllm_own: bool) -> dict[str, Any]:

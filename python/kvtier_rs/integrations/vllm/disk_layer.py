@@ -32,11 +32,12 @@ from pathlib import Path
 from typing import Any, NamedTuple, cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import canonical_format_id
-from vllm.v1.kv_offload.base import LookupResult, Medium, OffloadingEvent, OffloadKey
+from vllm.v1.kv_offload.base import Locality, LookupResult, Medium, OffloadingEvent, OffloadKey
 
 from kvtier_rs._core import BlockIndex, DiskTier, HostPool, IndexFailedError, KvTierError
 from kvtier_rs.integrations.vllm import metrics as m
 from kvtier_rs.integrations.vllm.options import KvtierOptions
+from kvtier_rs.orchestrator.disk_contract import StagingDisk
 from kvtier_rs.orchestrator.disk_stager import DiskStager
 from kvtier_rs.orchestrator.gate import LoadGate
 from kvtier_rs.orchestrator.request_guard import RequestGuard
@@ -104,17 +105,14 @@ def _log_earlier_formats(path: Path) -> None:
         )
 
 
-def tier_dir(root: str, config: Any, chunk_bytes: int) -> Path:
-    """A directory per model, KV geometry and byte layout, stable across restarts: an engine
-    reopening the same root with the same model and layout finds its blocks, and any other
-    never reads them.
+def layout_identity(config: Any, chunk_bytes: int) -> str:
+    """What a chunk's bytes mean, as stable text: the model, KV geometry, dtype and byte layout.
 
     A chunk's bytes depend on how the KV cache is split over workers (a primary row holds each
     worker's share in rank order: TP splits heads, PP layers, PCP/DCP tokens) and on the host
     layout (vLLM's canonical one or each worker's own pages), even where the row size is the
-    same, so all of these are in the digest. Directories named before they were (which may
-    hold blocks of any split) match no digest of this scheme, since every digest covers these
-    fields: such a directory is not found, never read."""
+    same, so all of these are in it. Nothing per-process is: every engine of one deployment
+    computes the same text (the disk tier's directory and the remote tier's namespace)."""
     par = config.parallel
     ident = {
         "model": config.model.name,
@@ -130,7 +128,17 @@ def tier_dir(root: str, config: Any, chunk_bytes: int) -> Path:
         # vLLM's id of its canonical byte format (version and layout family), or None.
         "canonical_layout": canonical_format_id(config.kv_cache_layout) if config.canonical_layout else None,
     }
-    digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:12]
+    return json.dumps(ident, sort_keys=True)
+
+
+def tier_dir(root: str, config: Any, chunk_bytes: int) -> Path:
+    """A directory per model, KV geometry and byte layout (``layout_identity``), stable across
+    restarts: an engine reopening the same root with the same model and layout finds its blocks,
+    and any other never reads them. Directories named before the digest covered all of these
+    (which may hold blocks of any split) match no digest of this scheme: such a directory is not
+    found, never read."""
+    par = config.parallel
+    digest = hashlib.sha256(layout_identity(config, chunk_bytes).encode()).hexdigest()[:12]
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", str(config.model.name).strip("/"))[-64:]
     # Data-parallel replicas are separate engines, each with its own CPU tier: each gets its
     # own directory (one tier per directory, locked), stable across restarts by replica index.
@@ -149,13 +157,63 @@ class _HostSide:
     block_bytes: int
 
 
-_MEDIUM = {"cpu": Medium.CPU, "disk": Medium.STORAGE}
+_MEDIUM = {"cpu": Medium.CPU, "disk": Medium.STORAGE, "remote": Medium.STORAGE}
 
 
-class DiskLayer:  # noqa: PLR0904 - the manager's whole interface to the disk tier
+class PromotedChunks(dict[OffloadKey, str]):
+    """Chunks in the CPU tier because a lower tier's read put them there, and which tier: their
+    next load is counted as served by it (and reported to vLLM as a DISK cache hit). Shared by
+    the manager (loads and evictions end the entry) and the lower tiers (promotions add one)."""
+
+    def add(self, keys: Sequence[OffloadKey], tier: str) -> None:
+        self.update(dict.fromkeys(keys, tier))
+
+    def discard(self, keys: Sequence[OffloadKey] | set[OffloadKey]) -> None:
+        for k in keys:
+            self.pop(k, None)
+
+
+def build_gate(
+    options: KvtierOptions,
+    tiers: tuple[str, ...],
+    tokens_per_chunk: int,
+    chunk_bytes: int,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    request_guard: RequestGuard | None = None,
+) -> LoadGate:
+    """Load or recompute a lower tier's hit: the SLO guards, back-pressure on promotions in
+    flight, the cost rule; the same gate as every adapter's, one for all lower tiers."""
+    guards = {}
+    if "disk" in tiers and options.disk_slo_guard is not None:
+        guards["disk"] = options.disk_slo_guard
+    # vLLM counts promotions in chunks; the remote tier's bound is the disk's.
+    limits = dict.fromkeys(tiers, options.disk_max_promotions_in_flight)
+    return LoadGate(
+        guards=guards or None,
+        max_in_flight=limits,
+        cost=options.cost_model.build(tokens_per_chunk, chunk_bytes),
+        tiers=tiers,
+        log=log,
+        clock=clock,
+        request_guard=request_guard,
+    )
+
+
+class DiskLayer:  # noqa: PLR0904 - the manager's whole interface to a lower tier
+    """One lower tier staged through the CPU tier: the disk tier, or (``RemoteLayer``) the
+    shared remote tier, which keeps the disk tier's staging contract."""
+
+    #: The tier's name in metrics, events, the gate and the cost model.
+    tier = "disk"
+    #: Where vLLM's ``kv_load_tiers`` filter places it.
+    locality = Locality.LOCAL
+    #: Whether loads from the CPU tier are offered to it (``LowerTiers.offer_reuse``).
+    counts_reuse = False
+
     def __init__(
         self,
-        disk: DiskTier,
+        disk: StagingDisk,
         host: HostPool,
         cpu_index: BlockIndex,
         options: KvtierOptions,
@@ -165,6 +223,7 @@ class DiskLayer:  # noqa: PLR0904 - the manager's whole interface to the disk ti
         seals: SlotSeals | None = None,
         clock: Callable[[], float] = time.monotonic,
         request_guard: RequestGuard | None = None,
+        gate: LoadGate | None = None,
     ) -> None:
         self.disk = disk
         self.host = host
@@ -181,24 +240,18 @@ class DiskLayer:  # noqa: PLR0904 - the manager's whole interface to the disk ti
             max_write_backlog=max_write_backlog,
             events=self._stream,
             seals=seals,
+            tier=self.tier,
         )
-        self.cost = options.cost_model.build(tokens_per_chunk, host.slot_bytes)
-        #: Load or recompute a disk hit: the SLO guard, back-pressure on promotions in flight,
-        #: the cost rule; the same gate as every adapter's.
-        self.gate = LoadGate(
-            guards=None if options.disk_slo_guard is None else {"disk": options.disk_slo_guard},
-            max_in_flight={"disk": options.disk_max_promotions_in_flight},
-            cost=self.cost,
-            tiers=("disk",),
-            log=log,
-            clock=clock,
-            request_guard=request_guard,
+        #: Load or recompute a hit of this tier (see ``build_gate``); shared by the lower tiers.
+        self.gate = gate or build_gate(
+            options, (self.tier,), tokens_per_chunk, host.slot_bytes, clock=clock, request_guard=request_guard
         )
+        self.cost = self.gate.cost
         self._clock = clock
         # promotion job id -> the request whose lookup started it, and when
         self._reads: dict[int, _Read] = {}
-        # Chunks promoted from disk and not yet loaded; the manager reads and updates it.
-        self.promoted: set[OffloadKey] = set()
+        #: Chunks promoted from a lower tier and not yet loaded; the manager reads and updates it.
+        self.promoted: PromotedChunks = PromotedChunks()
         self.counters: m.ManagerCounters = m.ManagerCounters()
         self._events: list[OffloadingEvent] = []
         self.events_enabled = False  # set by the manager from the engine's kv_events_config
@@ -219,6 +272,7 @@ class DiskLayer:  # noqa: PLR0904 - the manager's whole interface to the disk ti
         tokens_per_chunk: int,
         seals: SlotSeals | None = None,
         request_guard: RequestGuard | None = None,
+        gate: LoadGate | None = None,
     ) -> DiskLayer:
         from kvtier_rs.integrations.vllm.options import READER, disk_tier_names
 
@@ -238,7 +292,9 @@ class DiskLayer:  # noqa: PLR0904 - the manager's whole interface to the disk ti
                 engine=options.disk_io_engine,
                 queue_depth=options.disk_queue_depth,
             )
-        layer = cls(disk, host, cpu_index, options, tokens_per_chunk, seals=seals, request_guard=request_guard)
+        layer = cls(
+            disk, host, cpu_index, options, tokens_per_chunk, seals=seals, request_guard=request_guard, gate=gate
+        )
         log.info(
             "kvtier: disk tier: %s, %d blocks of %d bytes, policy %s, I/O engine %s (%s), %d block(s) recovered",
             path,
@@ -260,14 +316,14 @@ class DiskLayer:  # noqa: PLR0904 - the manager's whole interface to the disk ti
         self._take_stream()
 
     def lookup_and_promote(
-        self, key: bytes, req_context: Any, protect: Callable[[], None] | None = None
+        self, key: OffloadKey, req_context: Any, protect: Callable[[], None] | None = None
     ) -> LookupResult:
         """Promote `key` if the disk tier holds it (HIT_PENDING), else MISS. `protect`: called
         before a promotion takes a CPU slot, to pin what it must not evict (the manager's: the
         chunks that already answered HIT to this request's lookups)."""
         if self.off_reason is not None or not self._contains([key])[0]:
             return _MISS
-        reason = self.gate.refusal("disk", 1, len(self._reads))
+        reason = self.gate.refusal(self.tier, 1, len(self._reads))
         if reason is not None:
             refused = req_context.get_state(_Refused)
             if refused is None:
@@ -275,7 +331,7 @@ class DiskLayer:  # noqa: PLR0904 - the manager's whole interface to the disk ti
                 req_context.set_state(refused)
             if (reason, key) not in refused.seen:
                 refused.seen.add((reason, key))
-                self.counters.count_refusal(reason)
+                self.counters.count_refusal(reason, self.tier)
             return _MISS
         if protect is not None:
             protect()
@@ -298,27 +354,30 @@ class DiskLayer:  # noqa: PLR0904 - the manager's whole interface to the disk ti
         self.counters.promotions += 1
         return _PENDING
 
+    def flush_probes(self) -> None:
+        """The request's lookups ended: nothing to ask a local disk (see ``RemoteLayer``)."""
+
     def poll(self) -> None:
         if not self.stager.write_backlog and not self.stager.reads_in_flight:
             return
         for done in self.stager.poll():
             read = self._reads.pop(done.job_id, None)
             res = None if read is None else read.reserved
-            if read is not None and not self.gate.forget_stall("disk", done.job_id):
+            if read is not None and not self.gate.forget_stall(self.tier, done.job_id):
                 # What the request waited on this chunk: from the lookup that started the read to
                 # this poll, after which its next lookup answers HIT (or MISS).
-                self.gate.record("disk", self._clock() - read.started)
+                self.gate.record(self.tier, self._clock() - read.started)
             ok = cast("list[OffloadKey]", done.keys[: done.ok_prefix])  # the keys promoted: vLLM's
             if ok:
-                self.promoted.update(ok)
+                self.promoted.add(ok, self.tier)
                 if self.cost is not None:
-                    self.cost.observe("disk", done.bytes, done.seconds)
+                    self.cost.observe(self.tier, done.bytes, done.seconds)
                 if res is not None and not res.finished and res.generation == self.generation:
                     try:
                         self.cpu.pin_for_load(ok)
                     except IndexFailedError:
                         # The CPU index disabled itself: the chunk is a miss, recomputed.
-                        self.promoted.difference_update(ok)
+                        self.promoted.discard(ok)
                     else:
                         res.keys.update(ok)
             # Checksum mismatch, short read, I/O error: never served. The stager dropped the CPU
@@ -326,7 +385,7 @@ class DiskLayer:  # noqa: PLR0904 - the manager's whole interface to the disk ti
             self.counters.promotion_failures += len(done.keys) - done.ok_prefix
         # A hung disk produces no completions: its reads in flight are the guard's samples.
         now = self._clock()
-        self.gate.stalled("disk", {job: now - r.started for job, r in self._reads.items()})
+        self.gate.stalled(self.tier, {job: now - r.started for job, r in self._reads.items()})
         self._take_stream()
 
     def _take_stream(self) -> None:
@@ -334,7 +393,7 @@ class DiskLayer:  # noqa: PLR0904 - the manager's whole interface to the disk ti
         status; with KV events on, every change becomes an OffloadingEvent."""
         for ev in self._stream.drain():
             if ev.kind == "removed" and ev.tier == "cpu":
-                self.promoted.difference_update(ev.keys)
+                self.promoted.discard(cast("list[OffloadKey]", list(ev.keys)))
             if self.events_enabled and ev.kind in ("stored", "removed"):
                 keys = cast("list[OffloadKey]", list(ev.keys))  # the keys the manager gave: vLLM's
                 self._events.append(OffloadingEvent(keys=keys, medium=_MEDIUM[ev.tier], removed=ev.kind == "removed"))
@@ -374,7 +433,7 @@ class DiskLayer:  # noqa: PLR0904 - the manager's whole interface to the disk ti
         if self.options.disk_on_reset != "clear" or self.off_reason is not None:
             return
         try:
-            self.disk.clear()
+            cast(DiskTier, self.disk).clear()  # a RemoteLayer overrides reset
         except KvTierError as e:
             self.off_reason = f"a cache reset could not clear the disk tier ({e})"
             log.error("kvtier: disk tier switched off: %s; restarting may bring back its old blocks", self.off_reason)
@@ -395,7 +454,7 @@ class DiskLayer:  # noqa: PLR0904 - the manager's whole interface to the disk ti
     def emit_stats(self, stats: Any) -> None:
         now = {k: v for k, v in self.disk.stats().items() if isinstance(v, int)}
         now["switched_off"] = int(self.off_reason is not None)
-        m.emit_index_stats(stats, "disk", now, self._last_stats)
+        m.emit_index_stats(stats, self.tier, now, self._last_stats)
         self._last_stats = now
 
     def shutdown(self) -> None:

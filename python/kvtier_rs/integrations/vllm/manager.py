@@ -23,13 +23,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Collection, Iterable
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import Any, Protocol, cast
 
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
-    Locality,
     LookupResult,
     Medium,
     OffloadingEvent,
@@ -46,18 +45,16 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier_rs._core import BlockIndex, IndexFailedError, InvalidArgumentError, NoSpaceError, NotReadyError
 from kvtier_rs.checks import invalid_argument
 from kvtier_rs.integrations.vllm import metrics as m
+from kvtier_rs.integrations.vllm.disk_layer import DiskLayer, PromotedChunks
+from kvtier_rs.integrations.vllm.lower_tiers import LowerTiers
 from kvtier_rs.orchestrator.gate import LoadGate
 from kvtier_rs.orchestrator.request_guard import RequestGuard
 from kvtier_rs.tiers.shared_region import SlotSeals, seals_of
-
-if TYPE_CHECKING:
-    from kvtier_rs.integrations.vllm.disk_layer import DiskLayer
 
 _HIT = LookupResult.HIT
 _MISS = LookupResult.MISS
 _PENDING = LookupResult.HIT_PENDING
 _RETRY = LookupResult.RETRY
-_LOCAL = Locality.LOCAL
 # A key no index holds (keys are 32-byte hashes + 4-byte group): checks that the index's lookup
 # results are vLLM's members before binding the fast path.
 _PROBE_KEY = b"kvtier-lookup-probe"
@@ -173,12 +170,14 @@ class KvtierOffloadingManager(OffloadingManager):  # noqa: PLR0904 - vLLM's Offl
         cpu_index: BlockIndex,
         *,
         enable_events: bool = False,
-        lower: DiskLayer | None = None,
+        lower: DiskLayer | LowerTiers | None = None,
         seals: SlotSeals | None = None,
         request_guard: RequestGuard | None = None,
     ) -> None:
         self._cpu = cpu_index
         self._seals = seals
+        if lower is not None and not isinstance(lower, LowerTiers):
+            lower = LowerTiers([lower])
         # Bound builtins, looked up once: lookup() is the scheduler's hottest call.
         self._state = cpu_index.state
         self._lower = lower
@@ -219,7 +218,7 @@ class KvtierOffloadingManager(OffloadingManager):  # noqa: PLR0904 - vLLM's Offl
         self._generation = 0
         # Keys now in the CPU tier because a disk read put them there: their next load is
         # counted as served by disk (and reported as a DISK cache hit to vLLM).
-        self._from_lower: set[OffloadKey] = set()
+        self._from_lower: PromotedChunks = PromotedChunks()
         # Keys of loads in flight that the lower tier supplied: vLLM asks get_load_source after
         # prepare_load (when the keys have left _from_lower), so the answer is kept until the
         # load completes.
@@ -290,7 +289,9 @@ class KvtierOffloadingManager(OffloadingManager):  # noqa: PLR0904 - vLLM's Offl
             self._lookup_hits.append(key)
         # The disk tier is vLLM's STORAGE medium, local to this engine: a request whose
         # kv_load_tiers leave it out (load_tier_filter) is never served from it.
-        elif res is _MISS and self._lower is not None and req_context.load_tier_filter.allows(Medium.STORAGE, _LOCAL):
+        # The lower tiers filter by the request's kv_load_tiers themselves (the disk tier is
+        # vLLM's LOCAL STORAGE, the remote tier its REMOTE STORAGE).
+        elif res is _MISS and self._lower is not None:
             if self._flush_pending:
                 return _MISS  # recomputed: a promotion could land in a slot a flushed job uses
             # A promotion takes its CPU slot by eviction, and must not evict this request's
@@ -313,6 +314,8 @@ class KvtierOffloadingManager(OffloadingManager):  # noqa: PLR0904 - vLLM's Offl
         Its hits need no holding any more (a load pins them; otherwise vLLM looks again)."""
         self._lookup_req = None
         self._lookup_hits = []
+        if self._lower is not None:
+            self._lower.end_lookups()  # the remote tier probes what they asked about
         if self._held:
             held, self._held = self._held, []
             self._cpu.unpin(held)
@@ -336,12 +339,19 @@ class KvtierOffloadingManager(OffloadingManager):  # noqa: PLR0904 - vLLM's Offl
         c = self.counters
         if self._from_lower:
             from_lower = [k for k in keys if k in self._from_lower]
-            self._from_lower.difference_update(from_lower)
+            for k in from_lower:
+                if self._from_lower.pop(k) == "remote":
+                    c.loads_remote += 1
+                else:
+                    c.loads_disk += 1
             self._loading_from_lower.update(from_lower)
-            c.loads_disk += len(from_lower)
             c.loads_cpu += len(keys) - len(from_lower)
+            if self._lower is not None and len(from_lower) < len(keys):
+                self._lower.offer_reuse([k for k in keys if k not in from_lower] if from_lower else keys)
         else:
             c.loads_cpu += len(keys)
+            if self._lower is not None:
+                self._lower.offer_reuse(keys)
         st = self._request_keys(req_context)
         st.record(keys)
         # Reading back a chunk this request stored (after a preemption) is not a reuse.
@@ -387,7 +397,7 @@ class KvtierOffloadingManager(OffloadingManager):  # noqa: PLR0904 - vLLM's Offl
         evicted = cast("list[OffloadKey]", out.evicted)
         if evicted:
             if self._from_lower:
-                self._from_lower.difference_update(evicted)
+                self._from_lower.discard(evicted)
             if self._events is not None:
                 # Removal events go before the store event, as in vLLM's own manager.
                 self._emit(OffloadingEvent(keys=list(evicted), medium=Medium.CPU, removed=True))
@@ -524,7 +534,7 @@ class KvtierOffloadingManager(OffloadingManager):  # noqa: PLR0904 - vLLM's Offl
         stats = OffloadingConnectorStats()
         if not self._reported:
             self._reported = True
-            m.emit_zeros(stats, ("cpu", "disk") if self._lower is not None else ("cpu",))
+            m.emit_zeros(stats, ("cpu", *self._lower.tiers) if self._lower is not None else ("cpu",))
         now = dict(self._cpu.stats())
         m.emit_index_stats(stats, "cpu", now, self._last_index_stats)
         self._last_index_stats = now
@@ -571,5 +581,5 @@ class KvtierOffloadingManager(OffloadingManager):  # noqa: PLR0904 - vLLM's Offl
             "time": time.monotonic(),
         }
         if self._lower is not None:
-            d["disk"] = self._lower.stats()
+            d.update(self._lower.stats())
         return d

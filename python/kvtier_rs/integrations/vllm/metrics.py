@@ -50,7 +50,54 @@ MANAGER_COUNTERS = {
     "in flight (each chunk of a request once).",
     "cpu_refused_guard": "CPU hits answered as misses (recomputed) because the request SLO rule (slo_guard) "
     "bypasses the CPU tier (each lookup).",
+    "loads_remote": "Chunks loaded into GPU memory after a promotion from the shared remote tier.",
+    "remote_lookups_deferred": "Lookups answered RETRY while the remote tier's existence probe was in flight.",
+    "remote_skipped_by_cost": "Remote hits not loaded because recomputing was estimated cheaper (each chunk "
+    "of a request once).",
+    "remote_refused_guard": "Remote hits recomputed because a guard bypasses the remote tier (each chunk of a "
+    "request once).",
+    "remote_refused_backpressure": "Remote hits recomputed because too many promotions were in flight (each "
+    "chunk of a request once).",
 }
+#: The shared remote tier's own series (label tier="remote"; misses also by reason).
+REMOTE_COUNTERS = {
+    "remote_hits": ("hits", "Blocks read from the store and verified."),
+    "remote_bytes_read": ("bytes_read", "Payload bytes read from the store and verified."),
+    "remote_bytes_written": ("bytes_written", "Payload bytes written to the store."),
+    "remote_writes": ("writes_ok", "Blocks written to the store."),
+    "remote_writes_skipped_present": (
+        "writes_skipped_present",
+        "Blocks not written because the store held them already (another replica stored them).",
+    ),
+    "remote_writes_refused_admission": ("writes_refused_admission", "Blocks the remote admission rule turned away."),
+    "remote_writes_refused_full": ("writes_refused_full", "Blocks the server refused for lack of memory."),
+    "remote_writes_dropped": (
+        "writes_dropped_backlog",
+        "Blocks not written because remote_max_write_bytes were in flight.",
+    ),
+    "remote_writes_failed": ("writes_failed", "Blocks whose write failed (errors, timeouts)."),
+    "remote_probes": ("probes", "Batched existence probes sent to the store."),
+    "remote_deadline_exceeded": ("deadline_exceeded", "Store operations abandoned at remote_deadline_s."),
+    "remote_breaker_trips": ("breaker_trips", "Times the circuit breaker opened."),
+    "remote_probe_errors": ("probe_errors", "Existence probes that failed (timeout, node down, refused login)."),
+    "remote_read_errors": ("read_errors", "Read jobs that failed (timeout, node down, refused login)."),
+    "remote_write_errors": ("write_errors", "Write jobs that failed (timeout, node down, refused login)."),
+}
+REMOTE_MISS = "remote_misses"
+REMOTE_MISS_DOC = (
+    "Remote reads not served, by reason: absent, foreign, format, namespace, key, length, check (a value "
+    "that did not verify), error (timeout, node down)."
+)
+REMOTE_GAUGES = {
+    "remote_breaker_state": ("breaker_state", "The remote tier's circuit breaker: 0 closed, 1 open, 2 probing."),
+    "remote_switched_off": ("switched_off", "1 once the remote tier is off for the rest of this process."),
+}
+REMOTE_HISTOGRAMS = {
+    "read": "Seconds per remote read job (a batched GET and verification).",
+    "write": "Seconds per remote write job (sealing and a batched SET NX).",
+    "probe": "Seconds per batched existence probe.",
+}
+REMOTE_BUCKETS = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5)
 # The SLO guard of a tier (label "tier"), from LoadGate.state(); only tiers with a guard report.
 GUARD_GAUGES = {
     "guard_state": "The SLO guard's state of the tier: 0 serving, 1 bypassed (its hits are recomputed until "
@@ -61,9 +108,9 @@ GUARD_GAUGES = {
 GUARD_COUNTERS = {"guard_trips": "Times the SLO guard tripped and bypassed the tier."}
 #: A load-gate refusal reason -> the counter of ManagerCounters that counts it.
 _REFUSAL_COUNTERS = {
-    "cost": "disk_skipped_by_cost",
-    "guard": "disk_refused_guard",
-    "backpressure": "disk_refused_backpressure",
+    "cost": "{tier}_skipped_by_cost",
+    "guard": "{tier}_refused_guard",
+    "backpressure": "{tier}_refused_backpressure",
 }
 ALLOCATION_SIZE = PREFIX + "allocation_size"
 
@@ -78,14 +125,20 @@ class ManagerCounters:
     disk_refused_guard: int = 0
     disk_refused_backpressure: int = 0
     cpu_refused_guard: int = 0
+    loads_remote: int = 0
+    remote_lookups_deferred: int = 0
+    remote_skipped_by_cost: int = 0
+    remote_refused_guard: int = 0
+    remote_refused_backpressure: int = 0
     store_no_space: int = 0
 
     def __post_init__(self) -> None:
         self._emitted: dict[str, int] = {}
 
-    def count_refusal(self, reason: str) -> None:
-        """One disk hit recomputed for `reason` (a ``LoadGate`` refusal reason)."""
-        name = _REFUSAL_COUNTERS[reason]
+    def count_refusal(self, reason: str, tier: str = "disk") -> None:
+        """One hit of `tier` (disk or remote) recomputed for `reason` (a ``LoadGate`` refusal
+        reason)."""
+        name = _REFUSAL_COUNTERS[reason].format(tier=tier)
         setattr(self, name, getattr(self, name) + 1)
 
     def as_dict(self) -> dict[str, int]:
@@ -120,6 +173,13 @@ def metric_definitions() -> dict[str, Any]:
         d[PREFIX + name] = OffloadingGaugeMetadata(documentation=doc, labelnames=("tier",))
     for name, doc in GUARD_COUNTERS.items():
         d[PREFIX + name] = OffloadingCounterMetadata(documentation=doc, labelnames=("tier",))
+    for name, (_, doc) in REMOTE_COUNTERS.items():
+        d[PREFIX + name] = OffloadingCounterMetadata(documentation=doc, labelnames=("tier",))
+    d[PREFIX + REMOTE_MISS] = OffloadingCounterMetadata(documentation=REMOTE_MISS_DOC, labelnames=("tier", "reason"))
+    for name, (_, doc) in REMOTE_GAUGES.items():
+        d[PREFIX + name] = OffloadingGaugeMetadata(documentation=doc, labelnames=("tier",))
+    for op, doc in REMOTE_HISTOGRAMS.items():
+        d[PREFIX + f"remote_{op}_seconds"] = OffloadingHistogramMetadata(documentation=doc, buckets=REMOTE_BUCKETS)
     d[ALLOCATION_SIZE] = OffloadingHistogramMetadata(
         documentation="Chunks newly allocated in the CPU tier by each prepare_store call.",
         buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384),
@@ -129,11 +189,14 @@ def metric_definitions() -> dict[str, Any]:
 
 def exported_tiers(extra_config: Mapping[str, Any]) -> tuple[str, ...]:
     """kvtier's tiers whose per-tier series a kv_connector_extra_config reports (label "tier"):
-    the CPU tier, and the disk tier with a disk_root, under KvtierOffloadingSpec; the disk tier
-    under a tiering spec with a KvtierDiskTier entry (the CPU tier is vLLM's there)."""
+    the CPU tier, the disk tier with a disk_root and the remote tier with a remote_url, under
+    KvtierOffloadingSpec; the disk tier under a tiering spec with a KvtierDiskTier entry (the CPU
+    tier is vLLM's there)."""
     spec = extra_config.get("spec_name")
     if spec == "KvtierOffloadingSpec":
-        return ("cpu", "disk") if extra_config.get("disk_root") is not None else ("cpu",)
+        disk = ("disk",) if extra_config.get("disk_root") is not None else ()
+        remote = ("remote",) if extra_config.get("remote_url") is not None else ()
+        return ("cpu", *disk, *remote)
     tiers = extra_config.get("secondary_tiers")
     if isinstance(tiers, list) and any(isinstance(t, Mapping) and t.get("type") == DISK_TIER_TYPE for t in tiers):
         return ("disk",)
@@ -167,6 +230,26 @@ def emit_index_stats(stats: Any, tier: str, now: dict[str, int], before: dict[st
             stats.increase_counter(PREFIX + name, delta, labelvalues=(tier,))
     for name in INDEX_GAUGES:
         stats.set_gauge(PREFIX + name, now.get(name, 0), labelvalues=(tier,))
+
+
+def emit_remote_stats(
+    stats: Any, now: dict[str, int], before: dict[str, int], latencies: Mapping[str, list[float]]
+) -> None:
+    """The remote tier's counters as deltas since `before`, its gauges, and its latencies."""
+    for name, (key, _) in REMOTE_COUNTERS.items():
+        delta = now.get(key, 0) - before.get(key, 0)
+        if delta or not before:
+            stats.increase_counter(PREFIX + name, delta, labelvalues=("remote",))
+    for key in now:
+        if key.startswith("miss_"):
+            delta = now[key] - before.get(key, 0)
+            if delta or not before:
+                stats.increase_counter(PREFIX + REMOTE_MISS, delta, labelvalues=("remote", key[5:]))
+    for name, (key, _) in REMOTE_GAUGES.items():
+        stats.set_gauge(PREFIX + name, now.get(key, 0), labelvalues=("remote",))
+    for op, samples in latencies.items():
+        for seconds in samples:
+            stats.observe_histogram(PREFIX + f"remote_{op}_seconds", seconds)
 
 
 def emit_manager_counters(stats: Any, counters: ManagerCounters) -> None:

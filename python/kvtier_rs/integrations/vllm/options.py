@@ -72,12 +72,11 @@ _err = _opts.error
 
 
 def request_guard(options: KvtierOptions, log: Any = None) -> RequestGuard | None:
-    """The request-level rule of ``slo_guard`` over this engine's tiers (CPU, then disk), or
-    None when it is off."""
+    """The request-level rule of ``slo_guard`` over this engine's tiers (CPU, then disk, then
+    remote), or None when it is off."""
     if options.slo_guard is None:
         return None
-    tiers = ("cpu", "disk") if options.disk_enabled else ("cpu",)
-    return RequestGuard(options.slo_guard, tiers, log=log)
+    return RequestGuard(options.slo_guard, options.tiers, log=log)
 
 
 def disk_tier_names(written: Mapping[str, str]) -> tuple[dict[str, str], str]:
@@ -115,7 +114,8 @@ class CostModel:
             return None
         from kvtier_rs.orchestrator.cost import CostModel as Model
 
-        bandwidth = {"cpu": math.inf}
+        # Every hop the model requires; an unset read rate starts from the model's estimate.
+        bandwidth = {"cpu": math.inf, "disk": Model.DEFAULT_DISK_BYTES_PER_S}
         if self.disk_read_bytes_per_s is not None:
             bandwidth["disk"] = self.disk_read_bytes_per_s
         return Model(
@@ -148,12 +148,23 @@ class KvtierOptions:
     disk_slo_guard: GuardRule | None = None
     slo_guard: RequestRule | None = None
     disk_max_promotions_in_flight: int = S.BY_KEY["disk_max_promotions_in_flight"].default_for(S.VLLM)
+    #: The shared remote tier, or None.
+    remote: S.RemoteTierSettings | None = None
     #: Each option given -> the name the user wrote for it (``disk_tier_names``).
     written: dict[str, str] = field(default_factory=dict, compare=False)
 
     @property
     def disk_enabled(self) -> bool:
         return self.disk_root is not None
+
+    @property
+    def lower_tiers(self) -> tuple[str, ...]:
+        """The tiers behind the CPU tier, in the order a miss consults them."""
+        return (("disk",) if self.disk_enabled else ()) + (("remote",) if self.remote is not None else ())
+
+    @property
+    def tiers(self) -> tuple[str, ...]:
+        return ("cpu", *self.lower_tiers)
 
 
 def check_vllm_bools(extra: Mapping[str, Any]) -> None:
@@ -225,6 +236,7 @@ def parse_options(extra: Mapping[str, Any]) -> KvtierOptions:
         guard=values["guard"],
         disk_slo_guard=values["disk_slo_guard"],
         slo_guard=values["slo_guard"],
+        remote=S.remote_settings(values),
         written=S.written_names(extra, S.VLLM),
     )
 

@@ -127,6 +127,37 @@ class KvtierOffloadingSpec(OffloadingSpec):
                 del _engines[self.engine_id]
                 st.region.close()
 
+    def _lower_tiers(self, index: BlockIndex, guard: Any) -> Any:
+        """The disk and remote tiers behind the CPU tier (those configured), sharing one gate."""
+        from kvtier_rs.integrations.vllm.disk_layer import DiskLayer, build_gate
+        from kvtier_rs.integrations.vllm.lower_tiers import LowerTiers
+
+        o, st = self.options, self._state(None)
+        tokens = self.tokens_per_block[0] * self.blocks_per_chunk
+        gate = build_gate(o, o.lower_tiers, tokens, st.pool.slot_bytes, request_guard=guard)
+        seals = st.region.seals
+        layers: list[DiskLayer] = []
+        try:
+            if o.disk_enabled:
+                layers.append(
+                    DiskLayer.open(
+                        o, self.config, host=st.pool, cpu_index=index, tokens_per_chunk=tokens, seals=seals, gate=gate
+                    )
+                )
+            if o.remote is not None:
+                from kvtier_rs.integrations.vllm.remote_layer import RemoteLayer
+
+                layers.append(
+                    RemoteLayer.open_remote(
+                        o, self.config, host=st.pool, cpu_index=index, tokens_per_chunk=tokens, seals=seals, gate=gate
+                    )
+                )
+        except BaseException:
+            for layer in layers:
+                layer.shutdown()
+            raise
+        return LowerTiers(layers)
+
     def get_manager(self) -> OffloadingManager:
         st = self._state(None)
         if st.manager is None:
@@ -145,18 +176,8 @@ class KvtierOffloadingSpec(OffloadingSpec):
                     tier="cpu",
                     block_bytes=st.pool.slot_bytes,
                 )
-                if o.disk_enabled:
-                    from kvtier_rs.integrations.vllm.disk_layer import DiskLayer
-
-                    lower = DiskLayer.open(
-                        o,
-                        self.config,
-                        host=st.pool,
-                        cpu_index=index,
-                        tokens_per_chunk=self.tokens_per_block[0] * self.blocks_per_chunk,
-                        seals=st.region.seals,
-                        request_guard=guard,
-                    )
+                if o.lower_tiers:
+                    lower = self._lower_tiers(index, guard)
             except BaseException:
                 self._release()  # the host memory goes too, unless the worker holds it
                 raise
