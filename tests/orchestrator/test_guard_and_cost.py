@@ -331,6 +331,21 @@ def test_cost_model_accepts_a_free_hop_and_zero_latency_and_copies_its_dicts():
     assert c.bandwidth["cpu"] == INF, "a free hop stays free"
 
 
+def test_a_remote_hop_is_priced_through_the_cpu_hop_and_named_in_both_settings():
+    bw, lat = {"cpu": 10e9, "disk": 1e9, "remote": 2e9}, {"cpu": 50e-6, "disk": 200e-6, "remote": 1e-3}
+    c = cost(bandwidth=bw, latency_s=lat)
+    nbytes = 4 << 20
+    assert c.load_seconds("remote", 4) == pytest.approx(1e-3 + nbytes / 2e9 + 50e-6 + nbytes / 10e9)
+    c.observe("remote", 1 << 30, 0.5)
+    assert c.bandwidth["remote"] != 2e9, "a remote transfer is measured like any other"
+    with pytest.raises(kv.InvalidArgumentError, match="`latency_s`: names hops"):
+        cost(bandwidth=bw)
+    with pytest.raises(kv.InvalidArgumentError, match="`tier`: 'remote' is a hop"):
+        cost().load_seconds("remote", 1)
+    with pytest.raises(kv.InvalidArgumentError, match="`bandwidth`: expected a dict"):
+        cost(bandwidth={**bw, "nvme": 1e9})
+
+
 def test_a_plan_never_raises_a_bare_key_error_for_a_missing_hop():
     # Refused at construction, before any plan could reach the missing hop.
     with pytest.raises(kv.InvalidArgumentError, match="`bandwidth`: expected a dict with keys 'cpu' and 'disk'"):

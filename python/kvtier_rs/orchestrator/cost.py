@@ -3,8 +3,9 @@ tokens. Bandwidth per tier starts from a configured guess and follows measured t
 exponential moving average), so the decision adapts to the machine it runs on.
 
 Every setting is checked at construction, naming it: rates and sizes positive, both hops
-("cpu", "disk") given in `bandwidth` and `latency_s`. A bandwidth of `math.inf` means the hop
-costs nothing (and stays so: measurements cannot lower an infinite average).
+("cpu", "disk") given in `bandwidth` and `latency_s`, and a "remote" hop (a network store's, such
+as a Valkey cluster's) in both or in neither. A bandwidth of `math.inf` means the hop costs
+nothing (and stays so: measurements cannot lower an infinite average).
 
 What a measurement may move (`observe`):
 
@@ -41,15 +42,22 @@ from kvtier_rs.checks import check_count, check_number, invalid_argument, usable
 
 #: Promotion hops: "cpu" = host -> device, "disk" = disk -> host.
 HOPS = ("cpu", "disk")
+#: A hop only some setups have: "remote" = network store -> host (the planner's remote tier).
+OPTIONAL_HOPS = ("remote",)
+#: The hops a load from each tier crosses: a block from disk or a remote store lands in host
+#: memory first, then crosses PCIe like a CPU hit.
+PATHS = {"cpu": ("cpu",), "disk": ("disk", "cpu"), "remote": ("remote", "cpu")}
 
 
 def _per_hop(name: str, value: object, *, zero_ok: bool, inf_ok: bool) -> dict[str, float]:
-    """A {hop: number} setting naming exactly the hops, as a new dict (the model updates its
-    own copy; the caller's dict is never changed behind its back)."""
-    if not isinstance(value, Mapping) or set(value) != set(HOPS):
+    """A {hop: number} setting naming exactly the hops (the optional ones or not), as a new
+    dict (the model updates its own copy; the caller's dict is never changed behind its back)."""
+    if not isinstance(value, Mapping) or not set(HOPS) <= set(value) <= {*HOPS, *OPTIONAL_HOPS}:
         got = f"keys {sorted(value, key=repr)!r}" if isinstance(value, Mapping) else repr(value)
-        raise invalid_argument(name, f"expected a dict with keys 'cpu' and 'disk', got {got}")
-    return {hop: check_number(f"{name}[{hop!r}]", value[hop], zero_ok=zero_ok, inf_ok=inf_ok) for hop in HOPS}
+        raise invalid_argument(
+            name, f"expected a dict with keys 'cpu' and 'disk' (and 'remote', optionally), got {got}"
+        )
+    return {hop: check_number(f"{name}[{hop!r}]", value[hop], zero_ok=zero_ok, inf_ok=inf_ok) for hop in value}
 
 
 @dataclass
@@ -81,6 +89,10 @@ class CostModel:
         self.block_bytes = check_count("block_bytes", self.block_bytes)
         self.bandwidth = _per_hop("bandwidth", self.bandwidth, zero_ok=False, inf_ok=True)
         self.latency_s = _per_hop("latency_s", self.latency_s, zero_ok=True, inf_ok=False)
+        if set(self.bandwidth) != set(self.latency_s):
+            raise invalid_argument(
+                "latency_s", f"names hops {sorted(self.latency_s)} but bandwidth names {sorted(self.bandwidth)}"
+            )
         a = self.alpha
         if isinstance(a, bool) or not isinstance(a, numbers.Real) or not 0 < a <= 1:  # NaN fails 0 < a
             raise invalid_argument("alpha", f"must be a number in (0, 1], got {a!r}")
@@ -92,8 +104,8 @@ class CostModel:
     def observe(self, hop: str, nbytes: int, seconds: float) -> None:
         """Fold one measured transfer into the hop's bandwidth estimate, unless it carries no
         bandwidth information (dropped or skipped and counted, see the module docstring)."""
-        if hop not in HOPS:
-            raise invalid_argument("hop", f"expected 'cpu' or 'disk', got {hop!r}")
+        if hop not in self.bandwidth:
+            raise invalid_argument("hop", f"expected one of {', '.join(map(repr, self.bandwidth))}, got {hop!r}")
         if not (usable_sample(nbytes, "nbytes") and usable_sample(seconds, "seconds")):
             self.observations_dropped += 1
             return
@@ -117,10 +129,13 @@ class CostModel:
         self.bandwidth[hop] = (1 - self.alpha) * self.bandwidth[hop] + self.alpha * measured
 
     def load_seconds(self, tier: str, n_blocks: int) -> float:
-        """Estimated time to bring n blocks from `tier` to the device (disk goes through CPU)."""
+        """Estimated time to bring n blocks from `tier` to the device (disk and remote go through
+        CPU, see `PATHS`)."""
         if n_blocks <= 0:
             return 0.0
-        hops = ["cpu"] if tier == "cpu" else ["disk", "cpu"]
+        hops = PATHS.get(tier, PATHS["disk"])
+        if not all(h in self.bandwidth for h in hops):
+            raise invalid_argument("tier", f"{tier!r} is a hop this model was given no bandwidth for")
         nbytes = n_blocks * self.block_bytes
         return sum(self.latency_s[h] + nbytes / self.bandwidth[h] for h in hops)
 
