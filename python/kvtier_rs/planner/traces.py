@@ -27,6 +27,7 @@ from kvtier_rs.planner.errors import PlanError, TraceError
 FORMATS = ("auto", "mooncake", "bailian", "kvcache-tester", "tokens")
 DEFAULT_BLOCK_SIZE = {"mooncake": 512, "bailian": 16, "tokens": 16}
 U64 = (1 << 64) - 1
+I64 = (1 << 63) - 1
 # Sanity bounds on per-record values: far beyond any real model, yet small enough that the
 # core's u64 sums over a trace of any size that fits in memory cannot overflow.
 MAX_TOKENS = 10**9
@@ -50,6 +51,8 @@ class TraceData:
     input_tokens: array = field(default_factory=lambda: array("Q"))
     output_tokens: array = field(default_factory=lambda: array("Q"))
     timestamps_s: array = field(default_factory=lambda: array("d"))
+    # Each request's session (conversation), for formats that name one; None otherwise.
+    sessions: array | None = None
     skipped: int = 0
     skipped_examples: list[str] = field(default_factory=list)
 
@@ -57,12 +60,18 @@ class TraceData:
     def n_requests(self) -> int:
         return len(self.input_tokens)
 
-    def add(self, keys: list[int], input_tokens: int, output_tokens: int, ts: float) -> None:
+    def add(
+        self, keys: list[int], input_tokens: int, output_tokens: int, ts: float, session: int | None = None
+    ) -> None:
         self.keys.extend(keys)
         self.offsets.append(len(self.keys))
         self.input_tokens.append(input_tokens)
         self.output_tokens.append(output_tokens)
         self.timestamps_s.append(ts)
+        if session is not None:
+            if self.sessions is None:
+                self.sessions = array("q")
+            self.sessions.append(session)
 
 
 def _open_binary(path: Path) -> IO[bytes] | gzip.GzipFile:
@@ -290,6 +299,7 @@ def _read_jsonl(p: Path, fmt: str, block_size: int | None, skip_bad: bool, limit
     data = TraceData(str(p), fmt, bs)
     record_bs: int | None = None
     prev: tuple[float, str] | None = None  # the last kept record's timestamp, as in the file
+    roots: dict[int, int] = {}  # Bailian: chat id -> the chat that opened its conversation
     for lineno, rec in _records(p):
         if limit is not None and data.n_requests >= limit:
             break
@@ -326,14 +336,28 @@ def _read_jsonl(p: Path, fmt: str, block_size: int | None, skip_bad: bool, limit
                 record_bs = rbs
                 data.block_size = bs = rbs
             _check_blocks(len(ids), n_in, bs, "input_length")
+            session = _bailian_session(rec, roots, data.n_requests) if fmt == "bailian" else None
             # Mooncake timestamps are milliseconds; Bailian's are seconds.
-            data.add(ids, n_in, n_out, ts / 1000.0 if fmt == "mooncake" else ts)
+            data.add(ids, n_in, n_out, ts / 1000.0 if fmt == "mooncake" else ts, session)
             prev = (ts, f"on line {lineno}")
         except _Bad as bad:
             _skip_or_raise(data, skip_bad, p, str(lineno), bad)
     if data.n_requests == 0:
         raise PlanError(f"{p}: no usable requests (skipped {data.skipped} bad records)")
     return data
+
+
+def _bailian_session(rec: dict, roots: dict[int, int], index: int) -> int:
+    """A Bailian request's conversation: the chat that opened it, followed up the
+    parent_chat_id links (-1 or absent: it opens one). A parent not in the trace (it began
+    before the trace) stands for its conversation. A record without a chat_id is a conversation
+    of its own, numbered below every chat id (-2 - its request index)."""
+    parent = _int(rec, "parent_chat_id", minimum=-1, maximum=I64, required=False, default=-1)
+    chat = _int(rec, "chat_id", minimum=0, maximum=I64, required=False, default=-1)
+    root = roots.get(parent, parent) if parent >= 0 else chat
+    if chat >= 0:
+        roots[chat] = root
+    return root if root >= 0 else -2 - index
 
 
 def _tester_documents(p: Path, raw: bytes, data: TraceData, skip_bad: bool) -> list[tuple[str, Any]]:
@@ -422,8 +446,8 @@ def _read_tester(p: Path, block_size: int | None, skip_bad: bool, limit: int | N
     if len(convs) > 1:
         # Conversations run side by side: replay their requests merged in time order.
         rows.sort(key=lambda r: (r[0], r[1], r[2]))
-    for t, _ci, _ri, ids, n_in, n_out in rows[:limit]:
-        data.add(ids, n_in, n_out, t)
+    for t, ci, _ri, ids, n_in, n_out in rows[:limit]:
+        data.add(ids, n_in, n_out, t, ci)
     if data.n_requests == 0:
         raise PlanError(f"{p}: no usable requests (skipped {data.skipped} bad records)")
     return data
