@@ -12,6 +12,7 @@ import pytest
 from kvtier_rs.cli import main
 from kvtier_rs.planner.errors import PlanError
 from kvtier_rs.planner.replicas import split
+from kvtier_rs.planner.synth import SynthConfig, synthesize, write_trace
 from kvtier_rs.planner.traces import read_trace
 
 BS = 512  # Mooncake's block size: every request below is whole blocks of 512 tokens
@@ -134,9 +135,33 @@ def test_sessions_follow_the_parent_chain_and_the_conversations(tmp_path):
     assert list(read_trace(t).sessions or []) == [0, 1, 0]  # merged in time order
 
 
+def test_session_ids_of_mooncake_records_and_synthesized_chats(tmp_path):
+    # A record without a session_id is a session of its own.
+    p = tmp_path / "s.jsonl"
+    recs = [{"timestamp": i, "input_length": BS, "hash_ids": [i]} for i in range(4)]
+    recs[0]["session_id"] = recs[2]["session_id"] = 7
+    p.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert list(read_trace(p).sessions or []) == [7, -3, 7, -5]
+    assert split(read_trace(p), 2, "session") == [0, 1, 0, 0]
+    # kvtier trace synth numbers each chat: its turns share one session, other requests none.
+    records = synthesize(SynthConfig(requests=400, seed=5, mix={"chat": 0.5, "unique": 0.5}))
+    write_trace(records, tmp_path / "synth.jsonl")
+    sessions = list(read_trace(tmp_path / "synth.jsonl").sessions or [])
+    chats = {}
+    for r, s in zip(records, sessions, strict=True):
+        if "session_id" in r:
+            assert s == r["session_id"]
+            chats.setdefault(s, []).append(r["hash_ids"])
+        else:
+            assert s < 0
+    # A later turn resends the earlier one: its first block is the same.
+    assert any(len(turns) > 1 for turns in chats.values())
+    assert all(len({t[0] for t in turns}) == 1 for turns in chats.values())
+
+
 def test_a_session_split_of_a_trace_without_sessions_is_refused(tmp_path, capsys):
     p = mooncake(tmp_path, [[1, 2], [1, 2]])
-    with pytest.raises(PlanError, match="--split session: a mooncake trace names no session"):
+    with pytest.raises(PlanError, match="--split session: this mooncake trace names no session"):
         split(read_trace(p), 2, "session")
     argv = ["plan", str(p), "--cpu", "4blocks", "--remote", "4blocks", "--replicas", "2", "--split", "session"]
     assert main([*argv, "--no-progress"]) == 2

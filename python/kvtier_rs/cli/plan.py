@@ -17,7 +17,8 @@ or say plainly that tiering will not pay.
 
 Trace formats (--trace-format auto detects; .gz accepted):
   mooncake        JSONL {"timestamp" (ms), "input_length", "output_length", "hash_ids"}; 512-token
-                  blocks unless "block_size" is in the records or --block-size is given
+                  blocks unless "block_size" is in the records or --block-size is given; an
+                  optional "session_id" (kvtier trace synth's chats) names a request's session
   bailian         Alibaba Bailian JSONL: as mooncake plus chat_id, parent_chat_id, turn, type;
                   timestamps in seconds; 16-token blocks
   kvcache-tester  kv-cache-tester JSON conversations {"block_size", "requests": [{"t", "in",

@@ -22,13 +22,14 @@ def split(data: TraceData, replicas: int, how: str) -> list[int]:
     balancer without affinity spreads them. `session`: every request of a conversation goes to
     the replica its conversation was given, conversations dealt round robin in the order they
     first appear, as a router with session affinity keeps them; it needs the trace's
-    conversation ids (Bailian chat ids, kv-cache-tester conversations)."""
+    conversation ids (Bailian chat ids, kv-cache-tester conversations, the `session_id` of
+    records from `kvtier trace synth`)."""
     if how == "round-robin":
         return [r % replicas for r in range(data.n_requests)]
     if data.sessions is None:
         raise PlanError(
-            f"--split session: a {data.format} trace names no session or conversation of its requests "
-            "(only bailian and kvcache-tester traces do); use --split round-robin"
+            f"--split session: this {data.format} trace names no session or conversation of its requests "
+            "(bailian chat ids, kvcache-tester conversations or session_id fields do); use --split round-robin"
         )
     order: dict[int, int] = {}
     return [order.setdefault(s, len(order)) % replicas for s in data.sessions]
