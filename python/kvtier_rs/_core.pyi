@@ -14,6 +14,7 @@ __all__ = [
     "DEFAULT_PRIORITY",
     "FAULT_INJECTION",
     "MAX_KEY_BYTES",
+    "MAX_REPLICAS",
     "BlockIndex",
     "ClosedError",
     "DirectoryLockedError",
@@ -47,6 +48,8 @@ State = Literal["writing", "ready", "evicting"]
 
 MAX_KEY_BYTES: int
 DEFAULT_PRIORITY: int
+# The most replicas a tier replay splits a trace across (`replay_tiers(replicas=...)`).
+MAX_REPLICAS: int
 # Whether the `_inject_*` test hooks are compiled in: the development build (the
 # `fault-injection` feature) only; a release wheel has none of them.
 FAULT_INJECTION: bool
@@ -346,8 +349,13 @@ def replay_tiers(
     *,
     warmup: float = 0.5,
     mode: str = "tree",
+    replicas: Sequence[int] | None = None,
+    shared: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Inclusive write-through tiers (name, capacity_blocks, policy, admission), fastest first.
+    `replicas`: the replica serving each request (None: one replica); the tiers named in
+    `shared` (None: none) are one cache for all replicas, the others one per replica (their
+    counts summed).
     The dict: tiers (per tier: served_tokens, served_blocks, insertions, evictions, underfilled,
     filled_at_request, ...), miss_tokens, miss_blocks, total_tokens, total_blocks,
     measured_requests, served_histogram ((blocks per tier, measured requests, tokens per tier))."""

@@ -59,6 +59,7 @@ mod core_module {
     fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m.add("MAX_KEY_BYTES", crate::keys::MAX_KEY_BYTES)?;
         m.add("DEFAULT_PRIORITY", crate::policy::DEFAULT_PRIORITY)?;
+        m.add("MAX_REPLICAS", crate::replay::MAX_REPLICAS)?;
         // Whether the `_inject_*` test hooks are compiled in (the development build only).
         m.add("FAULT_INJECTION", crate::fault::ENABLED)?;
         // The per-key lookups are CPython method descriptors, not pyo3 methods (see fast_calls).

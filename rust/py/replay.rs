@@ -195,23 +195,32 @@ pub fn replay_sweep<'py>(
 }
 
 /// Replay `trace` through inclusive, write-through tiers given fastest first as
-/// `(name, capacity_blocks, policy, admission)`.
+/// `(name, capacity_blocks, policy, admission)`. `replicas`: the replica serving each request
+/// (None: one replica); the tiers named in `shared` (None: none) are one cache for all replicas,
+/// the others one per replica.
 #[pyfunction]
-#[pyo3(signature = (trace, tiers, *, warmup=0.5, mode="tree"))]
+#[pyo3(signature = (trace, tiers, *, warmup=0.5, mode="tree", replicas=None, shared=None))]
 pub fn replay_tiers<'py>(
     py: Python<'py>,
     trace: &Bound<'py, ReplayTrace>,
     tiers: Vec<(String, i64, String, String)>,
     warmup: f64,
     mode: &str,
+    replicas: Option<Vec<u32>>,
+    shared: Option<Vec<String>>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let m = self::mode(mode)?;
+    let shared = shared.unwrap_or_default();
+    if let Some(name) = shared.iter().find(|s| !tiers.iter().any(|t| &t.0 == *s)) {
+        return Err(invalid("shared", format!("{name:?} names no tier")));
+    }
     let mut specs = Vec::with_capacity(tiers.len());
     for (name, cap, policy, adm) in tiers {
         if cap <= 0 {
             return Err(invalid("capacity", format!("tier {name:?} needs a positive number of blocks, got {cap}")));
         }
         specs.push(TierSpec {
+            shared: shared.contains(&name),
             name,
             capacity: cap as usize,
             policy: PolicyKind::parse(&policy)?,
@@ -219,7 +228,8 @@ pub fn replay_tiers<'py>(
         });
     }
     let t = trace.get().inner.clone();
-    let r = py.detach(|| replay::replay_tiers(&t, &specs, m, warmup))?;
+    let replica_of = replicas.unwrap_or_default();
+    let r = py.detach(|| replay::replay_replicas(&t, &specs, &replica_of, m, warmup))?;
     let d = PyDict::new(py);
     let list = PyList::empty(py);
     for (spec, tr) in specs.iter().zip(&r.tiers) {

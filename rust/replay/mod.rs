@@ -36,7 +36,7 @@ use std::collections::HashMap;
 use std::sync::OnceLock;
 
 pub use analysis::{analyze, SharedPrefix, TraceAnalysis};
-pub use multitier::{replay_tiers, TierResult, TierSpec, TiersResult};
+pub use multitier::{replay_replicas, replay_tiers, TierResult, TierSpec, TiersResult, MAX_REPLICAS};
 pub use prefix_tree::{replay_one, Mode, ReplayStats, Replayer};
 pub use sweep::{run_sweep, Job, JobKind, Progress};
 

@@ -175,7 +175,13 @@ fn a_cache_that_fills_inside_the_measured_window_is_not_underfilled() {
         assert!(!s.underfilled, "{which:?}");
         assert_eq!(s.filled_at_request, Some(2), "{which:?}");
     }
-    let spec = TierSpec { name: "cpu".into(), capacity: 2, policy: PolicyKind::Lru, admission: AdmissionRule::Always };
+    let spec = TierSpec {
+        name: "cpu".into(),
+        capacity: 2,
+        policy: PolicyKind::Lru,
+        admission: AdmissionRule::Always,
+        shared: false,
+    };
     let m = replay_tiers(&t, &[spec], Mode::Tree, 0.5).unwrap();
     assert!(!m.tiers[0].underfilled);
     assert_eq!(m.tiers[0].filled_at_request, Some(2));
@@ -232,6 +238,7 @@ fn multitier_serves_each_block_from_the_fastest_holder() {
                 capacity: c,
                 policy: PolicyKind::Lru,
                 admission: AdmissionRule::Always,
+                shared: false,
             })
             .collect()
     };
@@ -263,6 +270,7 @@ fn histograms_count_measured_requests_by_blocks_served() {
         capacity,
         policy: PolicyKind::Lru,
         admission: AdmissionRule::Always,
+        shared: false,
     };
     let m = replay_tiers(&t, &[spec("gpu", 1), spec("cpu", 3)], Mode::Tree, 0.0).unwrap();
     assert_eq!(
@@ -426,4 +434,70 @@ fn opt_is_never_beaten_it_is_refused_on_a_trace_that_is_not_prefix_chained() {
     // A key repeated inside one request is unchained too; chained traces are accepted.
     assert!(!trace_of(&[vec![1, 2, 1]]).prefix_chained());
     assert!(trace_of(&[vec![1, 2], vec![1, 3], vec![1, 2, 5]]).prefix_chained());
+}
+
+fn tier(name: &str, capacity: usize, shared: bool) -> TierSpec {
+    TierSpec { name: name.into(), capacity, policy: PolicyKind::Lru, admission: AdmissionRule::Always, shared }
+}
+
+#[test]
+fn a_prefix_computed_on_one_replica_is_a_remote_hit_on_another() {
+    // Round robin over two replicas, A (r0, r2) and B (r1, r3), each with a private CPU tier,
+    // all large. r0 computes [1, 2] on A; r1 on B finds it only in the shared remote store; r2
+    // finds 1 in A's CPU tier; r3 finds [1, 2] in B's own tier (stored there by r1).
+    let t = trace_of(&[vec![1, 2], vec![1, 2], vec![1, 3], vec![1, 2, 4]]);
+    let split = [0, 1, 0, 1];
+    let m = replay_replicas(&t, &[tier("cpu", 10, false), tier("remote", 10, true)], &split, Mode::Tree, 0.0).unwrap();
+    let served = |m: &TiersResult| m.tiers.iter().map(|t| t.served_blocks).collect::<Vec<_>>();
+    assert_eq!(served(&m), vec![3, 2]);
+    assert_eq!((m.miss_blocks, m.miss_tokens, m.total_blocks), (4, 16, 9));
+    // Each replica's CPU cache stores its own requests' blocks: A {1, 2, 3}, B {1, 2, 4}.
+    assert_eq!(m.tiers[0].insertions, 6);
+    assert_eq!(m.tiers[1].insertions, 4);
+    // Without the remote store, r1's two blocks are recomputed.
+    let alone = replay_replicas(&t, &[tier("cpu", 10, false)], &split, Mode::Tree, 0.0).unwrap();
+    assert_eq!(served(&alone), vec![3]);
+    assert_eq!(alone.miss_blocks, 6);
+    // On one replica the CPU tier serves everything the remote store would.
+    let one = replay_tiers(&t, &[tier("cpu", 10, false), tier("remote", 10, true)], Mode::Tree, 0.0).unwrap();
+    assert_eq!(served(&one), vec![5, 0]);
+    assert_eq!(one.miss_blocks, 4);
+}
+
+#[test]
+fn a_private_tier_is_full_only_once_every_replica_cache_filled() {
+    // Capacity 1 per replica: A fills at r0, B at r1; the shared tier (capacity 2) at r1.
+    let t = trace_of(&[vec![1], vec![2], vec![1]]);
+    let m =
+        replay_replicas(&t, &[tier("cpu", 1, false), tier("remote", 2, true)], &[0, 1, 0], Mode::Tree, 0.0).unwrap();
+    assert_eq!((m.tiers[0].filled_at_request, m.tiers[1].filled_at_request), (Some(1), Some(1)));
+    // Replica B never gets a request: its cache never fills, so the tier is underfilled.
+    let m = replay_replicas(&t, &[tier("cpu", 1, false)], &[0, 2, 0], Mode::Tree, 0.0).unwrap();
+    assert!(m.tiers[0].underfilled);
+}
+
+#[test]
+fn every_tier_shared_is_the_one_replica_replay() {
+    let t = chained(&(0..120u32).map(|i| ((i * 7 % 13) as u8, (i * 5 % 11) as u8, (i % 6) as u8)).collect::<Vec<_>>());
+    let split: Vec<u32> = (0..t.n_requests() as u32).map(|r| r % 3).collect();
+    let specs = [tier("cpu", 8, true), tier("remote", 30, true)];
+    assert_eq!(
+        replay_replicas(&t, &specs, &split, Mode::Tree, 0.25).unwrap(),
+        replay_tiers(&t, &specs, Mode::Tree, 0.25).unwrap()
+    );
+    // And one replica named for every request is no split at all.
+    let private = [tier("cpu", 8, false), tier("remote", 30, true)];
+    assert_eq!(
+        replay_replicas(&t, &private, &vec![0; t.n_requests()], Mode::Tree, 0.25).unwrap(),
+        replay_tiers(&t, &private, Mode::Tree, 0.25).unwrap()
+    );
+}
+
+#[test]
+fn a_split_must_name_one_replica_per_request_and_not_too_many() {
+    let t = trace_of(&[vec![1], vec![2]]);
+    let err = |split: &[u32]| replay_replicas(&t, &[tier("cpu", 1, false)], split, Mode::Tree, 0.0).unwrap_err();
+    assert!(err(&[0]).to_string().contains("one replica per request (2), got 1"), "{}", err(&[0]));
+    let too_many = err(&[0, MAX_REPLICAS as u32]).to_string();
+    assert!(too_many.contains("at most 1024 replicas"), "{too_many}");
 }

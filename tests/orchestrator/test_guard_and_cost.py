@@ -21,6 +21,7 @@ from support.disk import HeldReads
 
 import kvtier_rs as kv
 from kvtier_rs.orchestrator import CostModel, GuardRule, LatencyRecorder, SloGuard, TierOrchestrator
+from kvtier_rs.orchestrator.cost import OPTIONAL_HOPS
 from kvtier_rs.transfer import BlockLayout, CpuTransferEngine
 
 NAN, INF = float("nan"), float("inf")
@@ -329,6 +330,24 @@ def test_cost_model_accepts_a_free_hop_and_zero_latency_and_copies_its_dicts():
     assert c.bandwidth["disk"] != 2e9 and bw["disk"] == 2e9, "the caller's dict is not the model's"
     c.observe("cpu", 1 << 30, 0.25)
     assert c.bandwidth["cpu"] == INF, "a free hop stays free"
+
+
+def test_a_remote_hop_is_priced_through_the_cpu_hop_and_starts_from_defaults():
+    bw, lat = {"cpu": 10e9, "disk": 1e9, "remote": 2e9}, {"cpu": 50e-6, "disk": 200e-6, "remote": 1e-3}
+    c = cost(bandwidth=bw, latency_s=lat)
+    nbytes = 4 << 20
+    assert c.load_seconds("remote", 4) == pytest.approx(1e-3 + nbytes / 2e9 + 50e-6 + nbytes / 10e9)
+    c.observe("remote", 1 << 30, 0.5)
+    assert c.bandwidth["remote"] != 2e9, "a remote transfer is measured like any other"
+    # Not given: the network's first estimates, until transfers measure it.
+    fresh = cost()
+    rate, latency = OPTIONAL_HOPS["remote"]
+    assert fresh.load_seconds("remote", 1) == pytest.approx(latency + (1 << 20) / rate + fresh.load_seconds("cpu", 1))
+    assert cost(bandwidth=bw).latency_s["remote"] == latency
+    with pytest.raises(kv.InvalidArgumentError, match="`tier`: expected one of"):
+        fresh.load_seconds("nvme", 1)
+    with pytest.raises(kv.InvalidArgumentError, match="`bandwidth`: expected a dict"):
+        cost(bandwidth={**bw, "nvme": 1e9})
 
 
 def test_a_plan_never_raises_a_bare_key_error_for_a_missing_hop():

@@ -90,6 +90,26 @@ def test_multitier_equals_reference():
 
 
 @needs_traces
+def test_multitier_split_across_replicas_equals_reference():
+    data = read_trace(TRACES / "mooncake_conversation_trace.jsonl", limit=900)
+    reqs, trace = requests_of(data), build_trace(data)
+    tiers = [("cpu", 150, "lru", "always"), ("disk", 400, "arc", "uses:2"), ("remote", 1500, "lru", "always")]
+    split = [r % 3 for r in range(len(reqs))]
+    got = replay_tiers(trace, tiers, warmup=0.3, replicas=split, shared=["remote"])
+    want = ref.replay_tiers(
+        reqs,
+        data.block_size,
+        [(n, c, p, 1 if a == "always" else 2) for n, c, p, a in tiers],
+        warmup=0.3,
+        replicas=split,
+        shared=("remote",),
+    )
+    assert {t["name"]: t["served_tokens"] for t in got["tiers"]} == want["served"]
+    assert want["served"]["remote"] > 0  # the split leaves the shared tier something to serve
+    assert (got["miss_tokens"], got["total_tokens"]) == (want["miss_tokens"], want["total_tokens"])
+
+
+@needs_traces
 def test_reuse_distance_equals_reference():
     data = read_trace(TRACES / "mooncake_synthetic_trace.jsonl", limit=150)
     a = build_trace(data).analyze()

@@ -191,13 +191,22 @@ def replay(requests, block_size, policy, capacity, *, warmup=0.5, mode="tree", a
     return out
 
 
-def replay_tiers(requests, block_size, tiers, *, warmup=0.5, mode="tree"):
-    """`tiers`: list of (name, capacity, policy, admit_after), fastest first."""
-    caches = [Cache(pol, cap, mode, k, requests) for _, cap, pol, k in tiers]
+def replay_tiers(requests, block_size, tiers, *, warmup=0.5, mode="tree", replicas=None, shared=()):
+    """`tiers`: list of (name, capacity, policy, admit_after), fastest first. `replicas`: the
+    replica of each request (None: one replica); a tier named in `shared` is one cache for all
+    replicas, any other one cache per replica."""
+    n = max(replicas) + 1 if replicas else 1
+    own = {
+        (name, a): Cache(pol, cap, mode, k, requests)
+        for name, cap, pol, k in tiers
+        for a in ([0] if name in shared else range(n))
+    }
     first = int(len(requests) * warmup)
     served = {name: 0 for name, *_ in tiers}
     miss = total = 0
     for r, (keys, n_in) in enumerate(requests):
+        a = replicas[r] if replicas else 0
+        caches = [own[(name, 0 if name in shared else a)] for name, *_ in tiers]
         if r >= first:
             got = 0
             for i, k in enumerate(keys):

@@ -17,7 +17,8 @@ or say plainly that tiering will not pay.
 
 Trace formats (--trace-format auto detects; .gz accepted):
   mooncake        JSONL {"timestamp" (ms), "input_length", "output_length", "hash_ids"}; 512-token
-                  blocks unless "block_size" is in the records or --block-size is given
+                  blocks unless "block_size" is in the records or --block-size is given; an
+                  optional "session_id" (kvtier trace synth's chats) names a request's session
   bailian         Alibaba Bailian JSONL: as mooncake plus chat_id, parent_chat_id, turn, type;
                   timestamps in seconds; 16-token blocks
   kvcache-tester  kv-cache-tester JSON conversations {"block_size", "requests": [{"t", "in",
@@ -55,7 +56,12 @@ Replay semantics:
   - Multi-tier (--gpu/--cpu/--disk): tiers are inclusive and written through; each is its own
     cache with its own policy and admission; a block is served by the fastest tier holding it,
     counted as a GPU hit, a CPU promotion or a disk promotion; the usable prefix stops at the
-    first block no tier holds.
+    first block no tier holds. --remote adds a remote store behind them (LRU, as a Valkey or
+    Redis server's allkeys-lru; loads cross --remote-latency-ms and --remote-gbps, then PCIe).
+  - Replicas (--replicas K --split round-robin|session, with --cpu and --remote): the trace is
+    split across K replicas, each with its own GPU/CPU/disk tiers; the tier replay runs with
+    those alone and again with one remote store shared by all, and the report gives what the
+    shared store saves: blocks and tokens no longer prefilled (misses and loads not worth it).
   - The knee (the recommended size): the smallest swept capacity whose hit rate is within a
     tenth of the infinite cache's. With none in the sweep (the curve still rising, or flat
     below the ceiling, at the largest capacity) no size is recommended and the report asks for
@@ -66,7 +72,8 @@ Replay semantics:
     a CPU tier at the knee (less what the --gpu cache alone hits, if given).
   - Cost model: the live orchestrator's (kvtier_rs.orchestrator.cost.CostModel). Loading n
     blocks from a tier as one job costs a fixed latency per hop plus bytes / bandwidth per hop
-    (disk: disk then PCIe), recomputing them n x block_size / --prefill-tps; a request's hits
+    (disk: disk then PCIe;
+    remote: remote then PCIe), recomputing them n x block_size / --prefill-tps; a request's hits
     from a tier count as gains only when their load beats recomputing them, and a CPU part not
     worth loading cuts the chain before its disk part, as the orchestrator decides. Sizing, the
     knee and the verdict go by these gains (without model bytes every hit counts). TTFT
@@ -139,6 +146,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--gpu", help="GPU prefix-cache size: bytes with a unit (40GiB) or blocks (5000blocks)")
     _tree_option(s, "cpu_bytes", also=" or blocks (5000blocks); the CPU tier is judged only when given")
     _tree_option(s, "disk_bytes", also=" or blocks; the disk tier is judged only when given")
+    s.add_argument(
+        "--remote",
+        help="shared remote store's size (a Valkey/Redis cluster's memory for KV; evicts by LRU, as "
+        "allkeys-lru): bytes with a unit or blocks; staged through the CPU tier",
+    )
     s.add_argument("--capacities", type=_capacities, help="capacities to sweep, in blocks (e.g. 1000,10000,50000)")
     r = p.add_argument_group("replay")
     r.add_argument(
@@ -160,9 +172,31 @@ def register(sub: argparse._SubParsersAction) -> None:
     _tree_option(r, "cpu_admission", also=", in the multi-tier replay")
     _tree_option(r, "disk_admission", also=", in the multi-tier replay")
     r.add_argument("--threads", type=int, default=0, help="replay threads (default: all cores)")
+    r.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="split the trace across K replicas, each with its own --gpu/--cpu/--disk tiers, and compare "
+        "them alone against them plus the shared --remote tier (default 1: no split)",
+    )
+    r.add_argument(
+        "--split",
+        default="round-robin",
+        help="how requests go to replicas: round-robin (request i to replica i mod K) or session (a "
+        "conversation's requests to one replica; needs a trace with conversation ids) (default round-robin)",
+    )
     c = p.add_argument_group("cost model")
     c.add_argument("--pcie-gbps", type=float, default=25.0, help="CPU->GPU bandwidth, GB/s (default 25)")
     c.add_argument("--disk-gbps", type=float, default=6.0, help="disk->CPU bandwidth, GB/s (default 6)")
+    c.add_argument(
+        "--remote-gbps", type=float, default=1.25, help="remote store->CPU bandwidth, GB/s (default 1.25: 10 Gb/s)"
+    )
+    c.add_argument(
+        "--remote-latency-ms",
+        type=float,
+        default=0.5,
+        help="fixed time of one load from the remote store (a round trip), ms (default 0.5)",
+    )
     c.add_argument("--prefill-tps", type=float, default=10_000.0, help="prefill throughput, tokens/s (default 10000)")
     o = p.add_argument_group("output")
     o.add_argument("--format", choices=["table", "json"], default="table")
@@ -205,6 +239,7 @@ def run(args: argparse.Namespace) -> int:
         gpu=parse_size(args.gpu, "--gpu") if args.gpu else None,
         cpu=parse_size(args.cpu_bytes, getattr(args, "cpu_bytes_flag", "--cpu-bytes")) if args.cpu_bytes else None,
         disk=parse_size(args.disk_bytes, getattr(args, "disk_bytes_flag", "--disk-bytes")) if args.disk_bytes else None,
+        remote=parse_size(args.remote, "--remote") if args.remote else None,
         capacities=args.capacities,
         policies=tuple(x.strip() for x in args.policies.split(",") if x.strip()),
         warmup=args.warmup,
@@ -215,6 +250,10 @@ def run(args: argparse.Namespace) -> int:
         tier_policy=args.tier_policy,
         pcie_gbps=args.pcie_gbps,
         disk_gbps=args.disk_gbps,
+        remote_gbps=args.remote_gbps,
+        remote_latency_ms=args.remote_latency_ms,
+        replicas=args.replicas,
+        split=args.split,
         prefill_tps=args.prefill_tps,
         top=args.top,
         threads=args.threads,

@@ -36,7 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "synth",
         help="synthesize a realistic request trace",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Synthesize a request trace in Mooncake JSONL (chained hash_ids, block_size per record)."
+        description="Synthesize a request trace in Mooncake JSONL (chained hash_ids, block_size per record, "
+        "session_id for the turns of a chat)."
         "\n\n"
         "Workloads, mixed by share of arrivals (--mix):\n"
         "  system  a shared system prompt (Zipf-popular among --system-prompts) and a unique question\n"

@@ -45,6 +45,9 @@ HOPS = ("cpu", "disk")
 #: "remote" = the shared store -> host: set when given, else from these first estimates (a
 #: round trip to another machine, and a network's rate) until transfers measure it.
 OPTIONAL_HOPS = {"remote": (1e9, 1e-3)}
+#: The hops a load from each tier crosses: a block from disk or a remote store lands in host
+#: memory first, then crosses PCIe like a CPU hit.
+PATHS = {"cpu": ("cpu",), "disk": ("disk", "cpu"), "remote": ("remote", "cpu")}
 
 
 def _per_hop(name: str, value: object, *, zero_ok: bool, inf_ok: bool) -> dict[str, float]:
@@ -90,6 +93,9 @@ class CostModel:
         self.block_bytes = check_count("block_bytes", self.block_bytes)
         self.bandwidth = _per_hop("bandwidth", self.bandwidth, zero_ok=False, inf_ok=True)
         self.latency_s = _per_hop("latency_s", self.latency_s, zero_ok=True, inf_ok=False)
+        for hop in OPTIONAL_HOPS:
+            if hop in self.bandwidth or hop in self.latency_s:
+                self._ensure(hop)  # given one of its two settings: the other from the defaults
         a = self.alpha
         if isinstance(a, bool) or not isinstance(a, numbers.Real) or not 0 < a <= 1:  # NaN fails 0 < a
             raise invalid_argument("alpha", f"must be a number in (0, 1], got {a!r}")
@@ -137,7 +143,9 @@ class CostModel:
         through CPU)."""
         if n_blocks <= 0:
             return 0.0
-        hops = ["cpu"] if tier == "cpu" else [tier, "cpu"]
+        hops = PATHS.get(tier)
+        if hops is None:
+            raise invalid_argument("tier", f"expected one of {', '.join(map(repr, PATHS))}, got {tier!r}")
         self._ensure(tier)
         nbytes = n_blocks * self.block_bytes
         return sum(self.latency_s[h] + nbytes / self.bandwidth[h] for h in hops)

@@ -187,7 +187,7 @@ def recommend(report: dict) -> dict[str, Any]:
     rec["reasons"] = reasons
     asked = report["tiers"]
     if asked and any(t["name"] != "gpu" for t in asked["tiers"]):
-        return _judge_asked(rec, asked, report["cost"], best)
+        return _judge_asked(rec, asked, report["cost"], best, report.get("replicas"))
     if knee is None:  # `_no_knee` wrote the summary
         rec["summary"] = no_knee_summary
         return rec
@@ -223,10 +223,11 @@ def _tier_name(t: dict) -> str:
     return "GPU cache" if t["name"] == "gpu" else f"{t['name'].upper()} tier"
 
 
-def _judge_asked(rec: dict, mt: dict, cost: dict, policy: str) -> dict:
-    """The verdict on the tiers asked for (--cpu, with --disk and --gpu if given), from their
-    multi-tier replay: they pay when their promotions worth loading save MIN_GAIN of the
-    tokens. The knee and admission advice stay as reasons (sizing)."""
+def _judge_asked(rec: dict, mt: dict, cost: dict, policy: str, split: dict | None) -> dict:
+    """The verdict on the tiers asked for (--cpu, with --disk, --remote and --gpu if given),
+    from their multi-tier replay: they pay when their promotions worth loading save MIN_GAIN of
+    the tokens. The knee and admission advice stay as reasons (sizing), and with --replicas what
+    the shared remote tier saves the replicas, judged by the same MIN_GAIN."""
     total = mt["total_tokens"] or 1
     lower = [t for t in mt["tiers"] if t["name"] != "gpu"]
     gpu = next((t for t in mt["tiers"] if t["name"] == "gpu"), None)
@@ -243,6 +244,14 @@ def _judge_asked(rec: dict, mt: dict, cost: dict, policy: str) -> dict:
         config += f" (replayed with --tier-policy {tier_policy})"
     base = f" over the GPU cache's {gpu['served_tokens'] / total:.1%}" if gpu else ""
     extra = [] if gpu else ["no --gpu: every hit of the CPU tier counts as a promotion (no GPU prefix cache in front)"]
+    if split is not None:
+        saves = split["remote_saves"]
+        pays = "it pays" if saves["token_share"] >= MIN_GAIN else "too little to pay"
+        extra.append(
+            f"split across {split['replicas']} replicas ({split['split']}), each with its own tiers, the shared "
+            f"remote tier saves {saves['token_share']:.1%} of prefill tokens ({saves['recomputed_blocks']} block "
+            f"recomputes): {pays}"
+        )
     if added < MIN_GAIN:
         rec["verdict"] = "no_tiering"
         rec["summary"] = (

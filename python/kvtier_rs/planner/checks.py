@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from kvtier_rs._core import InvalidArgumentError, parse_admission, policy_names
+from kvtier_rs._core import MAX_REPLICAS, InvalidArgumentError, parse_admission, policy_names
 from kvtier_rs.planner.errors import PlanError
 from kvtier_rs.planner.model import MAX_BYTES_PER_TOKEN, ModelBytes, bytes_per_token_from_config
 from kvtier_rs.planner.options import PlanOptions
@@ -22,7 +22,8 @@ from kvtier_rs.planner.units import MAX_BLOCKS, Size, fmt_bytes
 # Policies the sweep can replay; "opt" (Belady) needs the whole future, so it is planner-only.
 ONLINE_POLICIES = tuple(policy_names())
 ALL_POLICIES = (*ONLINE_POLICIES, "opt")
-TIERS = ("gpu", "cpu", "disk")
+TIERS = ("gpu", "cpu", "disk", "remote")
+SPLITS = ("round-robin", "session")
 MAX_THREADS = 1024
 MAX_TOP = 10_000
 
@@ -54,15 +55,21 @@ def check_options(opts: PlanOptions) -> ModelBytes | None:
     for option, value in (
         ("--pcie-gbps", opts.pcie_gbps),
         ("--disk-gbps", opts.disk_gbps),
+        ("--remote-gbps", opts.remote_gbps),
         ("--prefill-tps", opts.prefill_tps),
     ):
         _positive_finite(option, value)
+    if not (opts.remote_latency_ms >= 0 and math.isfinite(opts.remote_latency_ms)):
+        raise PlanError(f"--remote-latency-ms: must be a finite number >= 0, got {opts.remote_latency_ms}")
     if not 0 <= opts.threads <= MAX_THREADS:
         raise PlanError(f"--threads: must be between 0 (every core) and {MAX_THREADS}, got {opts.threads}")
     if not 0 <= opts.top <= MAX_TOP:
         raise PlanError(f"--top: must be between 0 and {MAX_TOP}, got {opts.top}")
     if opts.disk is not None and opts.cpu is None:
         raise PlanError("--disk: needs --cpu (disk promotions are staged through the CPU tier)")
+    if opts.remote is not None and opts.cpu is None:
+        raise PlanError("--remote: needs --cpu (remote promotions are staged through the CPU tier)")
+    _check_replicas(opts)
     model = _model(opts)
     for name in TIERS:
         size = getattr(opts, name)
@@ -89,6 +96,19 @@ def _check_policies(opts: PlanOptions) -> None:
         )
     _admission("--cpu-admission", opts.cpu_admission)
     _admission("--disk-admission", opts.disk_admission)
+
+
+def _check_replicas(opts: PlanOptions) -> None:
+    """The replica split: how many replicas and how requests are given to them. The session
+    split's need for session ids is checked once the trace is read (`replicas.split`)."""
+    if isinstance(opts.replicas, bool) or not isinstance(opts.replicas, int) or not 1 <= opts.replicas <= MAX_REPLICAS:
+        raise PlanError(f"--replicas: must be between 1 and {MAX_REPLICAS}, got {opts.replicas!r}")
+    if opts.split not in SPLITS:
+        raise PlanError(f"--split: expected one of {', '.join(SPLITS)}, got {opts.split!r}")
+    if opts.replicas > 1 and opts.remote is None:
+        raise PlanError(
+            "--replicas: needs --remote (the replay compares the replicas' own tiers without and with a shared one)"
+        )
 
 
 def _model(opts: PlanOptions) -> ModelBytes | None:

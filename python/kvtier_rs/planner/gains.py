@@ -2,9 +2,10 @@
 recomputing them. The rule is the live orchestrator's own `CostModel`
 (kvtier_rs/orchestrator/cost.py), applied as `TierOrchestrator.plan` applies it: per request
 and tier, `worth_loading(tier, n)` for the n blocks that tier serves the request, and a CPU part
-refused for cost cuts the chain before the disk part. The replays report how many blocks each
-measured request got from each tier (`hit_histogram`, `served_histogram`), so the planner and
-the running tiers decide the same way, with the same bandwidths and fixed latencies.
+refused for cost cuts the chain before the disk part (a disk part, before the remote one). The
+replays report how many blocks each measured request got from each tier (`hit_histogram`,
+`served_histogram`), so the planner and the running tiers decide the same way, with the same
+bandwidths and fixed latencies.
 
 Without the model's bytes (--model-config / --bytes-per-token) there is no cost model and every
 hit counts, as in the orchestrator without one. In the single-cache sweep every hit is a CPU
@@ -15,19 +16,33 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtier_rs.orchestrator.cost import HOPS, CostModel
+from kvtier_rs.orchestrator.cost import PATHS, CostModel
 
 
-def cost_model(block_bytes: int | None, block_size: int, prefill_tps: float, pcie_gbps: float, disk_gbps: float):
-    """The orchestrator's cost model for the planner's rates (latencies: its defaults), or None
-    without model bytes."""
+def cost_model(
+    block_bytes: int | None,
+    block_size: int,
+    prefill_tps: float,
+    pcie_gbps: float,
+    disk_gbps: float,
+    remote: tuple[float, float] | None = None,
+):
+    """The orchestrator's cost model for the planner's rates (latencies: its defaults; a remote
+    store's, `remote` = (GB/s, latency in seconds), only with a remote tier), or None without
+    model bytes."""
     if block_bytes is None:
         return None
+    model = CostModel(prefill_tokens_per_s=prefill_tps, tokens_per_block=block_size, block_bytes=block_bytes)
+    bandwidth = {"cpu": pcie_gbps * 1e9, "disk": disk_gbps * 1e9}
+    latency = dict(model.latency_s)
+    if remote is not None:
+        bandwidth["remote"], latency["remote"] = remote[0] * 1e9, remote[1]
     return CostModel(
         prefill_tokens_per_s=prefill_tps,
         tokens_per_block=block_size,
         block_bytes=block_bytes,
-        bandwidth={"cpu": pcie_gbps * 1e9, "disk": disk_gbps * 1e9},
+        bandwidth=bandwidth,
+        latency_s=latency,
     )
 
 
@@ -46,11 +61,12 @@ def sweep_gain(row: dict[str, Any], cost: CostModel | None) -> dict[str, Any]:
 def tiers_gain(mt: dict[str, Any], cost: CostModel | None) -> dict[str, Any]:
     """Gains of the multi-tier replay, per tier: GPU hits are free; a lower tier's promotions
     count when the orchestrator would load them. Returns {"gain_tokens": {tier: tokens},
-    "refused_tokens": {tier: tokens} (promotions not worth loading: recomputed), "load_s"}."""
+    "refused_tokens": {tier: tokens} (promotions not worth loading: recomputed),
+    "refused_blocks" (their blocks, all tiers), "loaded_blocks", "load_s"}."""
     names = [t["name"] for t in mt["tiers"]]
     gain = dict.fromkeys(names, 0)
     refused = dict.fromkeys(names, 0)
-    loaded_blocks, load_s = 0, 0.0
+    loaded_blocks, refused_blocks, load_s = 0, 0, 0.0
     for blocks, requests, tokens in mt["served_histogram"]:
         # The counts say how many blocks each tier served, not where in the chain: GPU blocks are
         # taken as the leading part (the engine's own prefix hit), as they usually are.
@@ -58,7 +74,7 @@ def tiers_gain(mt: dict[str, Any], cost: CostModel | None) -> dict[str, Any]:
         for name, n, toks in zip(names, blocks, tokens, strict=True):
             if n == 0:
                 continue
-            if name not in HOPS:  # the GPU's own prefix cache: nothing to move
+            if name not in PATHS:  # the GPU's own prefix cache: nothing to move
                 gain[name] += toks
             elif loading and (cost is None or cost.worth_loading(name, n)):
                 gain[name] += toks
@@ -67,7 +83,14 @@ def tiers_gain(mt: dict[str, Any], cost: CostModel | None) -> dict[str, Any]:
             else:
                 loading = False
                 refused[name] += toks
-    return {"gain_tokens": gain, "refused_tokens": refused, "loaded_blocks": loaded_blocks, "load_s": load_s}
+                refused_blocks += requests * n
+    return {
+        "gain_tokens": gain,
+        "refused_tokens": refused,
+        "refused_blocks": refused_blocks,
+        "loaded_blocks": loaded_blocks,
+        "load_s": load_s,
+    }
 
 
 def tiers_cost(mt: dict[str, Any], cost: CostModel | None, prefill_tps: float) -> dict[str, Any]:
@@ -77,7 +100,7 @@ def tiers_cost(mt: dict[str, Any], cost: CostModel | None, prefill_tps: float) -
     g = tiers_gain(mt, cost)
     served = {t["name"]: t["served_tokens"] for t in mt["tiers"]}
     gpu = served.get("gpu", 0)
-    saved = sum(v for k, v in g["gain_tokens"].items() if k in HOPS)
+    saved = sum(v for k, v in g["gain_tokens"].items() if k in PATHS)
     total = mt["total_tokens"]
     out: dict[str, Any] = {
         "prefill_tokens_per_s": prefill_tps,
@@ -85,10 +108,14 @@ def tiers_cost(mt: dict[str, Any], cost: CostModel | None, prefill_tps: float) -
         "gpu_hit_tokens": gpu,
         "cpu_promoted_tokens": served.get("cpu", 0),
         "disk_promoted_tokens": served.get("disk", 0),
+        "remote_promoted_tokens": served.get("remote", 0),
         "miss_tokens": mt["miss_tokens"],
         # Promotions whose load would not beat recomputing them: the orchestrator recomputes.
         "not_worth_loading_tokens": sum(g["refused_tokens"].values()),
-        "saved_tokens_by_tier": {k: v for k, v in g["gain_tokens"].items() if k in HOPS},
+        # What is prefilled after all: misses and promotions not worth loading.
+        "recomputed_tokens": mt["miss_tokens"] + sum(g["refused_tokens"].values()),
+        "recomputed_blocks": mt["miss_blocks"] + g["refused_blocks"],
+        "saved_tokens_by_tier": {k: v for k, v in g["gain_tokens"].items() if k in PATHS},
         "prefill_tokens_saved_by_lower_tiers": saved,
         "prefill_compute_saved_s": saved / prefill_tps,
         "prefill_compute_saved_share": saved / total if total else 0.0,
@@ -126,6 +153,7 @@ def transfer(cost: CostModel) -> dict[str, Any]:
                 "worth_loading": cost.worth_loading(hop, 1),
                 "load_to_recompute": cost.load_seconds(hop, 1) / recompute,
             }
-            for hop in HOPS
+            for hop in PATHS
+            if hop in cost.bandwidth
         ],
     }

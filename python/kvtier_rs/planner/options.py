@@ -24,6 +24,7 @@ class PlanOptions:
     gpu: Size | None = None
     cpu: Size | None = None
     disk: Size | None = None
+    remote: Size | None = None
     capacities: list[int] | None = None
     policies: tuple[str, ...] = DEFAULT_POLICIES
     warmup: float = 0.5
@@ -34,6 +35,11 @@ class PlanOptions:
     tier_policy: str | None = None
     pcie_gbps: float = 25.0
     disk_gbps: float = 6.0
+    # A remote store over a 10 Gb/s link, one pipelined round trip per load.
+    remote_gbps: float = 1.25
+    remote_latency_ms: float = 0.5
+    replicas: int = 1
+    split: str = "round-robin"
     prefill_tps: float = 10_000.0
     top: int = 10
     threads: int = 0

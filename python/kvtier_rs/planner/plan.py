@@ -13,7 +13,7 @@ import sys
 import threading
 from typing import Any
 
-from kvtier_rs.planner import gains
+from kvtier_rs.planner import gains, replicas
 from kvtier_rs.planner.advice import choose_policy, recommend
 from kvtier_rs.planner.checks import TIERS, check_options, tier_blocks
 from kvtier_rs.planner.errors import PlanError
@@ -138,7 +138,7 @@ def build_trace(data: TraceData):
 
 
 def run_plan(opts: PlanOptions) -> dict[str, Any]:
-    from kvtier_rs._core import replay_sweep, replay_tiers
+    from kvtier_rs._core import replay_sweep
 
     model = check_options(opts)  # every option, before the trace is read
     data = read_trace(
@@ -148,8 +148,10 @@ def run_plan(opts: PlanOptions) -> dict[str, Any]:
     bs = data.block_size
     block_bytes = model.bytes_per_token * bs if model else None
     # The live orchestrator's load-or-recompute rule, for every gain the report counts.
-    cost = gains.cost_model(block_bytes, bs, opts.prefill_tps, opts.pcie_gbps, opts.disk_gbps)
+    remote = (opts.remote_gbps, opts.remote_latency_ms / 1e3) if opts.remote else None
+    cost = gains.cost_model(block_bytes, bs, opts.prefill_tps, opts.pcie_gbps, opts.disk_gbps, remote)
     tiers = {name: tier_blocks(f"--{name}", size, block_bytes) for name in TIERS if (size := getattr(opts, name))}
+    assignment = replicas.split(data, opts.replicas, opts.split) if opts.replicas > 1 else None
 
     if opts.capacities:
         caps = sorted(set(opts.capacities))
@@ -195,20 +197,20 @@ def run_plan(opts: PlanOptions) -> dict[str, Any]:
 
     multitier = None
     tier_costs = None
+    split = None
     if len(tiers) >= 1:
-        tier_policy = opts.tier_policy or best_policy or "lru"
-        specs = []
-        for name in ("gpu", "cpu", "disk"):
-            if name in tiers:
-                adm_rule = {"gpu": "always", "cpu": opts.cpu_admission, "disk": opts.disk_admission}[name]
-                specs.append((name, tiers[name], tier_policy, adm_rule))
-        multitier = replay_tiers(trace, specs, warmup=warm, mode=opts.mode)
-        for t in multitier["tiers"]:
-            t.update(fill_flags({**t, "measured_requests": multitier["measured_requests"]}, trace.n_requests))
-        tier_costs = gains.tiers_cost(multitier, cost, opts.prefill_tps)
-        for t in multitier["tiers"]:
-            t["saved_tokens"] = tier_costs["saved_tokens_by_tier"].get(t["name"], t["served_tokens"])
-        del multitier["served_histogram"]
+        specs = _tier_specs(opts, tiers, opts.tier_policy or best_policy or "lru")
+        multitier, tier_costs = _tier_replay(trace, specs, opts, cost)
+        if assignment is not None:
+            private = [s for s in specs if s[0] != "remote"]
+            split = replicas.compare(
+                opts.replicas,
+                opts.split,
+                assignment,
+                _tier_replay(trace, private, opts, cost, assignment),
+                _tier_replay(trace, specs, opts, cost, assignment),
+                opts.prefill_tps,
+            )
 
     report: dict[str, Any] = {
         "schema": SCHEMA_VERSION,
@@ -244,9 +246,34 @@ def run_plan(opts: PlanOptions) -> dict[str, Any]:
         "tiers": multitier,
         "cost_weighted": cost is not None,
         "cost": tier_costs,
+        "replicas": split,
     }
     report["recommendation"] = recommend(report)
     return report
+
+
+def _tier_specs(opts: PlanOptions, tiers: dict[str, int], policy: str) -> list[tuple[str, int, str, str]]:
+    """The tiers asked for, fastest first, as the core's replay takes them. The remote store
+    evicts by its own rule, the server's allkeys-lru over every block written to it."""
+    rule = {"gpu": (policy, "always"), "cpu": (policy, opts.cpu_admission), "disk": (policy, opts.disk_admission)}
+    rule["remote"] = ("lru", "always")
+    return [(name, tiers[name], *rule[name]) for name in TIERS if name in tiers]
+
+
+def _tier_replay(trace, specs, opts: PlanOptions, cost, assignment: list[int] | None = None):
+    """The multi-tier replay of `specs` (split across replicas by `assignment`, the remote tier
+    shared by all of them) and its cost figures: (tier replay, tiers_cost)."""
+    from kvtier_rs._core import replay_tiers
+
+    shared = [s[0] for s in specs if s[0] == "remote"]
+    mt = replay_tiers(trace, specs, warmup=opts.warmup, mode=opts.mode, replicas=assignment, shared=shared)
+    for t in mt["tiers"]:
+        t.update(fill_flags({**t, "measured_requests": mt["measured_requests"]}, trace.n_requests))
+    tier_costs = gains.tiers_cost(mt, cost, opts.prefill_tps)
+    for t in mt["tiers"]:
+        t["saved_tokens"] = tier_costs["saved_tokens_by_tier"].get(t["name"], t["served_tokens"])
+    del mt["served_histogram"]
+    return mt, tier_costs
 
 
 def fill_flags(r: dict, n_requests: int) -> dict[str, Any]:

@@ -112,7 +112,7 @@ def render_table(rep: dict[str, Any]) -> str:  # noqa: C901, PLR0912, PLR0915 - 
         for x in tr["tiers"]:
             verdict = "worth loading" if x["worth_loading"] else "NOT worth loading"
             lines.append(
-                f"   from {x['name']:>4}: {x['load_s_per_block'] * 1e3:.2f} ms per block "
+                f"   from {x['name']:>6}: {x['load_s_per_block'] * 1e3:.2f} ms per block "
                 f"({x['load_to_recompute']:.2f}x recompute): {verdict}"
             )
     else:
@@ -141,7 +141,7 @@ def render_table(rep: dict[str, Any]) -> str:  # noqa: C901, PLR0912, PLR0915 - 
             if x["saved_tokens"] != x["served_tokens"]:
                 worth = f" ({x['saved_tokens'] / total:.1%} worth loading)"
             lines.append(
-                f"   {x['name']:>4} {x['capacity_blocks']:>10} blocks {x['policy']:>7} admit "
+                f"   {x['name']:>6} {x['capacity_blocks']:>10} blocks {x['policy']:>7} admit "
                 f"{x['admission']:<8} "
                 f"{what}: {x['served_tokens'] / total:6.1%} of "
                 f"tokens{worth}{_fill_note(x)}"
@@ -150,7 +150,7 @@ def render_table(rep: dict[str, Any]) -> str:  # noqa: C901, PLR0912, PLR0915 - 
     if rep["cost"]:
         c = rep["cost"]
         lines.append(
-            f"   prefill compute saved by CPU/disk tiers: {c['prefill_compute_saved_s']:.1f} s "
+            f"   prefill compute saved by the lower tiers: {c['prefill_compute_saved_s']:.1f} s "
             f"({c['prefill_compute_saved_share']:.1%} of tokens) "
             f"at {c['prefill_tokens_per_s']:.0f} tokens/s"
         )
@@ -165,8 +165,39 @@ def render_table(rep: dict[str, Any]) -> str:  # noqa: C901, PLR0912, PLR0915 - 
                 f"{c['mean_ttft_tiered_s'] * 1e3:.0f} ms tiered "
                 f"({c['mean_ttft_change_s'] * 1e3:+.0f} ms)"
             )
+    if rep.get("replicas"):
+        lines += _replica_lines(rep["replicas"])
     rec = rep["recommendation"]
     lines.append("")
     lines.append(f"Recommendation: {rec['summary']}")
     lines += [f"   - {r}" for r in rec["reasons"]]
     return "\n".join(lines)
+
+
+def _replica_lines(rp: dict[str, Any]) -> list[str]:
+    """The K-replica comparison: the replicas' own tiers alone, then with the shared remote tier."""
+    a, b, saves = rp["private"], rp["with_remote"], rp["remote_saves"]
+    total = b["total_tokens"] or 1
+    counts = rp["requests_per_replica"]
+    lines = [
+        "",
+        f"{rp['replicas']} replicas, {rp['split']} split ({min(counts)}..{max(counts)} requests each), "
+        "each with its own tiers:",
+    ]
+    for label, side in (("own tiers alone", a), ("+ shared remote", b)):
+        served = ", ".join(f"{t['name']} {t['saved_tokens'] / total:.1%}" for t in side["tiers"])
+        lines.append(
+            f"   {label:<16} prefilled {side['recomputed_tokens'] / total:6.1%} of tokens "
+            f"({side['recomputed_blocks']} blocks); served: {served}"
+        )
+    lines.append(
+        f"   the shared remote tier saves {saves['recomputed_blocks']} block recomputes, "
+        f"{saves['recomputed_tokens']} prefill tokens ({saves['token_share']:.1%} of tokens, "
+        f"{saves['prefill_compute_saved_s']:.1f} s of prefill)"
+    )
+    if saves["remote_served_tokens"] != saves["remote_saved_tokens"]:
+        lines.append(
+            f"   remote hits not worth loading (recomputed): "
+            f"{(saves['remote_served_tokens'] - saves['remote_saved_tokens']) / total:.1%} of tokens"
+        )
+    return lines

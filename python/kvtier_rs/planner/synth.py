@@ -9,7 +9,9 @@ and real traces the same way. Workloads mixed by share of arrivals:
 - rag: a RAG scaffold prompt, one to three documents from a shared set (Zipf popularity) and a
   unique question;
 - chat: multi-turn sessions; each turn resends the whole conversation so far (prompt, earlier
-  user messages and answers) plus a new message, after a think time;
+  user messages and answers) plus a new message, after a think time; its records carry the
+  session's number (`session_id`, an extension of the format the planner reads to split a
+  trace across replicas by session);
 - unique: prompts that share nothing (tiering cannot help them).
 
 Arrivals of new work are Poisson, or bursty (rate alternating between bursts and lulls).
@@ -114,6 +116,7 @@ def synthesize(cfg: SynthConfig) -> list[dict]:
         raise PlanError(f"--arrivals: expected poisson or bursty, got {cfg.arrivals!r}")
     rng = random.Random(cfg.seed)
     seg_ids = itertools.count()
+    chats = itertools.count()
     sys_prompts = [(next(seg_ids), rng.randint(800, 3000)) for _ in range(cfg.system_prompts)]
     sys_w = _zipf_weights(len(sys_prompts), cfg.zipf)
     rag_prompt = (next(seg_ids), rng.randint(300, 800))
@@ -158,7 +161,7 @@ def synthesize(cfg: SynthConfig) -> list[dict]:
         elif kind == "chat":
             turns = 1 + int(rng.expovariate(1 / max(cfg.mean_turns - 1, 1e-9)))
             segs = [rng.choices(sys_prompts, cum_weights=sys_w)[0], fresh(50, 600)]
-            _emit(records, keys, t, segs, rng, cfg, queue, tiebreak, {"left": turns - 1}, fresh)
+            _emit(records, keys, t, segs, rng, cfg, queue, tiebreak, {"left": turns - 1, "id": next(chats)}, fresh)
         else:
             _emit(records, keys, t, [fresh(300, 8000)], rng, cfg, queue, tiebreak, None, fresh)
     return records
@@ -184,6 +187,8 @@ def _emit(records, keys, when, segs, rng, cfg, queue, tiebreak, sess, fresh) -> 
             "block_size": cfg.block_size,
         }
     )
+    if sess is not None:
+        records[-1]["session_id"] = sess["id"]
     if sess is not None and sess["left"] > 0:
         # The next turn resends everything so far: the answer just generated and a new message.
         nxt = [*segs, fresh(out, out), fresh(50, 600)]
@@ -194,7 +199,7 @@ def _emit(records, keys, when, segs, rng, cfg, queue, tiebreak, sess, fresh) -> 
                     when + rng.expovariate(1 / cfg.think_time_s),
                     next(tiebreak),
                     nxt,
-                    {"left": sess["left"] - 1},
+                    {"left": sess["left"] - 1, "id": sess["id"]},
                 ),
             )
 

@@ -27,6 +27,7 @@ from kvtier_rs.planner.errors import PlanError, TraceError
 FORMATS = ("auto", "mooncake", "bailian", "kvcache-tester", "tokens")
 DEFAULT_BLOCK_SIZE = {"mooncake": 512, "bailian": 16, "tokens": 16}
 U64 = (1 << 64) - 1
+I64 = (1 << 63) - 1
 # Sanity bounds on per-record values: far beyond any real model, yet small enough that the
 # core's u64 sums over a trace of any size that fits in memory cannot overflow.
 MAX_TOKENS = 10**9
@@ -50,6 +51,8 @@ class TraceData:
     input_tokens: array = field(default_factory=lambda: array("Q"))
     output_tokens: array = field(default_factory=lambda: array("Q"))
     timestamps_s: array = field(default_factory=lambda: array("d"))
+    # Each request's session (conversation), for formats that name one; None otherwise.
+    sessions: array | None = None
     skipped: int = 0
     skipped_examples: list[str] = field(default_factory=list)
 
@@ -63,6 +66,13 @@ class TraceData:
         self.input_tokens.append(input_tokens)
         self.output_tokens.append(output_tokens)
         self.timestamps_s.append(ts)
+
+    def set_sessions(self, sessions: list[int | None]) -> None:
+        """Each request's session, None for a request that names none: it is a session of its
+        own (numbered below every id a trace gives, -2 - its index). No session named at all
+        leaves `sessions` None: the trace cannot be split by session."""
+        if any(s is not None for s in sessions):
+            self.sessions = array("q", (-2 - i if s is None else s for i, s in enumerate(sessions)))
 
 
 def _open_binary(path: Path) -> IO[bytes] | gzip.GzipFile:
@@ -290,6 +300,8 @@ def _read_jsonl(p: Path, fmt: str, block_size: int | None, skip_bad: bool, limit
     data = TraceData(str(p), fmt, bs)
     record_bs: int | None = None
     prev: tuple[float, str] | None = None  # the last kept record's timestamp, as in the file
+    roots: dict[int, int] = {}  # Bailian: chat id -> the chat that opened its conversation
+    sessions: list[int | None] = []
     for lineno, rec in _records(p):
         if limit is not None and data.n_requests >= limit:
             break
@@ -309,7 +321,9 @@ def _read_jsonl(p: Path, fmt: str, block_size: int | None, skip_bad: bool, limit
                 if len(toks) > MAX_TOKENS:
                     raise _Bad("token_ids", f"{len(toks)} tokens; at most {MAX_TOKENS} per request")
                 keys = chain_hash(toks, bs)
+                session = _session_id(rec)
                 data.add(keys, len(toks), _int(rec, "output_length", maximum=MAX_TOKENS, required=False), ts)
+                sessions.append(session)
                 prev = (ts, f"on line {lineno}")
                 continue
             n_in = _int(rec, "input_length", maximum=MAX_TOKENS)
@@ -326,14 +340,36 @@ def _read_jsonl(p: Path, fmt: str, block_size: int | None, skip_bad: bool, limit
                 record_bs = rbs
                 data.block_size = bs = rbs
             _check_blocks(len(ids), n_in, bs, "input_length")
+            session = _bailian_session(rec, roots) if fmt == "bailian" else _session_id(rec)
             # Mooncake timestamps are milliseconds; Bailian's are seconds.
             data.add(ids, n_in, n_out, ts / 1000.0 if fmt == "mooncake" else ts)
+            sessions.append(session)
             prev = (ts, f"on line {lineno}")
         except _Bad as bad:
             _skip_or_raise(data, skip_bad, p, str(lineno), bad)
+    data.set_sessions(sessions)
     if data.n_requests == 0:
         raise PlanError(f"{p}: no usable requests (skipped {data.skipped} bad records)")
     return data
+
+
+def _session_id(rec: dict) -> int | None:
+    """A Mooncake or token record's optional `session_id` (kvtier's own extension, written by
+    `kvtier trace synth` for the turns of a chat), None when absent."""
+    sid = _int(rec, "session_id", minimum=-1, maximum=I64, required=False, default=-1)
+    return sid if sid >= 0 else None
+
+
+def _bailian_session(rec: dict, roots: dict[int, int]) -> int | None:
+    """A Bailian request's conversation: the chat that opened it, followed up the
+    parent_chat_id links (-1 or absent: it opens one). A parent not in the trace (it began
+    before the trace) stands for its conversation. None without a chat_id or parent."""
+    parent = _int(rec, "parent_chat_id", minimum=-1, maximum=I64, required=False, default=-1)
+    chat = _int(rec, "chat_id", minimum=-1, maximum=I64, required=False, default=-1)
+    root = roots.get(parent, parent) if parent >= 0 else chat
+    if chat >= 0:
+        roots[chat] = root
+    return root if root >= 0 else None
 
 
 def _tester_documents(p: Path, raw: bytes, data: TraceData, skip_bad: bool) -> list[tuple[str, Any]]:
@@ -424,6 +460,7 @@ def _read_tester(p: Path, block_size: int | None, skip_bad: bool, limit: int | N
         rows.sort(key=lambda r: (r[0], r[1], r[2]))
     for t, _ci, _ri, ids, n_in, n_out in rows[:limit]:
         data.add(ids, n_in, n_out, t)
+    data.set_sessions([ci for _, ci, *_ in rows[:limit]])
     if data.n_requests == 0:
         raise PlanError(f"{p}: no usable requests (skipped {data.skipped} bad records)")
     return data
