@@ -82,8 +82,32 @@ def test_kvtier_offloading_spec_settings(capsys):
         "cpu_policy": "arc",
         "cpu_admission": "always",
         "slo_guard": None,
+        "remote_url": None,
         "disk_root": None,
     }
+
+
+def test_the_remote_tier_is_shown_and_its_files_checked_without_the_store(capsys, tmp_path):
+    # Port 1: nothing listens there; the check never connects (a store that is down costs
+    # misses at run time, not a refused config).
+    cfg = with_extra(OFFLOADING, remote_url="redis://127.0.0.1:1", remote_admission="always")
+    rc, out, err = run(capsys, "--json", json.dumps(cfg))
+    assert (rc, err) == (0, "")
+    s = json.loads(out)["settings"]
+    assert (s["remote_url"], s["remote_admission"], s["remote_values"]) == (
+        "redis://127.0.0.1:1",
+        "always",
+        "checksummed, no secret",
+    )
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32)
+    rc, out, err = run(capsys, "--json", json.dumps(with_extra(cfg, remote_secret_file=str(secret))))
+    assert rc == 0 and json.loads(out)["settings"]["remote_values"].startswith("MAC-keyed")
+    missing = str(tmp_path / "missing")
+    rc, out, err = run(capsys, json.dumps(with_extra(cfg, remote_secret_file=missing)))
+    assert rc != 0 and "remote_secret_file" in err and missing in err and "Traceback" not in err
+    rc, out, err = run(capsys, json.dumps(with_extra(cfg, remote_url="redis://u:hunter2@h:1")))
+    assert rc != 0 and "remote_url" in err and "hunter2" not in err
 
 
 def test_kvtier_connector_is_accepted_with_its_module_path(capsys):

@@ -1,4 +1,6 @@
-"""`kvtier status --dir ROOT`: what a disk tier directory holds, read-only.
+"""`kvtier status --dir ROOT`: what a disk tier directory holds, read-only; `kvtier status
+--remote URL`: what the shared remote store holds under a prefix (see
+``tiers.remote.inventory``), and its nodes' memory.
 
 ROOT is a tier directory (it holds the tier's metadata file), or a directory of them, such as
 the disk root of kvtier's vLLM adapter, which makes one tier directory per model under it:
@@ -14,15 +16,20 @@ a brief shared lock would make a tier starting at that moment fail with "directo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import stat
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvtier_rs.planner.errors import PlanError
 from kvtier_rs.tiers.disk import earlier_format
+
+if TYPE_CHECKING:
+    from kvtier_rs.tiers.remote.inventory import Inventory
 
 LOCK_NAME = "kvtier-disk.lock"  # rust/disk/slab.rs LOCK_NAME
 META_NAME = "kvtier-disk.meta"  # rust/disk/slab.rs META_NAME: a directory holding it is a tier
@@ -31,20 +38,34 @@ META_NAME = "kvtier-disk.meta"  # rust/disk/slab.rs META_NAME: a directory holdi
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "status",
-        help="show what a disk tier directory holds (read-only)",
+        help="show what a disk tier directory or the shared remote store holds (read-only)",
         description="Scan a disk tier directory's slot headers and print what it holds: blocks, bytes, "
-        "generations, damaged slots; given a directory of tier directories, each of them. Changes nothing; "
-        "works while another process has the tier open.",
+        "generations, damaged slots; given a directory of tier directories, each of them. With --remote, "
+        "scan the shared store (a Valkey/Redis Cluster) instead: blocks and bytes per namespace, and each "
+        "node's memory. Changes nothing; works while other processes use the tier.",
     )
-    p.add_argument(
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument(
         "--dir",
-        required=True,
         dest="dir",
         metavar="ROOT",
         help="the disk tier directory, or a directory of them (such as the vLLM adapter's disk root)",
     )
-    p.add_argument("--verify", action="store_true", help="also read and checksum every payload (slower)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    where.add_argument("--remote", metavar="URL", help="the remote tier's cluster: redis://host:port[,host:port...]")
+    p.add_argument("--verify", action="store_true", help="also read and checksum every payload (slower; --dir only)")
+    p.add_argument("--remote-prefix", default="kvtier", metavar="PREFIX", help="the key prefix (default kvtier)")
+    p.add_argument(
+        "--remote-password-env",
+        metavar="VAR",
+        # The literal, not client.DEFAULT_PASSWORD_ENV: importing the client (redis-py) here would
+        # slow every kvtier command's start-up.
+        help="environment variable holding the password (default KVTIER_REMOTE_PASSWORD)",
+    )
+    p.add_argument("--remote-password-file", metavar="PATH", help="file whose first line is the password")
+    p.add_argument("--remote-tls-ca-file", metavar="PATH", help="CA bundle for a rediss:// URL")
+    p.add_argument("--remote-timeout", type=float, default=5.0, metavar="S", help="seconds per operation (default 5)")
+    p.add_argument("--format", choices=("text", "json"), default="text", help="text (default) or one JSON object")
+    p.add_argument("--json", action="store_true", help="the same as --format json")
     p.set_defaults(func=run_status)
 
 
@@ -103,6 +124,11 @@ def _scan(path: Path, verify: bool) -> dict:
 
 
 def run_status(args: argparse.Namespace) -> int:
+    args.json = args.json or args.format == "json"
+    if args.remote is not None:
+        if args.verify:
+            raise PlanError("--verify: only with --dir (a remote value is verified when it is read)")
+        return run_remote_status(args)
     if not args.dir:
         # Path("") is ".": an empty --dir would scan the current directory instead.
         raise PlanError("--dir: empty path; give the disk tier directory")
@@ -203,3 +229,80 @@ def _print_tier(s: dict, earlier: bool) -> None:
         )
     if state == "open" and s["damaged_slots"]:
         print("  note: the tier is open; a slot being written when scanned shows as damaged")
+
+
+# ---- the remote store -------------------------------------------------------------------------
+
+
+def run_remote_status(args: argparse.Namespace) -> int:
+    """Scan the cluster at --remote. Bad input and an unreachable or refusing store are one-line
+    errors (exit 2); a node failing mid-scan is reported with the rest, and exits 2 too."""
+    import redis
+
+    from kvtier_rs._core import InvalidArgumentError
+    from kvtier_rs.tiers.remote import inventory
+    from kvtier_rs.tiers.remote.client import connect, parse_url, read_password
+
+    if not args.remote_prefix:
+        raise PlanError("--remote-prefix: empty; give the prefix the tier writes under (default kvtier)")
+    if not args.remote_timeout > 0:
+        raise PlanError(f"--remote-timeout: must be > 0 seconds, got {args.remote_timeout}")
+    endpoint = parse_url(args.remote, "--remote")
+    try:
+        password = read_password(args.remote_password_env, args.remote_password_file)
+    except InvalidArgumentError as e:  # it names the setting; name the flag instead
+        raise PlanError(f"--remote-password-file: {e.reason}") from None
+    where = endpoint.describe()
+    try:
+        client = connect(
+            endpoint, password=password, timeout_s=args.remote_timeout, tls_ca_file=args.remote_tls_ca_file
+        )
+    except (redis.RedisError, redis.exceptions.RedisClusterException, OSError) as e:
+        raise PlanError(f"--remote {where}: cannot connect: {inventory.one_line(e)}") from None
+    try:
+        inv = inventory.scan(client, args.remote_prefix)
+    except (redis.RedisError, redis.exceptions.RedisClusterException, OSError) as e:
+        raise PlanError(f"--remote {where}: {inventory.one_line(e)}") from None
+    finally:
+        client.close()
+    if args.json:
+        print(json.dumps({"remote": where, **dataclasses.asdict(inv)}, sort_keys=True))
+    else:
+        _print_remote(where, inv)
+    if inv.scan_errors:
+        print(f"kvtier status: error: {len(inv.scan_errors)} node(s) could not be scanned", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def _print_remote(where: str, inv: Inventory) -> None:
+    blocks = sum(u.blocks for u in inv.namespaces)
+    nbytes = sum(u.bytes for u in inv.namespaces)
+    print(
+        f"remote store {where}, prefix {inv.prefix!r}: {blocks} blocks, {_size(nbytes)} in {len(inv.namespaces)} "
+        "namespace(s)"
+    )
+    if inv.namespaces:
+        print(f"  {'namespace':<32} {'blocks':>10} {'value bytes':>14} {'server memory':>14}")
+        for u in inv.namespaces:
+            print(f"  {u.namespace:<32} {u.blocks:>10} {_size(u.bytes):>14} {_size(u.memory_bytes):>14}")
+    if inv.other_keys:
+        print(f"  other keys under the prefix (not kvtier blocks): {inv.other_keys}")
+    for e in inv.scan_errors:
+        print(f"  scan failed on {e}: the counts miss that node's keys")
+    print(f"  {'node':<22} {'role':<8} {'used memory':>12} {'maxmemory':>12}  policy")
+    for n in inv.nodes:
+        if n.error:
+            print(f"  {n.node:<22} {n.role:<8} error: {n.error}")
+            continue
+        limit = "none" if n.maxmemory == 0 else _size(n.maxmemory)
+        print(f"  {n.node:<22} {n.role:<8} {_size(n.used_memory):>12} {limit:>12}  {n.maxmemory_policy or '-'}")

@@ -173,12 +173,19 @@ def test_admission_by_priority(cluster, tiers, host) -> None:
 def test_a_write_past_the_backlog_limit_is_dropped_and_counted(cluster, tiers, host) -> None:
     tier = tiers(cluster, max_write_bytes=2 * BLOCK)
     big = bkeys(3, b"big")
+    # The leading blocks that fit go; the rest are dropped, never queued.
     ticket, res = write(tier, host, big)
-    assert ticket.keys == [] and ticket.refused == big and res.ok_keys == []
-    assert tier.stats()["writes_dropped_backlog"] == 3 and cluster.dbsize() == 0
-    ticket, res = write(tier, host, big[:2])
-    assert ticket.keys == big[:2] and res.success
+    assert ticket.keys == big[:2] and ticket.refused == big[2:] and res.ok_keys == big[:2]
+    assert tier.stats()["writes_dropped_backlog"] == 1 and cluster.dbsize() == 2
     assert tier.stats()["write_bytes_in_flight"] == 0
+    # With a write in flight, only what is left of the limit.
+    more = bkeys(3, b"more")
+    first = tier.submit_write(more[:1], host.pool, [0])
+    second = tier.submit_write(more[1:], host.pool, [1, 2])
+    assert first.keys == more[:1] and second.keys == more[1:2] and second.refused == more[2:]
+    wait_result(tier, first.job_id)
+    wait_result(tier, second.job_id)
+    assert tier.stats()["writes_dropped_backlog"] == 2
 
 
 def test_a_ttl_sets_an_expiry_and_none_sets_none(cluster, tiers, host) -> None:
@@ -231,7 +238,7 @@ def test_a_write_that_sends_nothing_does_not_swallow_the_breakers_probe(cluster,
     breaker = CircuitBreaker(failures=1, cooldown_s=1.0, max_cooldown_s=1.0, clock=clock)
     kw = {"admission": "uses:2"} if why == "admission" else {}
     if why == "backlog":
-        kw["max_write_bytes"] = BLOCK
+        kw["max_write_bytes"] = BLOCK - 1  # less than one block: nothing fits
     tier = tiers(cluster, clock=clock, breaker=breaker, **kw)
     known = bkeys(1, b"known")
     if why == "known-present":
@@ -245,6 +252,7 @@ def test_a_write_that_sends_nothing_does_not_swallow_the_breakers_probe(cluster,
     assert t.keys == []
     wait_result(tier, t.job_id)
     # ...must leave the probe to an operation that does: the next write goes to the store.
+    tier.max_write_bytes = 4 * BLOCK  # (room for it, in the backlog case)
     fresh = bkeys(1, b"fresh")
     if why == "admission":
         tier.submit_write(fresh, host.pool, [5])  # its first offer

@@ -11,9 +11,10 @@ from a local disk:
   answers from what this process learned: its own writes and batched existence probes
   (`probe`), which expire. A stale answer costs a read that misses (counted), never wrong bytes.
 * **Every read is verified** (`values.ValueFormat.open`) before a byte reaches a host slot.
-* **Deadlines.** A job not finished `deadline_s` after it started is abandoned by `poll`: a read
-  reports its blocks failed and never touches its slots afterwards; a write's slots are released
-  once its bytes were copied out. A circuit breaker stops calling a store that keeps failing.
+* **Deadlines.** A job not finished `deadline_s` after it started (plus a second per 256 MiB it
+  moves) is abandoned by `poll`: a read reports its blocks failed and never touches its slots
+  afterwards; a write's slots are released once its bytes were copied out. A circuit breaker
+  stops calling a store that keeps failing.
 * **Capacity is the server's** (``maxmemory`` with ``allkeys-lru``, or a TTL): with many writers
   no client can account for it. A full server refuses writes (counted); reads go on.
 """
@@ -38,13 +39,15 @@ from kvtier_rs.checks import check_count, check_number
 from kvtier_rs.orchestrator.latency import LatencyRecorder
 from kvtier_rs.tiers.keys import Key, key_list
 from kvtier_rs.tiers.remote.breaker import BreakerState, CircuitBreaker
-from kvtier_rs.tiers.remote.values import MAX_KEY_BYTES, Miss, ValueFormat, store_key
+from kvtier_rs.tiers.remote.values import CHECK_BYTES, MAX_KEY_BYTES, Miss, ValueFormat, store_key
 
 log = logging.getLogger("kvtier_rs.remote")
 
 _PAGE = 4096
 #: Bytes of values per pipeline round trip: bounds what one connection has in flight.
 PIPELINE_BYTES = 64 << 20
+#: A job's deadline grows by a second per this many bytes it moves (see `_deadline`).
+DEADLINE_FLOOR_BYTES_PER_S = 256 << 20
 #: Latency samples kept between two `take_latencies` calls, per operation.
 _LATENCIES_KEPT = 4096
 #: Presence answers kept (oldest dropped first): ~100 B each.
@@ -83,6 +86,7 @@ class _Job:
     keys: list[Key]
     offsets: list[int]
     started: float
+    deadline: float  # on the tier's clock
     lock: threading.Lock = field(default_factory=threading.Lock)
     # Set under `lock`: `abandoned` by poll past the deadline, `slots_done` once the worker is
     # done with the host slots (copied out of them, or into them).
@@ -241,12 +245,14 @@ class RemoteTier:  # noqa: PLR0904 - the staging contract plus probes
         self._count("writes_refused_admission", len(refused))
         self._count("writes_failed", len(too_long))
         refused += too_long
-        nbytes = len(take) * self.block_bytes
         with self._lock:
-            if take and self._write_bytes + nbytes > self.max_write_bytes:
-                self._count("writes_dropped_backlog", len(take))
-                refused += take
-                take, offsets = [], []
+            # As many as the bytes in flight allow (the leading blocks of a chain first); the
+            # rest are dropped, never queued.
+            room = max(0, self.max_write_bytes - self._write_bytes) // self.block_bytes
+            if len(take) > room:
+                self._count("writes_dropped_backlog", len(take) - room)
+                refused += take[room:]
+                take, offsets = take[:room], offsets[:room]
             # Asked last, only for a job that goes to the store: past a cool-down `allows` hands
             # out the breaker's one probe, and a probe that sends nothing would never be answered
             # (the breaker would stay probing, refusing everything, for good).
@@ -254,7 +260,8 @@ class RemoteTier:  # noqa: PLR0904 - the staging contract plus probes
                 self._count("writes_refused_breaker", len(take))
                 refused += take
                 take, offsets = [], []
-            job = _Job(job_id, "write", take, offsets, now)
+            nbytes = len(take) * self.block_bytes
+            job = _Job(job_id, "write", take, offsets, now, self._deadline(now, nbytes))
             if take:
                 self._write_bytes += nbytes
                 self._jobs[job_id] = job
@@ -269,7 +276,9 @@ class RemoteTier:  # noqa: PLR0904 - the staging contract plus probes
         before its payload is copied into the slot."""
         self._check_open()
         keys = key_list(keys)
-        job = _Job(next(self._ids), "read", keys, [pool.slot_offset(s) for s in slots], self._clock())
+        now = self._clock()
+        offsets = [pool.slot_offset(s) for s in slots]
+        job = _Job(next(self._ids), "read", keys, offsets, now, self._deadline(now, len(keys) * self.block_bytes))
         with self._lock:
             self._jobs[job.job_id] = job
         self._pool.submit(self._run_read, job, memoryview(pool))
@@ -379,26 +388,42 @@ class RemoteTier:  # noqa: PLR0904 - the staging contract plus probes
     def _run_write(self, job: _Job, view: memoryview) -> None:
         t0 = time.monotonic()
         n = self.block_bytes
+        fmt = self.format
         with job.lock:
             if job.abandoned:
                 return
-            # Copied out under the job's lock: once poll abandons the job its slots may be
-            # reused, and a value sealed over half-rewritten bytes would verify.
-            payloads = [bytes(view[o : o + n]) for o in job.offsets]
+            # The checks are taken from the slots while they cannot change: they stay pinned
+            # until this job is reported. Once poll abandons it they may be rewritten, and a
+            # payload copied from them below may be another block's: such a value fails its
+            # check on every read (a counted miss), never verifies.
+            heads = [fmt.header(_key_bytes(k), n) for k in job.keys]
+            checks = [fmt.check(h, view[o : o + n]) for h, o in zip(heads, job.offsets, strict=True)]
             job.slots_done = True
         ok: list[Key] = []
         failed: list[Key] = []
         full = 0
         try:
-            values = [self.format.seal(_key_bytes(k), p) for k, p in zip(job.keys, payloads, strict=True)]
-            del payloads
-            for lo, hi in _batches(len(values), n):
+            for lo, hi in _batches(len(job.keys), n):
+                if not self._still_running(job):
+                    break  # abandoned: its slots are no longer this job's to read
+                # Each value is assembled (header, check, payload: the one copy of the payload)
+                # in this worker's send buffer, reused from one pipeline to the next.
+                sizes = [len(heads[i]) + CHECK_BYTES + n for i in range(lo, hi)]
+                buf = _send_buffer(sum(sizes))
                 pipe = self._cluster().pipeline(transaction=False)
-                for k, v in zip(job.keys[lo:hi], values[lo:hi], strict=True):
+                pos = 0
+                for i, size in zip(range(lo, hi), sizes, strict=True):
+                    head, body = heads[i], pos + len(heads[i]) + CHECK_BYTES
+                    buf[pos : pos + len(head)] = head
+                    buf[pos + len(head) : body] = checks[i]
+                    buf[body : pos + size] = view[job.offsets[i] : job.offsets[i] + n]
+                    value = buf[pos : pos + size]
+                    pos += size
+                    key = self._store_key(job.keys[i])
                     if self.ttl_s:
-                        pipe.set(self._store_key(k), v, nx=True, ex=max(1, round(self.ttl_s)))
+                        pipe.set(key, value, nx=True, ex=max(1, round(self.ttl_s)))
                     else:
-                        pipe.set(self._store_key(k), v, nx=True)
+                        pipe.set(key, value, nx=True)
                 replies = pipe.execute(raise_on_error=False)
                 for k, r in zip(job.keys[lo:hi], replies, strict=True):
                     full += self._count_write(k, r, ok, failed)
@@ -495,7 +520,7 @@ class RemoteTier:  # noqa: PLR0904 - the staging contract plus probes
     def _abandon_late(self) -> None:
         now = self._clock()
         with self._lock:
-            late = [j for j in self._jobs.values() if now - j.started > self.deadline_s]
+            late = [j for j in self._jobs.values() if now > j.deadline]
         for job in late:
             self._abandon(job, now)
 
@@ -519,6 +544,15 @@ class RemoteTier:  # noqa: PLR0904 - the staging contract plus probes
         self.breaker.failed()
 
     # ---- helpers --------------------------------------------------------------------------------
+
+    def _deadline(self, now: float, nbytes: int) -> float:
+        """When a job moving `nbytes` is abandoned: `deadline_s`, plus the time the bytes take at
+        the slowest link the tier is meant for (big batches of big blocks take seconds)."""
+        return now + self.deadline_s + nbytes / DEADLINE_FLOOR_BYTES_PER_S
+
+    def _still_running(self, job: _Job) -> bool:
+        with self._lock:
+            return job.job_id in self._jobs
 
     def _cluster(self) -> RedisCluster:
         with self._connect_lock:
@@ -625,6 +659,20 @@ _COUNTERS = (
     "deadline_exceeded",
     *(f"miss_{m.value}" for m in Miss),
 )
+
+
+#: Each worker thread's send buffer (see `_send_buffer`).
+_WORKER = threading.local()
+
+
+def _send_buffer(nbytes: int) -> memoryview:
+    """This worker's buffer of at least `nbytes`, kept from one pipeline to the next: a fresh
+    allocation per value costs as much as the copy into it (its pages fault in one by one). It
+    holds one pipeline's values: PIPELINE_BYTES, or one block if a block is larger."""
+    buf: bytearray | None = getattr(_WORKER, "buf", None)
+    if buf is None or len(buf) < nbytes:
+        buf = _WORKER.buf = bytearray(nbytes)
+    return memoryview(buf)
 
 
 def _key_bytes(key: Key) -> bytes:

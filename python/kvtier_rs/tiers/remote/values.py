@@ -96,12 +96,16 @@ class ValueFormat:
         return _FIXED.pack(MAGIC, FORMAT_VERSION, flags, self.namespace, len(block_key), payload_len) + block_key
 
     def seal(self, block_key: bytes, payload: memoryview | bytes) -> bytes:
-        """The value to store for `block_key`: header, check, payload (one copy of the payload)."""
+        """The value to store for `block_key`: header, check, payload."""
         head = self.header(block_key, len(payload))
+        return b"".join((head, self.check(head, payload), payload))
+
+    def check(self, head: bytes, payload: memoryview | bytes) -> bytes:
+        """The check of a value with this header and payload (``CHECK_BYTES`` long)."""
         h = _hasher(self.secret, len(payload))
         h.update(head)
         h.update(payload)
-        return b"".join((head, h.digest(), payload))
+        return h.digest()
 
     def open(self, block_key: bytes, value: bytes | None, payload_len: int) -> Miss | memoryview:
         """The payload of `value` if it is this deployment's value for `block_key` with
