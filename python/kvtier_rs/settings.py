@@ -6,8 +6,8 @@ and one check wherever it is set:
 
 - the Python API: ``read_settings(mapping)`` returns the typed ``Settings`` (CPU tier, disk tier,
   data path and guard);
-- vLLM's ``kv_connector_extra_config`` and a ``KvtierDiskTier`` entry of its ``secondary_tiers``
-  (``integrations.vllm.options``);
+- vLLM's ``kv_connector_extra_config`` and a ``KvtierDiskTier`` or ``KvtierRemoteTier`` entry of
+  its ``secondary_tiers`` (``integrations.vllm.options``);
 - TensorRT-LLM's connector config (``integrations.trtllm.config``);
 - the planner's ``--cpu-bytes``, ``--disk-bytes``, ``--cpu-admission`` and ``--disk-admission``.
 
@@ -36,8 +36,9 @@ from kvtier_rs.orchestrator.guard import GuardRule
 from kvtier_rs.orchestrator.request_guard import RequestRule
 
 #: The entry points that read options through the tree.
-API, VLLM, VLLM_DISK_TIER, TRTLLM, PLANNER = "api", "vllm", "vllm_disk_tier", "trtllm", "planner"
-ENTRY_POINTS = (API, VLLM, VLLM_DISK_TIER, TRTLLM, PLANNER)
+API, VLLM, TRTLLM, PLANNER = "api", "vllm", "trtllm", "planner"
+VLLM_DISK_TIER, VLLM_REMOTE_TIER = "vllm_disk_tier", "vllm_remote_tier"
+ENTRY_POINTS = (API, VLLM, VLLM_DISK_TIER, VLLM_REMOTE_TIER, TRTLLM, PLANNER)
 #: The sections of the tree, in the order the docs list them.
 SECTIONS = ("cpu tier", "disk tier", "remote tier", "data path", "guard", "engine")
 
@@ -242,7 +243,7 @@ def _guard_meaning(tier: str, what: str) -> str:
 
 _ALL = frozenset({API, VLLM, TRTLLM})
 _DISK = frozenset({API, VLLM, VLLM_DISK_TIER, TRTLLM})
-_REMOTE = frozenset({API, VLLM})
+_REMOTE = frozenset({API, VLLM, VLLM_REMOTE_TIER})
 
 #: The tree, in the order the docs list it.
 TREE: tuple[Setting, ...] = (
@@ -356,6 +357,7 @@ TREE: tuple[Setting, ...] = (
         _remote_url,
         default=None,
         takes=_REMOTE,
+        engine_defaults={VLLM_REMOTE_TIER: REQUIRED},
         shown_default="null (no remote tier)",
     ),
     Setting(
@@ -440,9 +442,12 @@ TREE: tuple[Setting, ...] = (
         "remote_admission",
         "remote tier",
         'remote tier admission: `"uses:K"` (a block offered K times: stored, then reused from the CPU '
-        'tier), `"always"` or `"priority:T"`; the shared store receives only blocks with reuse evidence',
+        'tier), `"always"` or `"priority:T"`; the shared store receives only blocks with reuse evidence '
+        '(a `KvtierRemoteTier` entry defaults to `"always"`: vLLM offers it a chunk only when the chunk '
+        "enters vLLM's CPU tier)",
         _admission,
         default="uses:2",
+        engine_defaults={VLLM_REMOTE_TIER: "always"},
         takes=_REMOTE,
         needs="remote_url",
     ),
@@ -543,7 +548,8 @@ TREE: tuple[Setting, ...] = (
         "`LOCAL` or `REMOTE`: vLLM's locality of the tier",
         _choice("LOCAL", "REMOTE"),
         default="LOCAL",
-        takes=frozenset({VLLM_DISK_TIER}),
+        takes=frozenset({VLLM_DISK_TIER, VLLM_REMOTE_TIER}),
+        engine_defaults={VLLM_REMOTE_TIER: "REMOTE"},
     ),
     Setting(
         "min_offload_priority",
@@ -805,7 +811,7 @@ def markdown_table(entry: str) -> str:
 
 #: The doc pages that hold a generated table, and the entry point of each table.
 DOC_TABLES = {
-    "docs/integrations/vllm.md": (VLLM, VLLM_DISK_TIER),
+    "docs/integrations/vllm.md": (VLLM, VLLM_DISK_TIER, VLLM_REMOTE_TIER),
     "docs/integrations/trtllm.md": (TRTLLM,),
     "docs/planner.md": (PLANNER,),
     "docs/configuration.md": (API,),

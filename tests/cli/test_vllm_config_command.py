@@ -15,6 +15,7 @@ from kvtier_rs.cli import main
 
 MODULE = "kvtier_rs.integrations.vllm"
 DISK_TIER = {"type": "KvtierDiskTier", "module_path": MODULE, "root_dir": "/nvme/kv", "capacity_bytes": "64GiB"}
+REMOTE_TIER = {"type": "KvtierRemoteTier", "module_path": MODULE, "remote_url": "redis://10.0.0.5:7000"}
 OFFLOADING = {
     "kv_connector": "OffloadingConnector",
     "kv_role": "kv_both",
@@ -151,6 +152,34 @@ def test_vllm_own_tiering_spec_with_kvtier_disk_tier(capsys):
     assert rc == 0 and out.startswith("ok: TieringOffloadingSpec\n")
 
 
+def test_tiering_spec_with_kvtier_remote_tier(capsys, monkeypatch):
+    monkeypatch.delenv("KVTIER_REMOTE_PASSWORD", raising=False)
+    cfg = with_extra(
+        TIERING,
+        spec_name="TieringOffloadingSpec",
+        spec_module_path=None,
+        cpu_bytes_to_use=1 << 30,
+        secondary_tiers=[DISK_TIER, {**REMOTE_TIER, "remote_deadline_s": 0.5}],
+    )
+    rc, out, err = run(capsys, "--json", json.dumps(cfg))
+    assert (rc, err) == (0, "")
+    _, remote = json.loads(out)["settings"]["secondary_tiers"]
+    assert remote == {
+        "type": "KvtierRemoteTier",
+        "checked": True,
+        "remote_url": "redis://10.0.0.5:7000",
+        "remote_prefix": "kvtier",
+        "remote_values": "checksummed, no secret",
+        "remote_admission": "always",
+        "remote_deadline_s": 0.5,
+        "remote_ttl_s": None,
+        "locality": "REMOTE",
+    }
+    # The remote tier alone is kvtier under vLLM's own spec too.
+    rc, out, err = run(capsys, json.dumps(with_extra(cfg, secondary_tiers=[REMOTE_TIER])))
+    assert (rc, err) == (0, "") and "  secondary_tiers[0]: KvtierRemoteTier\n" in out
+
+
 def test_bare_size_numbers_are_expanded_as_vllm_does(capsys):
     # vLLM's --kv-transfer-config accepts unquoted 8G (binary) and 8g (decimal) numbers.
     text = json.dumps(OFFLOADING).replace('"8GiB"', "8G").replace('"64GiB"', "64g")
@@ -217,7 +246,27 @@ TIERING_CASES = [
     ),
     (
         with_extra(TIERING, spec_name="TieringOffloadingSpec", cpu_bytes_to_use=1 << 30, secondary_tiers=[]),
-        "kv_connector_extra_config['secondary_tiers']: no KvtierDiskTier entry",
+        "kv_connector_extra_config['secondary_tiers']: no KvtierDiskTier or KvtierRemoteTier entry",
+    ),
+    (
+        with_extra(TIERING, secondary_tiers=[{k: v for k, v in REMOTE_TIER.items() if k != "remote_url"}]),
+        "secondary_tiers[type=KvtierRemoteTier]['remote_url']: required",
+    ),
+    (
+        with_extra(TIERING, secondary_tiers=[{**REMOTE_TIER, "remote_url": "http://h:1"}]),
+        "secondary_tiers[type=KvtierRemoteTier]['remote_url']: ",
+    ),
+    (
+        with_extra(TIERING, secondary_tiers=[{**REMOTE_TIER, "disk_root": "/kv"}]),
+        "secondary_tiers[type=KvtierRemoteTier]['disk_root']: unknown key",
+    ),
+    (
+        with_extra(TIERING, secondary_tiers=[{**REMOTE_TIER, "module_path": "x"}]),
+        "secondary_tiers[type=KvtierRemoteTier]['module_path']: vLLM loads KvtierRemoteTier",
+    ),
+    (
+        with_extra(TIERING, remote_url="redis://h:1"),
+        "kv_connector_extra_config['remote_url']: read only by KvtierOffloadingSpec",
     ),
 ]
 

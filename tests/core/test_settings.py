@@ -24,6 +24,7 @@ MINIMAL = {
     S.API: {"cpu_bytes": "1GiB", "disk_root": "/d", "disk_bytes": "2GiB", "remote_url": "redis://h:7000"},
     S.VLLM: {"cpu_bytes": "1GiB", "disk_root": "/d", "disk_bytes": "2GiB", "remote_url": "redis://h:7000"},
     S.VLLM_DISK_TIER: {"disk_root": "/d", "disk_bytes": "2GiB"},
+    S.VLLM_REMOTE_TIER: {"remote_url": "redis://h:7000"},
     S.TRTLLM: {"cpu_bytes": "1GiB", "disk_root": "/d", "disk_bytes": "2GiB"},
 }
 
@@ -36,6 +37,8 @@ def read(entry: str, raw: dict) -> object:
         return vo.parse_options(raw)
     if entry == S.VLLM_DISK_TIER:
         return vo.parse_disk_tier(raw)
+    if entry == S.VLLM_REMOTE_TIER:
+        return vo.parse_remote_tier(raw)
     return trt.parse_options(raw)
 
 
@@ -98,6 +101,9 @@ def test_every_entry_point_takes_the_trees_defaults(entry):
         assert got.max_promotions_in_flight == {"cpu": 64, "disk": 16}
     elif entry == S.VLLM_DISK_TIER:
         assert (got.disk.admission, got.disk.policy, got.disk.io_engine) == ("always", "lru", "auto")
+    elif entry == S.VLLM_REMOTE_TIER:
+        assert got.remote == S.RemoteTierSettings(url="redis://h:7000", admission="always")
+        assert got.locality == "REMOTE"
 
 
 def test_only_documented_defaults_differ_between_entry_points():
@@ -109,6 +115,9 @@ def test_only_documented_defaults_differ_between_entry_points():
         ("disk_policy", S.TRTLLM),
         ("disk_max_promotions_in_flight", S.VLLM),  # counted in chunks there
         ("disk_root", S.VLLM_DISK_TIER),  # the entry is the disk tier
+        ("remote_url", S.VLLM_REMOTE_TIER),  # the entry is the remote tier
+        ("remote_admission", S.VLLM_REMOTE_TIER),  # vLLM's cascade is the only offer
+        ("locality", S.VLLM_REMOTE_TIER),  # a store on other machines
     }
 
 

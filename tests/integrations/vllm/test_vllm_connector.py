@@ -57,6 +57,9 @@ def test_tiers_whose_series_exist_from_start_up():
     tiering = {"spec_name": "KvtierTieringOffloadingSpec", "secondary_tiers": [{"type": "KvtierDiskTier"}]}
     assert m.exported_tiers(tiering) == ("disk",)
     assert m.exported_tiers({**tiering, "secondary_tiers": [{"type": "fs"}]}) == ()
+    remote = [{"type": "KvtierRemoteTier"}, {"type": "KvtierDiskTier"}]
+    assert m.exported_tiers({**tiering, "secondary_tiers": remote}) == ("disk", "remote")
+    assert m.exported_tiers({**tiering, "secondary_tiers": remote[:1]}) == ("remote",)
 
 
 def test_only_label_values_known_up_front_are_created():

@@ -5,7 +5,8 @@ outputs compared token by token with a server without offloading.
 The tests of this module run in order and share one disk directory: CPU-tier hits and disk-tier
 hits from one server, then disk hits after a SIGTERM restart and after SIGKILL of the whole
 process tree; then tensor parallelism (two worker processes), vLLM's tiering spec with
-kvtier's disk tier, the disk tier's SLO guard tripped by a slow disk and back after its
+kvtier's disk tier, then with kvtier's shared remote tier (a prompt one server stored in a real
+Redis Cluster is loaded by a second server), the disk tier's SLO guard tripped by a slow disk and back after its
 cool-down, the request rule (a TTFT budget) bypassing the newest tier first, and a negative
 control whose
 worker loads wrong bytes (the comparison must catch it). kvtier's counters are read from the
@@ -15,8 +16,10 @@ server's own Prometheus exposition, scraped over HTTP.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
+from support.valkey import start_cluster
 from support.vllm import engine as E
 from support.vllm.server import Server, metric
 
@@ -225,6 +228,54 @@ def test_tiering_spec_with_kvtiers_disk_tier_matches_the_baseline(env, prompts, 
         assert cached == SERVED, cached
     finally:
         srv.stop()
+
+
+def test_tiering_spec_with_kvtiers_remote_tier_shares_a_prompt_between_servers(env, prompts, baseline):
+    """Two servers under vLLM's tiering spec, each with a KvtierRemoteTier entry on one cluster:
+    what the first computes is cascaded to the store; the second, which never saw the prompt,
+    answers RETRY while its batched probe runs, then promotes the chunks from the store."""
+    cluster = start_cluster(Path(env["tmp"]) / "cluster")
+    cfg = {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "spec_name": "KvtierTieringOffloadingSpec",
+            "spec_module_path": "kvtier_rs.integrations.vllm",
+            "cpu_bytes_to_use": 4 * 4096 * -(-CHUNK // 4096),
+            "secondary_tiers": [
+                {
+                    "type": "KvtierRemoteTier",
+                    "module_path": "kvtier_rs.integrations.vllm",
+                    "remote_url": cluster.url,
+                    # A busy 2-core machine runs the cluster, two servers and their engines.
+                    "remote_deadline_s": 10.0,
+                }
+            ],
+        },
+    }
+    chunks = SERVED // E.BLOCK
+    servers: list[Server] = []
+    try:
+        a = start(env, "tiering-remote-a", cfg)
+        servers.append(a)
+        tokens, cached = a.complete(prompts["C"])
+        assert (tokens, cached) == (baseline["C"], 0)
+        a.wait_for_metric(K + "remote_writes_total", chunks, tier="remote")
+        assert cluster.dbsize() == chunks
+        a.stop()
+        servers.remove(a)
+        b = start(env, "tiering-remote-b", cfg)
+        servers.append(b)
+        tokens, cached = b.complete(prompts["C"])
+        assert tokens == baseline["C"]
+        assert cached == SERVED, cached
+        samples = b.metrics()
+        assert metric(samples, K + "remote_hits_total", tier="remote") == chunks
+        assert metric(samples, K + "remote_probes_total", tier="remote") >= 1
+    finally:
+        for srv in servers:
+            srv.stop()
+        cluster.stop()
 
 
 def disk_tier_back_after(srv: Server, cool_down_left_s: float, prompts, baseline):

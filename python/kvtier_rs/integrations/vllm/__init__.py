@@ -12,11 +12,13 @@ Two ways in, both through ``--kv-transfer-config``:
                                    "spec_module_path": "kvtier_rs.integrations.vllm",
                                    "cpu_bytes_to_use": "8GiB"}}
 
-* kvtier's disk tier under vLLM's own tiering spec::
+* kvtier's disk tier and its shared remote tier under vLLM's own tiering spec::
 
     {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": ...,
      "secondary_tiers": [{"type": "KvtierDiskTier", "module_path": "kvtier_rs.integrations.vllm",
-                          "disk_root": "/nvme/kv", "disk_bytes": "64GiB"}]}
+                          "disk_root": "/nvme/kv", "disk_bytes": "64GiB"},
+                         {"type": "KvtierRemoteTier", "module_path": "kvtier_rs.integrations.vllm",
+                          "remote_url": "redis://10.0.0.5:7000"}]}
 
 This package imports without vLLM; the classes import it on first use, and raise an ImportError
 that says which vLLM releases are supported when it is missing or of another release.
@@ -36,6 +38,7 @@ _EXPORTS = {
     "KvtierOffloadingManager": "kvtier_rs.integrations.vllm.manager",
     "KvtierWorker": "kvtier_rs.integrations.vllm.worker",
     "KvtierDiskTier": "kvtier_rs.integrations.vllm.secondary",
+    "KvtierRemoteTier": "kvtier_rs.integrations.vllm.secondary",
     "KvtierTieringOffloadingSpec": "kvtier_rs.integrations.vllm.secondary",
 }
 

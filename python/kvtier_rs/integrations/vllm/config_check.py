@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
+from kvtier_rs import settings as S
 from kvtier_rs._core import InvalidArgumentError
 from kvtier_rs.checks import show
 from kvtier_rs.integrations.vllm import options as vo
@@ -26,7 +27,7 @@ SPECS = {
     "KvtierTieringOffloadingSpec": (MODULE, f"{MODULE}.secondary"),
 }
 #: vLLM's own tiering spec (in vLLM's registry: no spec_module_path), under which kvtier's disk
-#: tier can also run as a secondary tier.
+#: and remote tiers can also run as secondary tiers.
 VLLM_TIERING = "TieringOffloadingSpec"
 _TIER_MODULES = (MODULE, f"{MODULE}.secondary")
 #: kvtier's connector (vLLM's OffloadingConnector plus kvtier's start-up behaviour).
@@ -41,6 +42,9 @@ CONNECTORS: dict[str, tuple[str | None, ...]] = {
 _TOP = OptionReader("kv_transfer_config")
 _EXTRA = vo.READER
 _DISK = vo.DISK_TIER_READER
+_REMOTE = vo.REMOTE_TIER_READER
+#: kvtier's secondary_tiers entry types -> their readers.
+_TIER_TYPES = {vo.DISK_TIER_TYPE: _DISK, vo.REMOTE_TIER_TYPE: _REMOTE}
 
 _KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")  # vLLM's KVRole
 
@@ -93,7 +97,7 @@ def check_extra(extra: Mapping[str, Any]) -> dict[str, Any]:
     if name == VLLM_TIERING:
         return {"spec_name": name, "spec_module_path": None, "settings": _tiering(extra, vllm_own=True)}
     if name not in SPECS:
-        specs = f"{', '.join(SPECS)} (or vLLM's {VLLM_TIERING} with KvtierDiskTier secondary tiers)"
+        specs = f"{', '.join(SPECS)} (or vLLM's {VLLM_TIERING} with KvtierDiskTier or KvtierRemoteTier secondary tiers)"
         if name is None:
             why = f"required: one of kvtier's specs, {specs}; unset, vLLM runs its CPUOffloadingSpec"
             raise _EXTRA.error("spec_name", why)
@@ -118,7 +122,7 @@ def _offloading(extra: Mapping[str, Any]) -> dict[str, Any]:
         "cpu_admission": o.cpu_admission,
         "slo_guard": None if o.slo_guard is None else asdict(o.slo_guard),
     }
-    out.update(_remote(o))
+    out.update(_remote(o.remote))
     if o.disk_root is None:
         out["disk_root"] = None
         return out
@@ -142,11 +146,10 @@ def _offloading(extra: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _remote(o: vo.KvtierOptions) -> dict[str, Any]:
+def _remote(r: S.RemoteTierSettings | None) -> dict[str, Any]:
     """The remote tier's settings, with what can be checked without the store: the password
     and secret files readable (their contents are never shown). Whether the cluster answers is
     the engine's to find out: a store that is down costs misses, not a failed start."""
-    r = o.remote
     if r is None:
         return {"remote_url": None}
     from kvtier_rs.tiers.remote.build import read_secret
@@ -171,8 +174,8 @@ def _tiering(extra: Mapping[str, Any], *, vllm_own: bool) -> dict[str, Any]:
     if mine:
         raise _EXTRA.error(
             mine[0],
-            "read only by KvtierOffloadingSpec; under the tiering spec kvtier's disk tier is a "
-            f"secondary_tiers entry of type {vo.DISK_TIER_TYPE}",
+            "read only by KvtierOffloadingSpec; under the tiering spec kvtier's disk and remote tiers "
+            f"are secondary_tiers entries of type {vo.DISK_TIER_TYPE} and {vo.REMOTE_TIER_TYPE}",
         )
     vo.check_vllm_bools(extra)
     if vllm_own:
@@ -202,14 +205,19 @@ def _tiering(extra: Mapping[str, Any], *, vllm_own: bool) -> dict[str, Any]:
     for i, entry in enumerate(tiers):
         if not isinstance(entry, Mapping) or not entry.get("type"):
             raise _EXTRA.error("secondary_tiers", f"entry {i}: expected an object with a 'type', got {_show(entry)}")
-        if entry["type"] != vo.DISK_TIER_TYPE:
-            out_tiers.append({"type": entry["type"], "checked": False})
+        kind = entry["type"]
+        if kind not in _TIER_TYPES:
+            out_tiers.append({"type": kind, "checked": False})
             continue
         if entry.get("module_path") not in _TIER_MODULES:
-            raise _DISK.error(
+            raise _TIER_TYPES[kind].error(
                 "module_path",
-                f"vLLM loads {vo.DISK_TIER_TYPE} from module_path {MODULE!r}, got {_show(entry.get('module_path'))}",
+                f"vLLM loads {kind} from module_path {MODULE!r}, got {_show(entry.get('module_path'))}",
             )
+        if kind == vo.REMOTE_TIER_TYPE:
+            r = vo.parse_remote_tier({k: v for k, v in entry.items() if k not in vo.VLLM_TIER_KEYS})
+            out_tiers.append({"type": kind, "checked": True, **_remote(r.remote), "locality": r.locality})
+            continue
         t = vo.parse_disk_tier({k: v for k, v in entry.items() if k not in vo.VLLM_TIER_KEYS})
         root_name = t.written.get("disk_root", "disk_root")
         _existing_directory(_DISK, root_name, t.disk.root)
@@ -222,10 +230,11 @@ def _tiering(extra: Mapping[str, Any], *, vllm_own: bool) -> dict[str, Any]:
         roots[real] = i
         shown = {f"disk_{k}": v for k, v in asdict(t.disk).items()} | {"locality": t.locality}
         out_tiers.append({"type": vo.DISK_TIER_TYPE, "checked": True, **shown})
-    if vllm_own and not roots:
+    if vllm_own and not any(t["checked"] for t in out_tiers):
         raise _EXTRA.error(
             "secondary_tiers",
-            f"no {vo.DISK_TIER_TYPE} entry: with vLLM's {VLLM_TIERING} and none, kvtier is not used",
+            f"no {vo.DISK_TIER_TYPE} or {vo.REMOTE_TIER_TYPE} entry: with vLLM's {VLLM_TIERING} and none, "
+            "kvtier is not used",
         )
     return {
         "cpu_bytes_to_use": cpu_bytes,

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvtier_rs.integrations.vllm.options import DISK_TIER_TYPE
+from kvtier_rs.integrations.vllm.options import DISK_TIER_TYPE, REMOTE_TIER_TYPE
 
 log = logging.getLogger("vllm." + __name__)
 
@@ -97,6 +97,10 @@ REMOTE_HISTOGRAMS = {
     "write": "Seconds per remote write job (sealing and a batched SET NX).",
     "probe": "Seconds per batched existence probe.",
 }
+#: Every series of the remote tier's own (by name, less PREFIX).
+REMOTE_SERIES = frozenset(
+    {*REMOTE_COUNTERS, REMOTE_MISS, *REMOTE_GAUGES, *(f"remote_{op}_seconds" for op in REMOTE_HISTOGRAMS)}
+)
 REMOTE_BUCKETS = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5)
 # The SLO guard of a tier (label "tier"), from LoadGate.state(); only tiers with a guard report.
 GUARD_GAUGES = {
@@ -190,17 +194,18 @@ def metric_definitions() -> dict[str, Any]:
 def exported_tiers(extra_config: Mapping[str, Any]) -> tuple[str, ...]:
     """kvtier's tiers whose per-tier series a kv_connector_extra_config reports (label "tier"):
     the CPU tier, the disk tier with a disk_root and the remote tier with a remote_url, under
-    KvtierOffloadingSpec; the disk tier under a tiering spec with a KvtierDiskTier entry (the CPU
-    tier is vLLM's there)."""
+    KvtierOffloadingSpec; the disk tier and the remote tier under a tiering spec with a
+    KvtierDiskTier or KvtierRemoteTier entry (the CPU tier is vLLM's there)."""
     spec = extra_config.get("spec_name")
     if spec == "KvtierOffloadingSpec":
         disk = ("disk",) if extra_config.get("disk_root") is not None else ()
         remote = ("remote",) if extra_config.get("remote_url") is not None else ()
         return ("cpu", *disk, *remote)
     tiers = extra_config.get("secondary_tiers")
-    if isinstance(tiers, list) and any(isinstance(t, Mapping) and t.get("type") == DISK_TIER_TYPE for t in tiers):
-        return ("disk",)
-    return ()
+    if not isinstance(tiers, list):
+        return ()
+    types = {t.get("type") for t in tiers if isinstance(t, Mapping)}
+    return tuple(name for name, t in (("disk", DISK_TIER_TYPE), ("remote", REMOTE_TIER_TYPE)) if t in types)
 
 
 def emit_zeros(stats: Any, tiers: tuple[str, ...]) -> None:

@@ -4,7 +4,8 @@ Pure Python (no vLLM import), so that a bad value is reported with its key name 
 allocates anything, and so that it is testable without vLLM (``kvtier vllm-config`` checks a
 whole config with it). Every error is an ``InvalidArgumentError`` (a ``KvTierError``) whose
 message starts with ``kv_connector_extra_config[<key>]``, or, for an entry of the tiering
-spec's ``secondary_tiers``, ``secondary_tiers[type=KvtierDiskTier][<key>]``.
+spec's ``secondary_tiers``, ``secondary_tiers[type=KvtierDiskTier][<key>]`` (or
+``type=KvtierRemoteTier``).
 """
 
 from __future__ import annotations
@@ -280,24 +281,52 @@ def parse_disk_tier(entry: Mapping[str, Any], *, localities: tuple[str, ...] = L
     """Validate the keys of a KvtierDiskTier entry as the tier receives them (the entry less
     ``VLLM_TIER_KEYS``); every error names its key. What only the open tier can check (a
     capacity that holds no block, a directory it cannot open) is left to it."""
-    r = DISK_TIER_READER
-    names = S.names_for(S.VLLM_DISK_TIER)
-    unknown = sorted((k for k in entry if k not in names), key=str)
-    if unknown:
-        theirs = ", ".join(VLLM_TIER_KEYS)
-        raise r.error(
-            unknown[0], f"unknown key; {DISK_TIER_TYPE} keys: {', '.join(sorted(names))} (and vLLM's {theirs})"
-        )
-    if entry.get("locality", "") is None:  # vLLM's own default
-        entry = {k: x for k, x in entry.items() if k != "locality"}
-    v = S.read_values(entry, S.VLLM_DISK_TIER, r)
-    locality = v["locality"]
-    if locality not in localities:
-        raise r.error("locality", f"{show(locality)} is not one of " + ", ".join(localities))
-    written = S.written_names(entry, S.VLLM_DISK_TIER)
+    v, locality, written = _read_tier_entry(entry, S.VLLM_DISK_TIER, DISK_TIER_READER, DISK_TIER_TYPE, localities)
     disk = S.settings_from_values({**_NO_CPU, **v}).disk
     assert disk is not None  # disk_root is required here
     return DiskTierOptions(disk, locality=locality, written=written)
+
+
+#: The type name of kvtier's shared remote tier in ``secondary_tiers``.
+REMOTE_TIER_TYPE = "KvtierRemoteTier"
+#: The reader of a KvtierRemoteTier entry.
+REMOTE_TIER_READER = OptionReader(f"secondary_tiers[type={REMOTE_TIER_TYPE}]")
+
+
+@dataclass(frozen=True)
+class RemoteTierOptions:
+    """A KvtierRemoteTier entry's options: the remote tier's settings and vLLM's locality."""
+
+    remote: S.RemoteTierSettings
+    locality: str = "REMOTE"
+
+
+def parse_remote_tier(entry: Mapping[str, Any], *, localities: tuple[str, ...] = LOCALITIES) -> RemoteTierOptions:
+    """Validate the keys of a KvtierRemoteTier entry as the tier receives them (the entry less
+    ``VLLM_TIER_KEYS``); every error names its key. Whether the store answers is left to the
+    tier (a store that is down at start-up costs misses, not a failed start)."""
+    v, locality, _ = _read_tier_entry(entry, S.VLLM_REMOTE_TIER, REMOTE_TIER_READER, REMOTE_TIER_TYPE, localities)
+    remote = S.remote_settings(v)
+    assert remote is not None  # remote_url is required here
+    return RemoteTierOptions(remote, locality=locality)
+
+
+def _read_tier_entry(
+    entry: Mapping[str, Any], point: str, r: OptionReader, type_name: str, localities: tuple[str, ...]
+) -> tuple[dict[str, Any], str, dict[str, str]]:
+    """A secondary_tiers entry's values by key, its locality and the names the user wrote."""
+    names = S.names_for(point)
+    unknown = sorted((k for k in entry if k not in names), key=str)
+    if unknown:
+        theirs = ", ".join(VLLM_TIER_KEYS)
+        raise r.error(unknown[0], f"unknown key; {type_name} keys: {', '.join(sorted(names))} (and vLLM's {theirs})")
+    if entry.get("locality", "") is None:  # vLLM's own default
+        entry = {k: x for k, x in entry.items() if k != "locality"}
+    v = S.read_values(entry, point, r)
+    locality = v["locality"]
+    if locality not in localities:
+        raise r.error("locality", f"{show(locality)} is not one of " + ", ".join(localities))
+    return v, locality, S.written_names(entry, point)
 
 
 # A disk tier entry sizes no CPU tier: the typed tree's CPU part is a placeholder here.
