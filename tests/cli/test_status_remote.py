@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,22 +18,6 @@ from kvtier_rs.tiers.remote.values import _FIXED, CHECK_BYTES
 
 #: A stored value's length for a 36-byte block key (header, key, check, payload).
 VALUE = _FIXED.size + 36 + CHECK_BYTES + BLOCK
-
-
-@pytest.fixture(scope="module")
-def cluster_module(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = start_cluster(Path(tmp_path_factory.mktemp("cluster")))
-    try:
-        yield c
-    finally:
-        c.stop()
-
-
-@pytest.fixture
-def cluster(cluster_module: Cluster) -> Cluster:
-    cluster_module.wait_ok()
-    cluster_module.flushall()
-    return cluster_module
 
 
 def keys(tag: int, n: int) -> list[bytes]:

@@ -350,3 +350,8 @@ def plain_client(cluster: Cluster):  # -> redis.RedisCluster
 
     n = cluster.nodes[0]
     return RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", n.port)], password=cluster.password, socket_timeout=10)
+
+
+def bkeys(n: int, tag: bytes = b"k") -> list[bytes]:
+    """`n` vLLM-like block keys (36 bytes each) starting with `tag`."""
+    return [tag + i.to_bytes(4, "big") + bytes(36 - len(tag) - 4) for i in range(n)]

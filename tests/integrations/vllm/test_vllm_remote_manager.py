@@ -7,11 +7,8 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
-import pytest
 from support.valkey import Cluster, start_cluster
 from support.vllm import engine as E
 
@@ -33,22 +30,6 @@ HIT, MISS, PENDING, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.HI
 
 def key(i: int) -> bytes:
     return hashlib.sha256(i.to_bytes(8, "little")).digest() + (0).to_bytes(4, "big")
-
-
-@pytest.fixture(scope="module")
-def cluster_module(tmp_path_factory) -> Iterator[Cluster]:
-    c = start_cluster(Path(tmp_path_factory.mktemp("cluster")))
-    try:
-        yield c
-    finally:
-        c.stop()
-
-
-@pytest.fixture
-def cluster(cluster_module: Cluster) -> Cluster:
-    cluster_module.wait_ok()
-    cluster_module.flushall()
-    return cluster_module
 
 
 class Replica:

@@ -12,13 +12,11 @@ from __future__ import annotations
 import hashlib
 import mmap
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from support.valkey import Cluster, start_cluster
+from support.valkey import Cluster
 from support.vllm import engine as E
 
 E.require_vllm()
@@ -64,22 +62,6 @@ class Primary:
         self.mm = mmap.mmap(-1, ROWS * ROW)
         self.view = memoryview(self.mm).cast("B", (ROWS, ROW))
         self.rows = np.frombuffer(self.mm, dtype=np.uint8).reshape(ROWS, ROW)
-
-
-@pytest.fixture(scope="module")
-def cluster_module(tmp_path_factory) -> Iterator[Cluster]:
-    c = start_cluster(Path(tmp_path_factory.mktemp("cluster")))
-    try:
-        yield c
-    finally:
-        c.stop()
-
-
-@pytest.fixture
-def cluster(cluster_module: Cluster) -> Cluster:
-    cluster_module.wait_ok()
-    cluster_module.flushall()
-    return cluster_module
 
 
 @pytest.fixture

@@ -1,26 +1,33 @@
-"""One real 3-primary cluster for the remote tier's tests (started once per module that asks,
-emptied before each test)."""
+"""The remote tier tests' fixtures: a host pool to write from and read into, and tiers over the
+cluster (the `cluster` fixture is tests/conftest.py's), each closed after its test."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
-from support.valkey import Cluster, start_cluster
+from support.valkey import Cluster, Host, make_tier
 
-
-@pytest.fixture(scope="module")
-def cluster_module(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = start_cluster(Path(tmp_path_factory.mktemp("cluster")))
-    try:
-        yield c
-    finally:
-        c.stop()
+from kvtier_rs.tiers.remote import RemoteTier
 
 
 @pytest.fixture
-def cluster(cluster_module: Cluster) -> Cluster:
-    cluster_module.wait_ok()
-    cluster_module.flushall()
-    return cluster_module
+def host() -> Host:
+    return Host(128)
+
+
+@pytest.fixture
+def tiers() -> Iterator[Callable[..., RemoteTier]]:
+    """`tiers(cluster, **options)`: a RemoteTier over `cluster` (its password unless given)."""
+    made: list[RemoteTier] = []
+
+    def make(cluster: Cluster, **kw: Any) -> RemoteTier:
+        kw.setdefault("password", cluster.password)
+        t = make_tier(cluster.url, **kw)
+        made.append(t)
+        return t
+
+    yield make
+    for t in made:
+        t.close()

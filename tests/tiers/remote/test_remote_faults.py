@@ -17,10 +17,10 @@ from support.valkey import (
     Cluster,
     FakeClock,
     Host,
+    bkeys,
     block_key_of,
     block_payload,
     keys_on_node,
-    make_tier,
     plain_client,
     read,
     running_cluster,
@@ -33,30 +33,6 @@ from kvtier_rs.tiers.remote.client import DEFAULT_PASSWORD_ENV, read_password
 
 OLD = bytes([0x11]) * BLOCK  # what a host slot held before a read that must not touch it
 SECRET = derive_secret(b"the deployment's secret, 32+ bytes long")
-
-
-def bkeys(n: int, tag: bytes) -> list[bytes]:
-    return [tag + i.to_bytes(4, "big") + bytes(36 - len(tag) - 4) for i in range(n)]
-
-
-@pytest.fixture
-def host() -> Host:
-    return Host(128)
-
-
-@pytest.fixture
-def tiers():
-    made = []
-
-    def make(cluster: Cluster, **kw):
-        kw.setdefault("password", cluster.password)
-        t = make_tier(cluster.url, **kw)
-        made.append(t)
-        return t
-
-    yield make
-    for t in made:
-        t.close()
 
 
 def still_serving(tier, host: Host, tag: bytes = b"after") -> None:

@@ -9,10 +9,9 @@ import pytest
 from support.valkey import (
     BLOCK,
     FakeClock,
-    Host,
+    bkeys,
     block_payload,
     keys_on_node,
-    make_tier,
     plain_client,
     read,
     wait_result,
@@ -21,30 +20,6 @@ from support.valkey import (
 
 from kvtier_rs._core import ClosedError
 from kvtier_rs.tiers.remote import BreakerState, CircuitBreaker, store_key
-
-
-def bkeys(n: int, tag: bytes = b"k") -> list[bytes]:
-    """vLLM-like block keys: 36 bytes each."""
-    return [tag + i.to_bytes(4, "big") + bytes(36 - len(tag) - 4) for i in range(n)]
-
-
-@pytest.fixture
-def host() -> Host:
-    return Host(128)
-
-
-@pytest.fixture
-def tiers():
-    made = []
-
-    def make(cluster, **kw):
-        t = make_tier(cluster.url, password=cluster.password, **kw)
-        made.append(t)
-        return t
-
-    yield make
-    for t in made:
-        t.close()
 
 
 def test_blocks_written_from_slots_read_back_identical_into_other_slots(cluster, tiers, host) -> None:
