@@ -2,9 +2,9 @@
 cluster: in place over a primary region laid out as vLLM's (an mmap, one row per chunk), the
 lookup contract (RETRY, one batched probe per scheduler step sent at its end, then HIT or MISS),
 stores and promotions through vLLM's job interface, the namespace shared with
-KvtierOffloadingSpec's remote tier, a cache reset, the metrics and the entry's checks. Then one
-in-process engine pair: a prompt stored by one engine is promoted by another, with the tokens
-of an engine without offloading.
+KvtierOffloadingSpec's remote tier, a cache reset, the metrics and the entry's checks. Two
+engines sharing a prompt through it run as `vllm serve` processes, as users run them
+(test_vllm_serve.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from support.valkey import Cluster
 from support.vllm import engine as E
 
 E.require_vllm()
@@ -244,54 +243,3 @@ def test_a_bad_entry_is_refused_naming_the_key(entry, message):
 
 
 # ---- one in-process engine pair -------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    return E.module_env(tmp_path_factory, "vllm-tiering-remote")
-
-
-def remote_llm(env, cluster: Cluster):
-    cfg = {
-        "spec_name": "KvtierTieringOffloadingSpec",
-        "spec_module_path": "kvtier_rs.integrations.vllm",
-        "cpu_bytes_to_use": 4 * E.BLOCK_BYTES,
-        "secondary_tiers": [
-            {
-                "type": "KvtierRemoteTier",
-                "module_path": "kvtier_rs.integrations.vllm",
-                "remote_url": cluster.url,
-                "remote_deadline_s": 10.0,
-            }
-        ],
-    }
-    return E.make_llm(env["model"], E.offloading_config(cfg))
-
-
-def engine_tier(llm) -> KvtierRemoteTier:
-    mgr = llm.llm_engine.engine_core.engine_core.scheduler.connector.connector_scheduler.manager
-    (t,) = [t for t in mgr.secondary_tiers if isinstance(t, KvtierRemoteTier)]
-    return t
-
-
-def test_a_prompt_one_engine_stored_is_promoted_by_another(env, cluster):
-    ids = E.prompt(7, E.PROMPT_LEN)
-    (baseline,) = E.baseline_tokens(env["model"], {"p": ids}).values()
-    chunks = E.SERVED // E.BLOCK
-    llm = remote_llm(env, cluster)
-    try:
-        assert E.generate(llm, ids) == (baseline, 0)
-        t = engine_tier(llm)
-        assert t.remote.wait_idle(WAIT_S)
-        assert t.counters["stores"] == chunks and cluster.dbsize() == chunks
-    finally:
-        E.shutdown(llm)
-    llm = remote_llm(env, cluster)  # another replica: it has never seen the prompt
-    try:
-        tokens, cached = E.generate(llm, ids)
-        assert (tokens, cached) == (baseline, E.SERVED)
-        t = engine_tier(llm)
-        assert t.counters["loads"] == chunks and t.counters["lookups_deferred"] >= 1
-        assert t.remote.stats()["probes"] >= 1
-    finally:
-        E.shutdown(llm)
