@@ -141,11 +141,9 @@ def _wait_up(port: int, password: str | None, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     c = redis.Redis(host="127.0.0.1", port=port, password=password, socket_timeout=1)
     while True:
-        try:
+        with contextlib.suppress(redis.RedisError):  # not listening yet
             if c.ping():
                 return
-        except redis.RedisError:
-            pass
         if time.monotonic() > deadline:
             raise RuntimeError(f"node on port {port} did not answer within {timeout} s")
         time.sleep(0.05)

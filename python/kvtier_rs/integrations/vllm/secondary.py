@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from abc import abstractmethod
 from collections.abc import Iterable
 from typing import Any, ClassVar, cast
 
@@ -134,13 +135,13 @@ class _InPlaceTier(SecondaryTierManager):
 
     # ---- what a tier defines --------------------------------------------------------------------
 
+    @abstractmethod
     def _parse(self, options: dict[str, Any]) -> Any:
         """Check the entry's keys and set ``self.locality``; return what ``_open`` needs."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _open(self, parsed: Any, config: Any, row_bytes: int) -> Any:
         """Open the tier for blocks of `row_bytes` (one primary row each)."""
-        raise NotImplementedError
 
     def _stores_enabled(self) -> bool:
         return True
