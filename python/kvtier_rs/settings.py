@@ -243,7 +243,7 @@ def _guard_meaning(tier: str, what: str) -> str:
 
 _ALL = frozenset({API, VLLM, TRTLLM})
 _DISK = frozenset({API, VLLM, VLLM_DISK_TIER, TRTLLM})
-_REMOTE = frozenset({API, VLLM, VLLM_REMOTE_TIER})
+_REMOTE = frozenset({API, VLLM, VLLM_REMOTE_TIER, TRTLLM})
 
 #: The tree, in the order the docs list it.
 TREE: tuple[Setting, ...] = (
@@ -584,6 +584,17 @@ TREE: tuple[Setting, ...] = (
         _seconds,
         default=60.0,
         takes=frozenset({TRTLLM}),
+    ),
+    Setting(
+        "remote_probe_wait_s",
+        "engine",
+        "seconds the scheduler waits, once per request, for the remote tier to say which of the "
+        "request's blocks it holds (TensorRT-LLM asks for a request's matches once and cannot be asked "
+        "again); an answer later than this makes those blocks misses for this request and serves the next",
+        _seconds,
+        default=0.005,
+        takes=frozenset({TRTLLM}),
+        needs="remote_url",
     ),
     Setting(
         "block_identity",

@@ -25,7 +25,7 @@ MINIMAL = {
     S.VLLM: {"cpu_bytes": "1GiB", "disk_root": "/d", "disk_bytes": "2GiB", "remote_url": "redis://h:7000"},
     S.VLLM_DISK_TIER: {"disk_root": "/d", "disk_bytes": "2GiB"},
     S.VLLM_REMOTE_TIER: {"remote_url": "redis://h:7000"},
-    S.TRTLLM: {"cpu_bytes": "1GiB", "disk_root": "/d", "disk_bytes": "2GiB"},
+    S.TRTLLM: {"cpu_bytes": "1GiB", "disk_root": "/d", "disk_bytes": "2GiB", "remote_url": "redis://h:7000"},
 }
 
 

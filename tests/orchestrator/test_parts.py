@@ -49,10 +49,10 @@ KEYS = [b"g0", b"c0", b"c1", b"d0", b"d1", b"m0"]
 
 def planner(*, disk=True, in_flight=0, max_in_flight=None, closed=False):
     cpu = FakeTier({b"c0", b"c1"})
-    stager = SimpleNamespace(disk=FakeTier({b"d0", b"d1"}, closed=closed)) if disk else None
+    stagers = {"disk": SimpleNamespace(disk=FakeTier({b"d0", b"d1"}, closed=closed))} if disk else {}
     gate = LoadGate(max_in_flight=max_in_flight)
     counts = DataPathCounters()
-    return LoadPlanner(cpu, stager, gate, lambda tier: in_flight, counts), cpu, counts
+    return LoadPlanner(cpu, stagers, gate, lambda tier: in_flight, counts), cpu, counts
 
 
 # ---- the planner -------------------------------------------------------------------------------
@@ -62,7 +62,7 @@ def test_planner_splits_a_chain_by_tier_after_the_gpu_hits():
     assert plan == LoadPlan(6, 1, 2, 2, 2, 2, {})
     assert (plan.misses, plan.loaded) == (1, 4)
     assert cpu.asked == [KEYS[1:]], "the CPU tier is asked only past the GPU hits"
-    assert p.stager.disk.asked == [KEYS[3:]], "the disk only past the CPU hits"
+    assert p.stagers["disk"].disk.asked == [KEYS[3:]], "the disk only past the CPU hits"
     assert (counts.lookups, counts.cpu.hit_blocks, counts.disk.hit_blocks, counts.miss_blocks) == (1, 2, 2, 1)
     assert (counts.gpu.lookup_blocks, counts.cpu.lookup_blocks, counts.disk.lookup_blocks) == (6, 5, 3)
 
@@ -107,11 +107,12 @@ PLAN = LoadPlan(2, 0, 1, 1, 1, 1, {})
 def load(request_id, *, reserved_at, bound_at=None, cpu_job=False, disk_read=False):
     """A load as the loads part leaves it: reserved at `reserved_at`, bound at `bound_at`, with
     a CPU copy job and a disk read in flight as asked."""
-    ld = LoadJob(LoadResult(request_id, PLAN), [b"a", b"b"], reserved_at, read_started=reserved_at)
+    ld = LoadJob(LoadResult(request_id, PLAN), [b"a", b"b"], reserved_at)
     if cpu_job:
         ld.cpu.keys, ld.cpu.jobs = [b"a"], {7: 0}
     if disk_read:
-        ld.disk.keys, ld.disk_read = [b"b"], 8
+        part = ld.staged["disk"]
+        part.copies.keys, part.read, part.read_started = [b"b"], 8, reserved_at
     if bound_at is not None:
         ld.gpu_ids, ld.bound_at = [0, 1], bound_at
     return ld
@@ -121,7 +122,12 @@ def detector(clock, *, guards, max_in_flight=None, timeout_s=10.0):
     in_flight = InFlight()
     gate = LoadGate(guards=guards, max_in_flight=max_in_flight, clock=clock)
     given_up: list[LoadJob] = []
-    stalls = StallDetector(in_flight, gate, give_up=given_up.append, disk_read_timeout_s=timeout_s, clock=clock)
+
+    def give_up(ld: LoadJob, tier: str) -> None:
+        assert tier == "disk"
+        given_up.append(ld)
+
+    stalls = StallDetector(in_flight, gate, give_up=give_up, disk_read_timeout_s=timeout_s, clock=clock)
     return stalls, in_flight, gate, given_up
 
 
@@ -149,7 +155,7 @@ def test_an_unbound_load_is_no_sample_but_counts_towards_a_hung_tier():
     stalls.check()
     guard = gate.guards["disk"]
     assert (guard.state()["samples"], guard.trip_count) == (0, 0), "one promotion in flight, the cap is two"
-    in_flight.orphan_reads[(b"x",)] = OrphanRead(job=9, started=clock.t - 2.0)
+    in_flight.orphan_reads[("disk", (b"x",))] = OrphanRead(job=9, started=clock.t - 2.0)
     stalls.check()
     assert guard.trip_count == 1 and not guard.allows(), "the cap is full and all of it has stalled"
     assert guard.trips[-1]["p99_ms"] == pytest.approx(2000.0), "tripped with the longest wait"
@@ -160,8 +166,8 @@ def test_a_hung_tier_needs_every_promotion_in_flight_stalled():
     stalls, in_flight, gate, _ = detector(
         clock, guards={"disk": GuardRule(p99_ms=50, min_samples=100)}, max_in_flight={"disk": 2}
     )
-    in_flight.orphan_reads[(b"x",)] = OrphanRead(job=9, started=clock.t - 2.0)
-    in_flight.orphan_reads[(b"y",)] = OrphanRead(job=10, started=clock.t - 0.01)
+    in_flight.orphan_reads[("disk", (b"x",))] = OrphanRead(job=9, started=clock.t - 2.0)
+    in_flight.orphan_reads[("disk", (b"y",))] = OrphanRead(job=10, started=clock.t - 0.01)
     stalls.check()
     assert gate.guards["disk"].trip_count == 0, "one of the two is still within the threshold"
     clock.t += 0.1

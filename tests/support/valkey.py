@@ -240,10 +240,11 @@ def make_tier(
     identity: str = IDENTITY,
     salt: str = "",
     secret: bytes | None = None,
+    block_bytes: int = BLOCK,
     **kwargs: object,
 ):  # -> RemoteTier
-    """A `RemoteTier` on its own cluster client, as one serving replica would have it. `kwargs`
-    are `RemoteOptions` fields (deadline 60 s unless given: only the tests of deadlines meet
+    """A `RemoteTier` for blocks of `block_bytes` on its own cluster client, as one serving replica
+    would have it. `kwargs` are `RemoteOptions` fields (deadline 60 s unless given: only the tests of deadlines meet
     one) and `RemoteTier`'s own keywords (breaker, clock)."""
     import dataclasses
 
@@ -259,7 +260,7 @@ def make_tier(
     return RemoteTier(
         lambda: connect(endpoint, password=password, timeout_s=timeout_s),
         fmt,
-        BLOCK,
+        block_bytes,
         RemoteOptions(**options),  # type: ignore[arg-type]
         description="test",
         **rest,  # type: ignore[arg-type]

@@ -25,6 +25,8 @@ class PlannedLookup(Protocol):
     @property
     def disk_hits(self) -> int: ...
     @property
+    def remote_hits(self) -> int: ...
+    @property
     def misses(self) -> int: ...
     @property
     def refused(self) -> Mapping[str, Mapping[str, int]]: ...
@@ -56,6 +58,7 @@ class DataPathCounters:
     gpu: TierCounters = field(default_factory=TierCounters)
     cpu: TierCounters = field(default_factory=TierCounters)
     disk: TierCounters = field(default_factory=TierCounters)
+    remote: TierCounters = field(default_factory=TierCounters)
     # Device -> CPU stores.
     cpu_stored_blocks: int = 0
     cpu_store_failed_blocks: int = 0
@@ -69,26 +72,31 @@ class DataPathCounters:
     load_failed_blocks: int = 0
     load_released_blocks: int = 0
     load_unreserved_blocks: int = 0
-    #: Disk parts of loads given up because their read took longer than disk_read_timeout_s.
+    #: Disk (and remote) parts of loads given up because their read took longer than
+    #: disk_read_timeout_s.
     disk_read_timeout_blocks: int = 0
     d2h_bytes: int = 0
     h2d_bytes: int = 0
 
     def tier(self, name: str) -> TierCounters:
-        """The counters of tier `name` ("gpu", "cpu" or "disk")."""
-        tiers = {"gpu": self.gpu, "cpu": self.cpu, "disk": self.disk}
+        """The counters of tier `name` ("gpu", "cpu", "disk" or "remote")."""
+        tiers = {"gpu": self.gpu, "cpu": self.cpu, "disk": self.disk, "remote": self.remote}
         return tiers[name]
 
-    def count_plan(self, plan: PlannedLookup, *, has_disk: bool) -> None:
-        """One lookup: its blocks asked of each tier, its hits and misses, every refusal."""
+    def count_plan(self, plan: PlannedLookup, *, staged: tuple[str, ...]) -> None:
+        """One lookup: its blocks asked of each tier, its hits and misses, every refusal.
+        `staged`: the tiers behind the CPU tier that were asked, in chain order."""
         self.lookups += 1
         self.gpu.lookup_blocks += plan.total
         self.cpu.lookup_blocks += plan.total - plan.gpu_hits
-        if has_disk:
-            self.disk.lookup_blocks += plan.total - plan.gpu_hits - plan.cpu_hits
+        asked = plan.total - plan.gpu_hits - plan.cpu_hits
+        for tier in staged:
+            self.tier(tier).lookup_blocks += asked
+            asked -= plan.disk_hits if tier == "disk" else plan.remote_hits
         self.gpu.hit_blocks += plan.gpu_hits
         self.cpu.hit_blocks += plan.cpu_hits
         self.disk.hit_blocks += plan.disk_hits
+        self.remote.hit_blocks += plan.remote_hits
         self.miss_blocks += plan.misses
         for tier, reasons in plan.refused.items():
             refused = self.tier(tier).refused

@@ -1,15 +1,17 @@
-"""The load jobs: bringing a plan's CPU and disk hits onto the device, from reservation to result.
+"""The load jobs: bringing a plan's CPU, disk and remote hits onto the device, from reservation
+to result.
 
 A load runs in two steps (`TierOrchestrator.load` runs both at once):
 
-    reserve   pin the CPU hits; start the disk hits' read into reserved CPU slots
+    reserve   pin the CPU hits; start the reads of the staged parts (the disk hits, then the
+              remote hits after them) into reserved CPU slots
     bind      take the destinations and submit the host -> device copies of what is in the CPU
-              tier; the disk part's copies follow once its read has landed and been verified
+              tier; a staged part's copies follow once its read has landed and been verified
 
-and finishes when every copy of both parts has landed (or failed): its `LoadResult` is then
+and finishes when every copy of every part has landed (or failed): its `LoadResult` is then
 final and handed out by `take_finished`. `release` gives back a reservation never bound.
 
-Every load and every disk read no load owns any more is a promotion in flight (`InFlight`):
+Every load and every staged read no load owns any more is a promotion in flight (`InFlight`):
 the planner's back-pressure and the stall detector (`stalls.StallDetector`) read them there.
 """
 
@@ -18,7 +20,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -34,22 +36,28 @@ from kvtier_rs.tiers.events import EventStream
 from kvtier_rs.tiers.keys import Key
 from kvtier_rs.transfer import TransferEngine, TransferResult
 
+#: The tiers staged through the CPU tier, in chain order: a load's disk part follows its CPU
+#: part, and its remote part follows the disk part.
+STAGED_TIERS = ("disk", "remote")
+
 
 @dataclass(frozen=True)
 class Reservation:
     """What a reserved load holds (`TierOrchestrator.reserve`): the first `cpu` blocks after
-    the GPU hits are pinned in the CPU tier, and the `disk` blocks after them have CPU slots
-    reserved and their reads started. Nothing can evict or take these; only a disk block that
-    fails verification can still make the load shorter."""
+    the GPU hits are pinned in the CPU tier, and the `disk` blocks after them, then the `remote`
+    blocks after those, have CPU slots reserved and their reads started. Nothing can evict or
+    take these; only a staged block that fails verification (or, for the remote tier, is gone
+    from the store) can still make the load shorter."""
 
     request_id: Any
     plan: LoadPlan
     cpu: int
     disk: int
+    remote: int = 0
 
     @property
     def blocks(self) -> int:
-        return self.cpu + self.disk
+        return self.cpu + self.disk + self.remote
 
 
 @dataclass
@@ -61,21 +69,29 @@ class LoadResult:
     loaded_cpu: int = 0  # blocks now on the device that came from the CPU tier
     loaded_disk: int = 0  # ... from the disk tier (through the CPU tier)
     failed: int = 0  # planned blocks that could not be loaded (the engine recomputes them)
-    # Planned disk hits with no CPU slot free to stage through when the load started: never
-    # attempted (nor promised, by a caller that promises `Reservation.blocks`), recomputed.
+    # Planned staged hits with no CPU slot free to stage through when the load started (and
+    # the blocks after them): never attempted (nor promised, by a caller that promises
+    # `Reservation.blocks`), recomputed.
     unreserved: int = 0
     seconds: float = 0.0
     bytes: int = 0
+    loaded_remote: int = 0  # ... from the remote tier (through the CPU tier)
 
     @property
     def loaded(self) -> int:
-        return self.loaded_cpu + self.loaded_disk
+        return self.loaded_cpu + self.loaded_disk + self.loaded_remote
+
+    def loaded_from(self, tier: str) -> int:
+        return {"cpu": self.loaded_cpu, "disk": self.loaded_disk, "remote": self.loaded_remote}[tier]
+
+    def set_loaded(self, tier: str, n: int) -> None:
+        setattr(self, f"loaded_{tier}", n)
 
 
 @dataclass
 class Copies:
-    """The host -> device copies of one part of a load (the CPU hits, or the disk hits once
-    promoted): one engine job per region group, so a per-layer wait can return early.
+    """The host -> device copies of one part of a load (the CPU hits, or a staged tier's hits
+    once promoted): one engine job per region group, so a per-layer wait can return early.
 
     The part is one transfer for the cost model: its bytes over the time from when its first
     job's copies started to its last job's completion. Each job's own `seconds` runs from its
@@ -98,10 +114,33 @@ class Copies:
 
 
 class OrphanRead(NamedTuple):
-    """A disk read still in flight that no load owns any more (see `InFlight.orphan_reads`)."""
+    """A staged read still in flight that no load owns any more (see `InFlight.orphan_reads`)."""
 
     job: int
     started: float  # when the read started (perf_counter)
+    tier: str = "disk"
+
+
+@dataclass
+class StagedPart:
+    """The part of a load that comes from one tier staged through the CPU tier: its read into
+    reserved CPU slots, then its copies."""
+
+    tier: str
+    copies: Copies = field(default_factory=Copies)
+    read: int | None = None  # the read job in flight
+    # When its read started: at reserve, or earlier for a read taken over from a released
+    # reservation; kept if the read is orphaned again, so stall detection sees its true age.
+    read_started: float = 0.0
+    slots: list[int] | None = None  # read, verified and pinned before the destinations were known
+
+    @property
+    def busy(self) -> bool:
+        return self.read is not None or bool(self.copies.jobs)
+
+
+def _staged_parts() -> dict[str, StagedPart]:
+    return {t: StagedPart(t) for t in STAGED_TIERS}
 
 
 @dataclass
@@ -110,15 +149,11 @@ class LoadJob:
 
     result: LoadResult
     keys: list[Key]  # blocks after the GPU hits
-    started: float  # when it was reserved (the disk read starts then)
-    # When its disk read started: at reserve, or earlier for a read taken over from a released
-    # reservation; kept if the read is orphaned again, so stall detection sees its true age.
-    read_started: float = 0.0
+    started: float  # when it was reserved (the staged reads start then)
     cpu: Copies = field(default_factory=Copies)
-    disk: Copies = field(default_factory=Copies)
-    disk_read: int | None = None
+    #: The staged parts, by tier, in chain order.
+    staged: dict[str, StagedPart] = field(default_factory=_staged_parts)
     cpu_slots: list[int] = field(default_factory=list)  # of the CPU part, pinned at reserve
-    disk_slots: list[int] | None = None  # of the disk part once read and pinned, before bind
     # Set by bind: the destinations (for keys, in order), the region groups in the order they
     # are needed, and when.
     gpu_ids: list[int] | None = None
@@ -133,11 +168,27 @@ class LoadJob:
         return self.gpu_ids is not None
 
     @property
+    def disk(self) -> Copies:
+        """The disk part's copies."""
+        return self.staged["disk"].copies
+
+    @property
     def reserved(self) -> int:
-        return len(self.cpu.keys) + len(self.disk.keys)
+        return len(self.cpu.keys) + sum(len(p.copies.keys) for p in self.staged.values())
 
     def open_jobs(self) -> bool:
-        return bool(self.cpu.jobs or self.disk.jobs or self.disk_read is not None)
+        return bool(self.cpu.jobs) or any(p.busy for p in self.staged.values())
+
+    def first_block(self, tier: str) -> int:
+        """Where a staged part's blocks start among the destinations: after the planned blocks
+        of every part before it."""
+        plan = self.result.plan
+        at = plan.load_cpu
+        for t in self.staged:
+            if t == tier:
+                return at
+            at += plan.load_of(t)
+        raise KeyError(tier)
 
     def groups_ready(self) -> int:
         """Leading region groups in place on the device for every part of this load."""
@@ -145,7 +196,8 @@ class LoadJob:
             return 0
         n = len(self.groups) if self.groups else 1
         ready = n
-        for part, pending in ((self.cpu, False), (self.disk, self.disk_read is not None)):
+        parts = [(self.cpu, False)] + [(p.copies, p.read is not None) for p in self.staged.values()]
+        for part, pending in parts:
             if pending:
                 return 0
             if part.keys and (part.jobs or part.failed):
@@ -158,7 +210,7 @@ class LoadJob:
 
 class InFlight:
     """The promotions in flight: every load not finished yet (reserved or bound), by request
-    id, and the disk reads still running that no load owns any more (their reservation was
+    id, and the staged reads still running that no load owns any more (their reservation was
     released, or their load gave up on them), by chain. An orphaned read still holds CPU
     staging slots and a place in the disk's queue, so back-pressure and stall detection count
     it like a load's.
@@ -168,14 +220,16 @@ class InFlight:
 
     def __init__(self) -> None:
         self.loads: dict[Any, LoadJob] = {}
-        self.orphan_reads: dict[tuple[Key, ...], OrphanRead] = {}
+        # By (tier, chain): a reservation of the same chain from the same tier takes it over.
+        self.orphan_reads: dict[tuple[str, tuple[Key, ...]], OrphanRead] = {}
 
     def promotions(self, tier: str) -> int:
         """Promotions from `tier` in flight now (the gate's back-pressure input)."""
         loads = list(self.loads.values())
         if tier == "cpu":
             return sum(1 for ld in loads if ld.cpu.jobs)
-        return sum(1 for ld in loads if ld.disk_read is not None or ld.disk.jobs) + len(self.orphan_reads)
+        orphans = sum(1 for o in list(self.orphan_reads.values()) if o.tier == tier)
+        return sum(1 for ld in loads if ld.staged[tier].busy) + orphans
 
     def bound(self) -> int:
         """Loads past bind: jobs the engine waits for (a reservation alone is none)."""
@@ -183,11 +237,12 @@ class InFlight:
 
 
 class LoadJobs:
-    """Runs the loads (see the module docstring): pins, disk reads, copies, results.
+    """Runs the loads (see the module docstring): pins, staged reads, copies, results.
 
     Dependencies, each for one thing: `index` (the CPU tier's: pins and unpins), `engine` (the
-    host -> device copies), `stager` (the disk reads; None without a disk tier), `counts` (the
-    load counters), `latency` (a recorder per tier, of what the engine waited for a part),
+    host -> device copies), `stagers` (the staged tiers' reads, by tier; a tier not configured
+    is not there), `counts` (the load counters), `latency` (a recorder per tier, of what the
+    engine waited for a part),
     `guards` (a sample per finished part), `cost` (the measured hops), `events` (promotions).
     """
 
@@ -197,17 +252,21 @@ class LoadJobs:
         *,
         index: BlockIndex,
         engine: TransferEngine,
-        stager: DiskStager | None,
+        stagers: Mapping[str, DiskStager],
         counts: DataPathCounters,
         latency: Mapping[str, LatencyRecorder],
         guards: Mapping[str, SloGuard],
         cost: CostModel | None,
         events: EventStream | None,
+        reused: Callable[[list[Key]], None] | None = None,
     ) -> None:
         self.in_flight = in_flight
+        #: Called with the blocks of each load served from the CPU tier: a use that a staged
+        #: tier's admission may count (the remote tier's uses:K wants reuse evidence).
+        self.reused = reused
         self.index = index
         self.engine = engine
-        self.stager = stager
+        self.stagers = dict(stagers)
         self.counts = counts
         self.latency = latency
         self.guards = guards
@@ -215,7 +274,7 @@ class LoadJobs:
         self.events = events
         self._ids = itertools.count(1)
         self._job_owner: dict[int, Any] = {}  # engine h2d job -> request id
-        self._read_owner: dict[int, Any] = {}  # disk read job -> request id
+        self._read_owner: dict[tuple[str, int], Any] = {}  # (tier, read job) -> request id
         self._done: list[LoadResult] = []
 
     # ---- reserve, bind, release ----------------------------------------------------------
@@ -227,7 +286,7 @@ class LoadJobs:
         return request_id
 
     def reserve(self, keys: list[Key], request_id: Any, plan: LoadPlan) -> LoadJob:
-        """Register a load and hold its parts: pin the CPU part, start the disk part's read."""
+        """Register a load and hold its parts: pin the CPU part, start the staged parts' reads."""
         rest = keys[plan.gpu_hits :]
         ld = LoadJob(LoadResult(request_id, plan), rest, time.perf_counter())
         self.in_flight.loads[request_id] = ld
@@ -239,21 +298,35 @@ class LoadJobs:
                 # Evicted (or the index failed) since the plan: everything is recomputed.
                 ld.cpu.failed = True
                 ld.cpu.keys = []
-        if plan.load_disk and not ld.cpu.failed:
-            ld.disk.keys = rest[plan.load_cpu : plan.load_cpu + plan.load_disk]
-            # The same chain's read, started for a reservation that was given back and still in
-            # flight (a request asked again), is taken over: its slots are held, its read runs on.
-            orphan = self.in_flight.orphan_reads.pop(tuple(ld.disk.keys), None)
-            assert self.stager is not None  # a plan loads from disk only with a disk tier
-            job = self.stager.promote(ld.disk.keys) if orphan is None else orphan.job
-            ld.read_started = ld.started if orphan is None else orphan.started
-            if job is None:
-                ld.result.unreserved = len(ld.disk.keys)  # no CPU slot to stage through: recomputed
-                ld.disk.keys = []
-            else:
-                ld.disk_read = job
-                self._read_owner[job] = request_id
+        cut = ld.cpu.failed  # a part that cannot start cuts the chain: the parts after it are useless
+        for part in ld.staged.values():
+            n = plan.load_of(part.tier)
+            if not n or ld.cpu.failed:
+                continue
+            if cut:
+                ld.result.unreserved += n  # after a part with no CPU slot: recomputed as well
+                continue
+            first = ld.first_block(part.tier)
+            part.copies.keys = rest[first : first + n]
+            if not self._start_read(ld, part):
+                ld.result.unreserved += n  # no CPU slot to stage through: recomputed
+                part.copies.keys = []
+                cut = True
         return ld
+
+    def _start_read(self, ld: LoadJob, part: StagedPart) -> bool:
+        """Start a staged part's read into reserved CPU slots; False when there is no room."""
+        chain = (part.tier, tuple(part.copies.keys))
+        # The same chain's read, started for a reservation that was given back and still in
+        # flight (a request asked again), is taken over: its slots are held, its read runs on.
+        orphan = self.in_flight.orphan_reads.pop(chain, None)
+        job = self.stagers[part.tier].promote(part.copies.keys) if orphan is None else orphan.job
+        if job is None:
+            return False
+        part.read_started = ld.started if orphan is None else orphan.started
+        part.read = job
+        self._read_owner[(part.tier, job)] = ld.result.request_id
+        return True
 
     def bind(self, ld: LoadJob, gpu_ids: list[int], groups: list[list[int]] | None, after_stream: object) -> LoadResult:
         """Set a reserved load's destinations and submit the copies of what is in the CPU tier."""
@@ -262,9 +335,10 @@ class LoadJobs:
         if ld.cpu.keys and not self._submit_copies(ld, ld.cpu, ld.cpu_slots, gpu_ids[: len(ld.cpu.keys)]):
             ld.cpu.failed = True
             ld.cpu.keys = []
-        if ld.disk_slots is not None:  # read and pinned before the destinations were known
-            slots, ld.disk_slots = ld.disk_slots, None
-            self._copy_promoted(ld, slots)
+        for part in ld.staged.values():
+            if part.slots is not None:  # read and pinned before the destinations were known
+                slots, part.slots = part.slots, None
+                self._copy_promoted(ld, part, slots)
         self._maybe_finish(ld)
         return ld.result
 
@@ -284,30 +358,34 @@ class LoadJobs:
         ld = self.unbound(request_id, "release")
         if ld.cpu.keys:
             self.index.unpin(ld.cpu.keys)
-        if ld.disk_slots is not None and ld.disk.keys:
-            self.index.unpin(ld.disk.keys)
-        if ld.disk_read is not None:
-            # The read runs on; a reservation of the same chain before it lands takes it over.
-            self._orphan_read(ld)
+        for part in ld.staged.values():
+            if part.slots is not None and part.copies.keys:
+                self.index.unpin(part.copies.keys)
+            if part.read is not None:
+                # The read runs on; a reservation of the same chain before it lands takes it over.
+                self._orphan_read(part)
         self.counts.load_released_blocks += ld.reserved
         del self.in_flight.loads[request_id]
 
-    def give_up_disk_read(self, ld: LoadJob) -> None:
-        """Drop a bound load's disk part whose read takes too long: its blocks are recomputed
+    def give_up_read(self, ld: LoadJob, tier: str) -> None:
+        """Drop a bound load's staged part whose read takes too long: its blocks are recomputed
         (the destinations were never written: the copies start only once the read has landed),
         and the read lands in the CPU tier owned by no load, as one released unbound would."""
-        assert ld.disk_read is not None
-        self._orphan_read(ld)
-        self.counts.disk_read_timeout_blocks += len(ld.disk.keys)
-        ld.disk.keys = []
+        part = ld.staged[tier]
+        assert part.read is not None
+        self._orphan_read(part)
+        self.counts.disk_read_timeout_blocks += len(part.copies.keys)
+        part.copies.keys = []
         self._maybe_finish(ld)
 
-    def _orphan_read(self, ld: LoadJob) -> None:
-        """Hand a load's disk read, still in flight, over to no load (see `InFlight`)."""
-        assert ld.disk_read is not None
-        job, ld.disk_read = ld.disk_read, None
-        self._read_owner.pop(job, None)
-        self.in_flight.orphan_reads[tuple(ld.disk.keys)] = OrphanRead(job, ld.read_started)
+    def _orphan_read(self, part: StagedPart) -> None:
+        """Hand a part's read, still in flight, over to no load (see `InFlight`)."""
+        assert part.read is not None
+        job, part.read = part.read, None
+        self._read_owner.pop((part.tier, job), None)
+        self.in_flight.orphan_reads[(part.tier, tuple(part.copies.keys))] = OrphanRead(
+            job, part.read_started, part.tier
+        )
 
     # ---- queries -------------------------------------------------------------------------
     def is_reserved(self, request_id: Any) -> bool:
@@ -326,17 +404,18 @@ class LoadJobs:
         return out
 
     # ---- copies --------------------------------------------------------------------------
-    def _copy_promoted(self, ld: LoadJob, slots: list[int]) -> None:
-        """Submit the copies of the disk part (read, verified and pinned in the CPU tier)."""
+    def _copy_promoted(self, ld: LoadJob, part: StagedPart, slots: list[int]) -> None:
+        """Submit the copies of a staged part (read, verified and pinned in the CPU tier)."""
+        keys = part.copies.keys
         if ld.cpu.failed:
             # The chain broke at its first CPU block: nothing after it is usable either.
-            self.index.unpin(ld.disk.keys)
-            ld.disk.keys = []
+            self.index.unpin(keys)
+            part.copies.keys = []
             return
         assert ld.gpu_ids is not None
-        first = ld.result.plan.load_cpu
-        if not self._submit_copies(ld, ld.disk, slots, ld.gpu_ids[first : first + len(ld.disk.keys)]):
-            ld.disk.keys = []
+        first = ld.first_block(part.tier)
+        if not self._submit_copies(ld, part.copies, slots, ld.gpu_ids[first : first + len(keys)]):
+            part.copies.keys = []
 
     def _submit_copies(self, ld: LoadJob, part: Copies, slots: list[int], gpu_ids: list[int]) -> bool:
         """Submit a part's copies (its keys pinned). False when the engine refused the first one
@@ -367,7 +446,10 @@ class LoadJobs:
         if ld is None:
             return
         self.counts.h2d_bytes += r.bytes
-        part, tier = (ld.cpu, "cpu") if r.job_id in ld.cpu.jobs else (ld.disk, "disk")
+        part, tier = ld.cpu, "cpu"
+        if r.job_id not in ld.cpu.jobs:
+            tier = next(t for t, p in ld.staged.items() if r.job_id in p.copies.jobs)
+            part = ld.staged[tier].copies
         group = part.jobs.pop(r.job_id)
         part.finished = max(part.finished, r.finished_at)
         part.copies_started = min(part.copies_started, r.started_at)
@@ -389,51 +471,51 @@ class LoadJobs:
                     # One host -> device transfer: all its bytes over first copy start to last
                     # completion (see Copies). A failed part measures nothing.
                     self.cost.observe("cpu", part.bytes, max(0.0, part.finished - part.copies_started))
-                if tier == "cpu":
-                    ld.result.loaded_cpu = len(part.keys)
-                else:
-                    ld.result.loaded_disk = len(part.keys)
+                ld.result.set_loaded(tier, len(part.keys))
                 self.latency[tier].observe(elapsed)
             # A failed load cost the engine its wait too: the guard sees it (the histogram
             # is of loads that landed; failures are counted in load_failed).
             self._guard_sample(tier, ld, part, elapsed)
         self._maybe_finish(ld)
 
-    def on_promotion(self, p: PromotionDone) -> None:
-        """A disk read landed in the CPU tier (its verified prefix is `p.ok_prefix` blocks)."""
-        # Every read measures the disk hop, also one no load waits for any more (released, or
-        # given up after disk_read_timeout_s): those are the slowest reads, and a disk whose
+    def on_promotion(self, p: PromotionDone, tier: str = "disk") -> None:
+        """A read of staged tier `tier` landed in the CPU tier (its verified prefix is
+        `p.ok_prefix` blocks)."""
+        # Every read measures the tier's hop, also one no load waits for any more (released, or
+        # given up after disk_read_timeout_s): those are the slowest reads, and a tier whose
         # reads all outlast the timeout would otherwise never be measured at all.
         if self.cost is not None:
-            self.cost.observe("disk", p.bytes, p.seconds)
-        request_id = self._read_owner.pop(p.job_id, None)
+            self.cost.observe(tier, p.bytes, p.seconds)
+        request_id = self._read_owner.pop((tier, p.job_id), None)
         orphans = self.in_flight.orphan_reads
-        orphan = orphans.get(tuple(p.keys))
+        chain = (tier, tuple(p.keys))
+        orphan = orphans.get(chain)
         if request_id is None and orphan is not None and orphan.job == p.job_id:
-            del orphans[tuple(p.keys)]  # landed in the CPU tier, owned by no load
+            del orphans[chain]  # landed in the CPU tier, owned by no load
         ld = self.in_flight.loads.get(request_id)
         if ld is None:
             return
-        ld.disk_read = None
+        part = ld.staged[tier]
+        part.read = None
         if p.ok_prefix == 0 and ld.bound:
             # The read failed while the engine waited on it: a sample for the guard, from the
             # destinations on to the read's end (it started at reserve time).
-            self._guard_sample("disk", ld, ld.disk, max(0.0, ld.started + p.seconds - ld.bound_at))
-        ld.disk.keys = ld.disk.keys[: p.ok_prefix]
-        if not ld.disk.keys or ld.cpu.failed:
-            ld.disk.keys = []
+            self._guard_sample(tier, ld, part.copies, max(0.0, ld.started + p.seconds - ld.bound_at))
+        keys = part.copies.keys = part.copies.keys[: p.ok_prefix]
+        if not keys or ld.cpu.failed:
+            part.copies.keys = []
             self._maybe_finish(ld)
             return
         try:
-            slots = self.index.pin_for_load(ld.disk.keys)
+            slots = self.index.pin_for_load(keys)
         except (NotReadyError, IndexFailedError):
-            ld.disk.keys = []
+            part.copies.keys = []
             self._maybe_finish(ld)
             return
         if not ld.bound:
-            ld.disk_slots = slots  # pinned until bind gives the destinations
+            part.slots = slots  # pinned until bind gives the destinations
             return
-        self._copy_promoted(ld, slots)
+        self._copy_promoted(ld, part, slots)
         self._maybe_finish(ld)
 
     def _guard_sample(self, tier: str, ld: LoadJob, part: Copies, waited: float) -> None:
@@ -450,9 +532,15 @@ class LoadJobs:
         if ld.open_jobs() or not ld.bound:
             return
         res = ld.result
+        # A chain with a hole cannot be used past the hole: a part counts only while every part
+        # before it loaded all it planned (the CPU part broken at its first block: none counts).
+        whole = not ld.cpu.failed
+        for tier in ld.staged:
+            if not whole:
+                res.set_loaded(tier, 0)
+            whole = whole and res.loaded_from(tier) == res.plan.load_of(tier)
         if ld.cpu.failed:
-            # The chain broke at its first CPU block: nothing after it is usable either.
-            res.loaded_cpu = res.loaded_disk = 0
+            res.loaded_cpu = 0
         res.failed = res.plan.loaded - res.unreserved - res.loaded
         # What the engine waited for: from the destinations on (a read started at reserve time
         # only shortens it).
@@ -460,11 +548,15 @@ class LoadJobs:
         res.bytes = res.loaded * self.engine.layout.bytes_per_block
         c = self.counts
         c.cpu.promoted_blocks += res.loaded_cpu
-        c.disk.promoted_blocks += res.loaded_disk
+        for tier in ld.staged:
+            c.tier(tier).promoted_blocks += res.loaded_from(tier)
         c.load_failed_blocks += res.failed
         c.load_unreserved_blocks += res.unreserved
+        if self.reused is not None and res.loaded_cpu:
+            self.reused(ld.cpu.keys[: res.loaded_cpu])
         if self.events is not None:
             self.events.publish("promoted", "cpu", ld.cpu.keys[: res.loaded_cpu])
-            self.events.publish("promoted", "disk", ld.disk.keys[: res.loaded_disk])
+            for tier, part in ld.staged.items():
+                self.events.publish("promoted", tier, part.copies.keys[: res.loaded_from(tier)])
         del self.in_flight.loads[res.request_id]
         self._done.append(res)

@@ -1,13 +1,16 @@
-"""TierOrchestrator: one engine-agnostic object over the engine's device blocks, the CPU tier
-and the disk tier. Engine adapters call it; it never imports an engine.
+"""TierOrchestrator: one engine-agnostic object over the engine's device blocks, the CPU tier,
+the disk tier and the shared remote tier (both optional, both staged through the CPU tier).
+Engine adapters call it; it never imports an engine.
 
-    offload(keys, gpu_block_ids)      device -> CPU now, CPU -> disk (write-through, by the disk
-                                      tier's admission rule) once the CPU copy is done
+    offload(keys, gpu_block_ids)      device -> CPU now, CPU -> disk and remote (write-through,
+                                      by each tier's admission rule) once the CPU copy is done
     plan(keys, gpu_hit_blocks)        per tier, how many leading blocks hit, and how many of them
                                       are worth loading (cost model, back-pressure, SLO guard);
                                       counted: one lookup, its hits, misses and refusals
-    load(keys, gpu_block_ids, ...)    CPU hits -> device; disk hits -> CPU -> device (staged);
-                                      plans (and counts) first unless given the plan
+    load(keys, gpu_block_ids, ...)    CPU hits -> device; disk, then remote hits -> CPU -> device
+                                      (staged); plans (and counts) first unless given the plan
+    probe(keys, ..., wait_s)          ask the remote tier which blocks after the local hits it
+                                      holds, waiting at most wait_s for the answer
     reserve(keys, ...) / bind(...)    the same load in two steps, for an engine that must promise
                                       its hits before it allocates their destinations: reserve
                                       pins the CPU hits and starts the disk reads into reserved
@@ -32,10 +35,13 @@ does the job, each in its own module and usable on its own:
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from kvtier_rs._core import ClosedError
 from kvtier_rs.checks import check_count, check_number, invalid_argument
 from kvtier_rs.orchestrator.completions import handle_each
 from kvtier_rs.orchestrator.cost import CostModel
@@ -45,7 +51,7 @@ from kvtier_rs.orchestrator.disk_stager import DiskStager
 from kvtier_rs.orchestrator.gate import LoadGate
 from kvtier_rs.orchestrator.guard import GuardRule
 from kvtier_rs.orchestrator.latency import LatencyRecorder
-from kvtier_rs.orchestrator.loads import InFlight, LoadJob, LoadJobs, LoadResult, Reservation
+from kvtier_rs.orchestrator.loads import STAGED_TIERS, InFlight, LoadJob, LoadJobs, LoadResult, Reservation
 from kvtier_rs.orchestrator.plans import LoadPlan, LoadPlanner
 from kvtier_rs.orchestrator.stalls import StallDetector
 from kvtier_rs.orchestrator.stats import DataPathSnapshot, DataPathStats, occupancy
@@ -66,6 +72,7 @@ class TierOrchestrator:  # noqa: PLR0904 - the public API, one delegating method
         engine: TransferEngine,
         *,
         disk: StagingDisk | None = None,
+        remote: StagingDisk | None = None,
         cost: CostModel | None = None,
         guards: dict[str, GuardRule] | None = None,
         max_promotions_in_flight: dict[str, int] | None = None,
@@ -76,7 +83,13 @@ class TierOrchestrator:  # noqa: PLR0904 - the public API, one delegating method
         if engine.pool is not host.pool:
             raise invalid_argument("engine", "it must copy into this host tier's pool")
         # Checked here (naming the argument), not on the engine thread at the first plan().
-        gate = LoadGate(guards=guards, max_in_flight=max_promotions_in_flight, cost=cost, on_change=self._tier_event)
+        gate = LoadGate(
+            guards=guards,
+            max_in_flight=max_promotions_in_flight,
+            cost=cost,
+            tiers=("cpu", *STAGED_TIERS),
+            on_change=self._tier_event,
+        )
         max_disk_write_backlog = check_count("max_disk_write_backlog", max_disk_write_backlog)
         disk_read_timeout_s = check_number("disk_read_timeout_s", disk_read_timeout_s, inf_ok=True)
         self.host = host
@@ -88,6 +101,17 @@ class TierOrchestrator:  # noqa: PLR0904 - the public API, one delegating method
             if disk is not None
             else None
         )
+        #: The remote tier's stager (None: no remote tier); it writes through and promotes
+        #: like the disk's, after it in the chain.
+        self.remote_stager = (
+            DiskStager(host, remote, max_write_backlog=max_disk_write_backlog, events=events, tier="remote")
+            if remote is not None
+            else None
+        )
+        #: Every staged tier's stager, by tier, in chain order.
+        self.stagers: dict[str, DiskStager] = {
+            tier: st for tier, st in (("disk", self.stager), ("remote", self.remote_stager)) if st is not None
+        }
         #: Load or recompute, per tier: SLO guard, back-pressure, cost rule.
         self.gate = gate
         self.cost = cost
@@ -98,37 +122,39 @@ class TierOrchestrator:  # noqa: PLR0904 - the public API, one delegating method
             "cpu_load": LatencyRecorder(),
             "disk_load": LatencyRecorder(),
             "cpu_store": LatencyRecorder(),
+            "remote_load": LatencyRecorder(),
         }
         # The parts share the promotions in flight, the counters and the recorders above.
         in_flight = InFlight()
-        self._planner = LoadPlanner(host.index, self.stager, gate, in_flight.promotions, self.counts)
+        self._planner = LoadPlanner(host.index, self.stagers, gate, in_flight.promotions, self.counts)
         self._load_jobs = LoadJobs(
             in_flight,
             index=host.index,
             engine=engine,
-            stager=self.stager,
+            stagers=self.stagers,
             counts=self.counts,
-            latency={"cpu": self.latency["cpu_load"], "disk": self.latency["disk_load"]},
+            latency={tier: self.latency[f"{tier}_load"] for tier in ("cpu", *STAGED_TIERS)},
             guards=self.guards,
             cost=cost,
             events=events,
+            reused=self._offer_reuse if self.remote_stager is not None else None,
         )
         self._store_jobs = StoreJobs(
             index=host.index,
             engine=engine,
-            stager=self.stager,
+            stagers=self.stagers,
             counts=self.counts,
             latency=self.latency["cpu_store"],
             events=events,
         )
         self._stalls = StallDetector(
-            in_flight, gate, give_up=self._load_jobs.give_up_disk_read, disk_read_timeout_s=disk_read_timeout_s
+            in_flight, gate, give_up=self._load_jobs.give_up_read, disk_read_timeout_s=disk_read_timeout_s
         )
         self._stats = DataPathStats(
             counts=self.counts,
             latency=self.latency,
             host=host,
-            stager=self.stager,
+            stagers=self.stagers,
             in_flight=in_flight,
             gate=gate,
             cost=cost,
@@ -138,13 +164,19 @@ class TierOrchestrator:  # noqa: PLR0904 - the public API, one delegating method
 
     @property
     def disk_read_timeout_s(self) -> float:
-        """A bound load whose disk read is still in flight this long after bind gives up its
-        disk part (recomputed; the read lands in the CPU tier, owned by no load)."""
+        """A bound load whose disk (or remote) read is still in flight this long after bind
+        gives up that part (recomputed; the read lands in the CPU tier, owned by no load)."""
         return self._stalls.disk_read_timeout_s
 
     @disk_read_timeout_s.setter
     def disk_read_timeout_s(self, seconds: float) -> None:
         self._stalls.disk_read_timeout_s = seconds
+
+    def _offer_reuse(self, keys: list[Key]) -> None:
+        """Blocks served from the CPU tier, offered again to the remote tier: its admission
+        (``uses:K``) stores a block once it has been reused, not merely stored."""
+        assert self.remote_stager is not None
+        self.remote_stager.write_through(keys)
 
     def _tier_event(self, tier: str, bypassed: bool, why: str) -> None:
         """A guard trip or recovery, as an event for external routers (see tiers.events)."""
@@ -195,8 +227,37 @@ class TierOrchestrator:  # noqa: PLR0904 - the public API, one delegating method
         loads (a caller that finds nothing worth loading never calls `load`). `load(plan=p)`
         does not count `p` again. Planning the same request again later is a new lookup and is
         counted again. `count=False` is for a caller that re-plans a decision already counted
-        (e.g. only to route blocks to the tier that holds them now)."""
+        (e.g. only to route blocks to the tier that holds them now).
+
+        The remote tier answers from what this process has learned (its writes, and probes that
+        expire): a plan asks it about the blocks after the hits, without waiting, and the
+        answer serves the next plan. `probe` waits for the answer."""
         return self._planner.plan(keys, gpu_hit_blocks, count=count)
+
+    def probe(self, keys: Sequence[Key], gpu_hit_blocks: int = 0, *, wait_s: float = 0.0) -> bool:
+        """Ask the remote tier, in one batched round trip, which blocks of `keys` after the first
+        `gpu_hit_blocks` and the local tiers' hits it holds, and wait up to `wait_s` seconds for
+        the answer, so that a `plan` right after can count them. For an engine that asks once
+        per request and cannot be asked again (TensorRT-LLM). Returns whether every block
+        asked about is answered (True too without a remote tier, or with nothing to ask)."""
+        keys = key_list(keys)
+        if not 0 <= gpu_hit_blocks <= len(keys):
+            raise invalid_argument("gpu_hit_blocks", f"{gpu_hit_blocks} not in 0..{len(keys)}")
+        wait_s = check_number("wait_s", wait_s, zero_ok=True)
+        if self.remote_stager is None:
+            return True
+        rest = keys[gpu_hit_blocks:]
+        at = self.host.index.lookup_prefix(rest)
+        if self.stager is not None and at < len(rest):
+            with contextlib.suppress(ClosedError):
+                at += self.stager.disk.lookup_prefix(rest[at:])
+        remote = self.remote_stager.disk
+        ask = rest[at:]
+        probe, wait = getattr(remote, "probe", None), getattr(remote, "wait_answered", None)
+        if not ask or probe is None or wait is None:
+            return True  # a tier that owns its index answers lookups itself
+        probe(ask)
+        return bool(wait(ask, wait_s))
 
     # ---- load ----------------------------------------------------------------------------
     def load(
@@ -257,7 +318,8 @@ class TierOrchestrator:  # noqa: PLR0904 - the public API, one delegating method
         keys = key_list(keys)
         plan, planned_here = self._planner.plan_for(keys, gpu_hit_blocks, plan)
         ld = self._reserve(keys, request_id, plan, planned_here)
-        return Reservation(ld.result.request_id, plan, len(ld.cpu.keys), len(ld.disk.keys))
+        staged = {tier: len(part.copies.keys) for tier, part in ld.staged.items()}
+        return Reservation(ld.result.request_id, plan, len(ld.cpu.keys), staged["disk"], staged["remote"])
 
     def bind(
         self,
@@ -323,12 +385,12 @@ class TierOrchestrator:  # noqa: PLR0904 - the public API, one delegating method
         is raised once the batch is done, and the loads that finished meanwhile are returned by
         the next call."""
         error = handle_each(self.engine.poll(), self._on_transfer)
-        if self.stager is not None:
+        for tier, stager in self.stagers.items():
             try:
-                promotions = self.stager.poll()
+                promotions = stager.poll()
             except Exception as e:  # the stager handled its whole batch and keeps its results
                 promotions, error = [], error or e
-            error = error or handle_each(promotions, self._load_jobs.on_promotion)
+            error = error or handle_each(promotions, functools.partial(self._load_jobs.on_promotion, tier=tier))
         self._stalls.check()
         if error is not None:
             raise error
@@ -348,7 +410,7 @@ class TierOrchestrator:  # noqa: PLR0904 - the public API, one delegating method
         return (
             self._in_flight.bound()
             + self._store_jobs.in_flight
-            + (self.stager.write_backlog + self.stager.reads_in_flight if self.stager else 0)
+            + sum(st.write_backlog + st.reads_in_flight for st in self.stagers.values())
         )
 
     def drain(self, timeout: float = 30.0) -> list[LoadResult]:

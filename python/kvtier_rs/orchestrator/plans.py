@@ -1,14 +1,17 @@
 """Planning a load: how many leading blocks of a chain each tier holds, and how many of them are
 worth loading now (the load gate's decision), counted once per plan.
 
-The planner only reads: it looks the chain up in the CPU index and the disk tier and asks the
-gate. It pins nothing and starts nothing; the loads part (`loads.LoadJobs`) does that with the
-plan it is given.
+The planner only reads: it looks the chain up in the CPU index, then in each tier staged
+through it (the disk tier, then the shared remote tier: a chain continues where the tier before
+it stops) and asks the gate. It pins nothing and starts nothing; the loads part
+(`loads.LoadJobs`) does that with the plan it is given. For a tier that learns presence by
+asking (the remote tier) it sends one batched probe of the blocks after the hits, without
+waiting: the answer serves the next lookup.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -28,14 +31,24 @@ class LoadPlan:
     load_cpu: int  # leading CPU hits to load
     load_disk: int  # disk hits after them to stage and load
     refused: dict[str, dict[str, int]]  # tier -> reason -> blocks
+    remote_hits: int = 0  # blocks after the disk hits the remote tier is known to hold
+    load_remote: int = 0  # of those, to stage and load
 
     @property
     def misses(self) -> int:
-        return self.total - self.gpu_hits - self.cpu_hits - self.disk_hits
+        return self.total - self.gpu_hits - self.cpu_hits - self.disk_hits - self.remote_hits
 
     @property
     def loaded(self) -> int:
-        return self.load_cpu + self.load_disk
+        return self.load_cpu + self.load_disk + self.load_remote
+
+    def hits_of(self, tier: str) -> int:
+        """Hits of `tier` ("cpu", "disk" or "remote")."""
+        return {"cpu": self.cpu_hits, "disk": self.disk_hits, "remote": self.remote_hits}[tier]
+
+    def load_of(self, tier: str) -> int:
+        """Blocks of `tier` to load."""
+        return {"cpu": self.load_cpu, "disk": self.load_disk, "remote": self.load_remote}[tier]
 
 
 class PrefixIndex(Protocol):
@@ -45,8 +58,8 @@ class PrefixIndex(Protocol):
 
 
 class DiskHolder(Protocol):
-    """Where the planner finds the disk tier (`DiskStager`): looked up at each plan, because
-    the stager's disk tier can be replaced (reopened) after the planner was made."""
+    """Where the planner finds a staged tier (`DiskStager`): looked up at each plan, because
+    the stager's tier can be replaced (reopened) after the planner was made."""
 
     @property
     def disk(self) -> PrefixIndex: ...
@@ -55,21 +68,22 @@ class DiskHolder(Protocol):
 class LoadPlanner:
     """Makes and counts plans (see the module docstring).
 
-    `cpu` is the CPU tier's index; `stager` holds the disk tier (None: there is none, and its
-    blocks are neither looked up nor counted). `in_flight(tier)` is the number of promotions from
-    `tier` in flight now, the gate's back-pressure input; `counts` receives every counted plan.
+    `cpu` is the CPU tier's index; `stagers` hold the tiers staged through it, by name, in chain
+    order ("disk", then "remote"; a tier not there is neither looked up nor counted).
+    `in_flight(tier)` is the number of promotions from `tier` in flight now, the gate's
+    back-pressure input; `counts` receives every counted plan.
     """
 
     def __init__(
         self,
         cpu: PrefixIndex,
-        stager: DiskHolder | None,
+        stagers: Mapping[str, DiskHolder],
         gate: LoadGate,
         in_flight: Callable[[str], int],
         counts: DataPathCounters,
     ) -> None:
         self.cpu = cpu
-        self.stager = stager
+        self.stagers = dict(stagers)
         self.gate = gate
         self.in_flight = in_flight
         self.counts = counts
@@ -81,19 +95,36 @@ class LoadPlanner:
         if not 0 <= gpu_hit_blocks <= len(keys):
             raise invalid_argument("gpu_hit_blocks", f"{gpu_hit_blocks} not in 0..{len(keys)}")
         rest = keys[gpu_hit_blocks:]
-        cpu_hits = self.cpu.lookup_prefix(rest)
-        disk_hits = self._disk_hits(rest[cpu_hits:]) if cpu_hits < len(rest) else 0
+        hits = {"cpu": self.cpu.lookup_prefix(rest)}
         refused: dict[str, dict[str, int]] = {}
-        load_cpu = self._admit("cpu", cpu_hits, refused)
-        if load_cpu == cpu_hits:
-            load_disk = self._admit("disk", disk_hits, refused)
-        else:
-            # The chain is cut before the disk hits: they are refused for the CPU part's reason.
-            load_disk = 0
-            if disk_hits:
-                (reason,) = refused["cpu"]
-                refused.setdefault("disk", {})[reason] = disk_hits
-        plan = LoadPlan(len(keys), gpu_hit_blocks, cpu_hits, disk_hits, load_cpu, load_disk, refused)
+        loads = {"cpu": self._admit("cpu", hits["cpu"], refused)}
+        # Why the chain is cut, once a tier's hits are refused: every later tier's hits are
+        # refused for the same reason (a chain with a hole cannot be used past the hole).
+        cut = next(iter(refused["cpu"])) if loads["cpu"] < hits["cpu"] else None
+        at = hits["cpu"]
+        for tier in self.stagers:
+            hits[tier] = self._hits(tier, rest[at:]) if at < len(rest) else 0
+            if cut is None:
+                loads[tier] = self._admit(tier, hits[tier], refused)
+                if loads[tier] < hits[tier]:
+                    cut = next(iter(refused[tier]))
+            else:
+                loads[tier] = 0
+                if hits[tier]:
+                    refused.setdefault(tier, {})[cut] = hits[tier]
+            at += hits[tier]
+            self._ask(tier, rest[at:])
+        plan = LoadPlan(
+            len(keys),
+            gpu_hit_blocks,
+            hits["cpu"],
+            hits.get("disk", 0),
+            loads["cpu"],
+            loads.get("disk", 0),
+            refused,
+            remote_hits=hits.get("remote", 0),
+            load_remote=loads.get("remote", 0),
+        )
         if count:
             self.count(plan)
         return plan
@@ -117,18 +148,22 @@ class LoadPlanner:
 
     def count(self, plan: LoadPlan) -> None:
         """One lookup: its blocks asked of each tier, its hits, misses and refusals."""
-        self.counts.count_plan(plan, has_disk=self.stager is not None)
+        self.counts.count_plan(plan, staged=tuple(self.stagers))
 
-    def _disk_hits(self, keys: list[Key]) -> int:
-        """Leading blocks of `keys` the disk tier holds; none without one, or once it is closed
-        (shut down, or closed by another component): the CPU tier serves on and the rest are
-        misses."""
-        if self.stager is None:
-            return 0
+    def _hits(self, tier: str, keys: list[Key]) -> int:
+        """Leading blocks of `keys` a staged tier holds; none once it is closed (shut down, or
+        closed by another component): the tiers before it serve on and the rest are misses."""
         try:
-            return self.stager.disk.lookup_prefix(keys)
+            return self.stagers[tier].disk.lookup_prefix(keys)
         except ClosedError:
             return 0
+
+    def _ask(self, tier: str, keys: list[Key]) -> None:
+        """Ask a tier that learns presence by probing (the remote tier) about `keys`, without
+        waiting: a tier that owns its index (the disk tier) has no `probe`."""
+        probe = getattr(self.stagers[tier].disk, "probe", None)
+        if keys and probe is not None:
+            probe(keys)
 
     def _admit(self, tier: str, n: int, refused: dict[str, dict[str, int]]) -> int:
         """`n` if the gate lets the tier's `n` hits load, else 0 with the reason in `refused`."""

@@ -9,8 +9,9 @@ healthy. Once per poll, `StallDetector.check` ages every promotion in flight and
 * trips a guard outright when its tier's promotions in flight have reached the back-pressure
   cap and have all stalled: the cap (16 from disk by default) can be below the samples a guard
   needs (20 by default), and a hung tier fills the cap and gets no more;
-* gives up the disk part of a bound load whose read is still in flight `disk_read_timeout_s`
-  after bind, so the engine recomputes those blocks instead of waiting for good.
+* gives up a staged part (disk or remote) of a bound load whose read is still in flight
+  `disk_read_timeout_s` after bind, so the engine recomputes those blocks instead of waiting
+  for good.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Callable
 
 from kvtier_rs.checks import check_number
 from kvtier_rs.orchestrator.gate import TIERS, LoadGate
-from kvtier_rs.orchestrator.loads import InFlight, LoadJob
+from kvtier_rs.orchestrator.loads import STAGED_TIERS, InFlight, LoadJob
 
 
 def _perf_counter() -> float:
@@ -32,9 +33,9 @@ def _perf_counter() -> float:
 class StallDetector:
     """Ages the promotions of `in_flight` (see the module docstring).
 
-    `gate` holds the guards, the back-pressure caps and the trip log; `give_up(load)` drops a
-    load's disk part (`loads.LoadJobs.give_up_disk_read`); `clock` is the one the loads were
-    stamped with.
+    `gate` holds the guards, the back-pressure caps and the trip log; `give_up(load, tier)`
+    drops a load's staged part (`loads.LoadJobs.give_up_read`); `clock` is the one the loads
+    were stamped with.
     """
 
     def __init__(
@@ -42,15 +43,15 @@ class StallDetector:
         in_flight: InFlight,
         gate: LoadGate,
         *,
-        give_up: Callable[[LoadJob], None],
+        give_up: Callable[[LoadJob, str], None],
         disk_read_timeout_s: float = 10.0,
         clock: Callable[[], float] = _perf_counter,
     ) -> None:
         self.in_flight = in_flight
         self.gate = gate
         self.give_up = give_up
-        #: A bound load whose disk read is still in flight this long after bind gives up its
-        #: disk part (recomputed; the read lands in the CPU tier, owned by no load).
+        #: A bound load whose staged read is still in flight this long after bind gives up that
+        #: part (recomputed; the read lands in the CPU tier, owned by no load).
         self.disk_read_timeout_s = check_number("disk_read_timeout_s", disk_read_timeout_s, inf_ok=True)
         self.clock = clock
 
@@ -58,8 +59,9 @@ class StallDetector:
         """Sample stalled promotions, trip the guards of hung tiers, give up overdue reads."""
         now = self.clock()
         # Per tier: the promotions in flight, and the waits of those past the guard's threshold.
-        in_flight: dict[str, int] = dict.fromkeys(TIERS, 0)
-        stalled: dict[str, list[float]] = {tier: [] for tier in TIERS}
+        tiers = (*TIERS, *STAGED_TIERS)
+        in_flight: dict[str, int] = dict.fromkeys(tiers, 0)
+        stalled: dict[str, list[float]] = {tier: [] for tier in tiers}
         # Orphans first: a read given up on below is counted as its load's, not twice.
         self._age_orphan_reads(now, in_flight, stalled)
         self._age_loads(now, in_flight, stalled)
@@ -72,21 +74,20 @@ class StallDetector:
         """Reads no load waits for any more are no samples (nobody waited on them), but they
         are promotions in flight: on a hung disk at a modest request rate, the reads given up
         on are what fill the cap (one load at a time never would)."""
-        guard = self.gate.guards.get("disk")
         for orphan in list(self.in_flight.orphan_reads.values()):
-            in_flight["disk"] += 1
+            in_flight[orphan.tier] += 1
+            guard = self.gate.guards.get(orphan.tier)
             if guard is not None and now - orphan.started > guard.threshold_s:
-                stalled["disk"].append(now - orphan.started)
+                stalled[orphan.tier].append(now - orphan.started)
 
     def _age_loads(self, now: float, in_flight: dict[str, int], stalled: dict[str, list[float]]) -> None:
         """Each load's busy parts, aged from bind (or from reserve, for one not bound yet: it
         counts towards a hung tier, but nobody waits on it, so it is no sample)."""
         for ld in list(self.in_flight.loads.values()):
             waited = now - (ld.bound_at if ld.bound else ld.started)
-            for tier, part, busy in (
-                ("cpu", ld.cpu, bool(ld.cpu.jobs)),
-                ("disk", ld.disk, ld.disk_read is not None or bool(ld.disk.jobs)),
-            ):
+            parts = [("cpu", ld.cpu, bool(ld.cpu.jobs))]
+            parts += [(t, p.copies, p.busy) for t, p in ld.staged.items()]
+            for tier, part, busy in parts:
                 if not busy:
                     continue
                 in_flight[tier] += 1
@@ -97,5 +98,6 @@ class StallDetector:
                 if ld.bound and not part.stall_recorded:
                     guard.record(waited)
                     part.stall_recorded = True
-            if ld.bound and ld.disk_read is not None and waited > self.disk_read_timeout_s:
-                self.give_up(ld)
+            for tier, staged in ld.staged.items():
+                if ld.bound and staged.read is not None and waited > self.disk_read_timeout_s:
+                    self.give_up(ld, tier)

@@ -179,10 +179,35 @@ class DiskTierSnapshot(Snapshot):
 
 
 @dataclass(frozen=True)
+class RemoteTierSnapshot(Snapshot):
+    """The shared remote tier: the data path's side (hits, promotions, refusals, the stager's
+    write-throughs and reads) and the tier's own counters (`store`: ``RemoteTier.stats()``,
+    misses by reason, breaker state, bytes). It owns no capacity: the server evicts."""
+
+    hits: int
+    promotions: int
+    refused: Mapping[str, int]  # hits recomputed instead of loaded, by the load gate's reason
+    load_latency: Percentiles
+    read_latency: Percentiles
+    write_latency: Percentiles
+    writes: DiskWrites
+    promotion_blocks_failed: int
+    store: Mapping[str, int | float | str]
+    lookup_blocks: int
+    promotions_in_flight: int
+    write_backlog: int
+    block_bytes: int
+    load_histogram: Histogram | None = _optional()
+    store_histogram: Histogram | None = _optional()  # of the write-throughs
+    read_histogram: Histogram | None = _optional()
+
+
+@dataclass(frozen=True)
 class TiersSnapshot(Snapshot):
     gpu: GpuTierSnapshot
     cpu: CpuTierSnapshot
     disk: DiskTierSnapshot | None = _optional()  # None: no disk tier
+    remote: RemoteTierSnapshot | None = _optional()  # None: no remote tier
 
 
 @dataclass(frozen=True)
@@ -256,6 +281,9 @@ class LatencyDropped(Snapshot):
     cpu_store: int
     disk_read: int | None = _optional()
     disk_write: int | None = _optional()
+    remote_load: int | None = _optional()
+    remote_read: int | None = _optional()
+    remote_write: int | None = _optional()
 
 
 @dataclass(frozen=True)
@@ -287,7 +315,8 @@ class DataPathSnapshot(Snapshot):
     load_failed: int
     load_released: int
     load_unreserved: int
-    # Planned disk blocks given up after disk_read_timeout_s (recomputed; in load_failed).
+    # Planned disk (and remote) blocks given up after disk_read_timeout_s (recomputed; in
+    # load_failed).
     load_timed_out: int
     bytes: BytesMoved
     tiers: TiersSnapshot
@@ -300,10 +329,11 @@ class DataPathSnapshot(Snapshot):
 class DataPathStats:
     """Builds the stats snapshot from the parts that hold the numbers.
 
-    `counts` and `latency` (by name: cpu_load, disk_load, cpu_store) are the data path's own;
-    `host` and `stager` (None without a disk tier) are read for each tier's index stats and the
-    disk's write and read counters; `in_flight` for the promotions in flight; `gate` for the
-    guards' state; `cost` (None: no cost model) and `events` (None: no stream) as configured.
+    `counts` and `latency` (by name: cpu_load, disk_load, cpu_store, remote_load) are the data
+    path's own; `host` and `stagers` (by tier: the disk's and the remote's, those configured)
+    are read for each tier's index stats and the staged tiers' write and read counters;
+    `in_flight` for the promotions in flight; `gate` for the guards' state; `cost` (None: no
+    cost model) and `events` (None: no stream) as configured.
     """
 
     def __init__(
@@ -312,7 +342,7 @@ class DataPathStats:
         counts: DataPathCounters,
         latency: Mapping[str, LatencyRecorder],
         host: HostTier,
-        stager: DiskStager | None,
+        stagers: Mapping[str, DiskStager],
         in_flight: InFlight,
         gate: LoadGate,
         cost: CostModel | None,
@@ -321,18 +351,22 @@ class DataPathStats:
         self.counts = counts
         self.latency = latency
         self.host = host
-        self.stager = stager
+        self.stagers = dict(stagers)
+        self.stager = self.stagers.get("disk")
         self.in_flight = in_flight
         self.gate = gate
         self.cost = cost
         self.events = events
 
     def recorders(self) -> dict[str, LatencyRecorder]:
-        """Every latency recorder of the data path by name, the disk stager's included."""
+        """Every latency recorder of the data path by name, the staged tiers' included (the
+        remote tier's load recorder only with a remote tier)."""
         out = dict(self.latency)
-        if self.stager is not None:
-            out["disk_read"] = self.stager.counters.read_latency
-            out["disk_write"] = self.stager.counters.write_latency
+        if "remote" not in self.stagers:
+            out.pop("remote_load", None)
+        for tier, stager in self.stagers.items():
+            out[f"{tier}_read"] = stager.counters.read_latency
+            out[f"{tier}_write"] = stager.counters.write_latency
         return out
 
     def snapshot(self, *, histograms: bool = False) -> DataPathSnapshot:
@@ -352,6 +386,7 @@ class DataPathStats:
                 gpu=GpuTierSnapshot(hits=c.gpu.hit_blocks, lookup_blocks=c.gpu.lookup_blocks),
                 cpu=self._cpu(histograms),
                 disk=None if self.stager is None else self._disk(self.stager, histograms),
+                remote=self._remote(self.stagers["remote"], histograms) if "remote" in self.stagers else None,
             ),
             guards={tier: GuardSnapshot.of(st) for tier, st in self.gate.state().items()},
             cost_model=self._cost_model(),
@@ -361,6 +396,9 @@ class DataPathStats:
                 cpu_store=dropped["cpu_store"],
                 disk_read=dropped.get("disk_read"),
                 disk_write=dropped.get("disk_write"),
+                remote_load=dropped.get("remote_load"),
+                remote_read=dropped.get("remote_read"),
+                remote_write=dropped.get("remote_write"),
             ),
             events=None if self.events is None else EventsSnapshot.of(self.events.stats()),
         )
@@ -404,17 +442,7 @@ class DataPathStats:
             load_latency=Percentiles.of(self.latency["disk_load"]),
             read_latency=Percentiles.of(sc.read_latency),
             write_latency=Percentiles.of(sc.write_latency),
-            writes=DiskWrites(
-                submitted=sc.writes_submitted,
-                completed=sc.writes_completed,
-                failed=sc.writes_failed,
-                refused=sc.writes_refused,
-                no_space=sc.writes_no_space,
-                dropped_backlog=sc.writes_dropped_backlog,
-                dropped_evicted=sc.writes_dropped_evicted,
-                dropped_index_failed=sc.writes_dropped_index_failed,
-                not_started=sc.writes_not_started,
-            ),
+            writes=_writes(stager),
             promotion_blocks_failed=sc.promotion_blocks_failed,
             index=index,
             lookup_blocks=c.disk.lookup_blocks,
@@ -436,6 +464,28 @@ class DataPathStats:
             read_histogram=sc.read_latency.histogram() if histograms else None,
         )
 
+    def _remote(self, stager: DiskStager, histograms: bool) -> RemoteTierSnapshot:
+        c = self.counts
+        sc = stager.counters
+        return RemoteTierSnapshot(
+            hits=c.remote.hit_blocks,
+            promotions=c.remote.promoted_blocks,
+            refused=dict(c.remote.refused),
+            load_latency=Percentiles.of(self.latency["remote_load"]),
+            read_latency=Percentiles.of(sc.read_latency),
+            write_latency=Percentiles.of(sc.write_latency),
+            writes=_writes(stager),
+            promotion_blocks_failed=sc.promotion_blocks_failed,
+            store=dict(stager.disk.stats()),
+            lookup_blocks=c.remote.lookup_blocks,
+            promotions_in_flight=self.in_flight.promotions("remote"),
+            write_backlog=stager.write_backlog,
+            block_bytes=stager.disk.block_bytes,
+            load_histogram=self.latency["remote_load"].histogram() if histograms else None,
+            store_histogram=sc.write_latency.histogram() if histograms else None,
+            read_histogram=sc.read_latency.histogram() if histograms else None,
+        )
+
     def _cost_model(self) -> CostModelState | None:
         if self.cost is None:
             return None
@@ -445,3 +495,19 @@ class DataPathStats:
             observations_skipped=self.cost.observations_skipped,
             probes=self.cost.probes,
         )
+
+
+def _writes(stager: DiskStager) -> DiskWrites:
+    """A staged tier's write-throughs, from its stager's counters."""
+    sc = stager.counters
+    return DiskWrites(
+        submitted=sc.writes_submitted,
+        completed=sc.writes_completed,
+        failed=sc.writes_failed,
+        refused=sc.writes_refused,
+        no_space=sc.writes_no_space,
+        dropped_backlog=sc.writes_dropped_backlog,
+        dropped_evicted=sc.writes_dropped_evicted,
+        dropped_index_failed=sc.writes_dropped_index_failed,
+        not_started=sc.writes_not_started,
+    )

@@ -1,14 +1,16 @@
-"""The store path: device blocks copied into the CPU tier, then written through to the disk tier.
+"""The store path: device blocks copied into the CPU tier, then written through to the disk and
+remote tiers.
 
 `offload` reserves CPU slots for the new blocks of a chain and submits one device -> host copy
-job; when the job lands (`on_transfer`), the blocks become readable and, with a disk tier, are
-handed to the stager for write-through (by the disk tier's admission rule). Blocks a tier holds
+job; when the job lands (`on_transfer`), the blocks become readable and are handed to each
+staged tier's stager for write-through (by that tier's admission rule). Blocks a tier holds
 already are renewed instead: the latest claim's priority and duration win.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,8 +46,8 @@ class StoreJobs:
     """Runs the offloads (see the module docstring).
 
     Dependencies: `index` (the CPU tier's: reserves and completes the slots), `engine` (the
-    device -> host copies), `stager` (write-through and the disk copies' renewal; None without
-    a disk tier), `counts` (the store counters), `latency` (of the copies that landed),
+    device -> host copies), `stagers` (write-through and the staged copies' renewal, by tier;
+    empty without a disk or remote tier), `counts` (the store counters), `latency` (of the copies that landed),
     `events` (blocks stored in and evicted from the CPU tier; None publishes nothing).
     """
 
@@ -54,14 +56,14 @@ class StoreJobs:
         *,
         index: BlockIndex,
         engine: TransferEngine,
-        stager: DiskStager | None,
+        stagers: Mapping[str, DiskStager],
         counts: DataPathCounters,
         latency: LatencyRecorder,
         events: EventStream | None,
     ) -> None:
         self.index = index
         self.engine = engine
-        self.stager = stager
+        self.stagers = dict(stagers)
         self.counts = counts
         self.latency = latency
         self.events = events
@@ -122,9 +124,9 @@ class StoreJobs:
     def renew(self, keys: list[Key], *, priority: int = 35, duration_s: float | None = None) -> None:
         """Give the blocks of `keys` a tier holds this priority and duration (`TierOrchestrator.renew`)."""
         self.index.renew(keys, priority=priority, duration_s=duration_s)
-        if self.stager is not None:
-            with contextlib.suppress(ClosedError):  # a closed disk tier holds nothing to renew
-                self.stager.disk.renew(keys, priority=priority, duration_s=duration_s)
+        for stager in self.stagers.values():
+            with contextlib.suppress(ClosedError):  # a closed tier holds nothing to renew
+                stager.disk.renew(keys, priority=priority, duration_s=duration_s)
 
     def on_transfer(self, r: TransferResult) -> None:
         """A device -> host copy job landed (or failed): complete its slots, write through."""
@@ -145,5 +147,5 @@ class StoreJobs:
             self.events.publish("stored", "cpu", keys)
         self.counts.d2h_bytes += r.bytes
         self.latency.observe(r.seconds)
-        if self.stager is not None:
-            self.stager.write_through(keys, **store.hint)
+        for stager in self.stagers.values():
+            stager.write_through(keys, **store.hint)

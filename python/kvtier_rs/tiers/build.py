@@ -1,5 +1,6 @@
 """Tiers from the configuration tree: the one place that turns ``settings.Settings`` into a CPU
-tier, a disk tier and the data path over them, for the Python API and the engine adapters.
+tier, a disk tier, a remote tier and the data path over them, for the Python API and the engine
+adapters.
 
 What only a tier can check (a capacity that holds no slot of the engine's block size, a
 directory it cannot open) is reported under the tree's key, or the name the user wrote for it.
@@ -20,6 +21,7 @@ from kvtier_rs.tiers.disk import open_disk_tier
 if TYPE_CHECKING:
     from kvtier_rs.orchestrator.orchestrator import TierOrchestrator
     from kvtier_rs.tiers.host import HostTier
+    from kvtier_rs.tiers.remote.tier import RemoteTier
     from kvtier_rs.transfer import TransferEngine
 
 #: The CPU tier's constructor arguments (TierConfig's, HostPool's) -> the tree's keys.
@@ -81,6 +83,17 @@ def open_disk(
         )
 
 
+def open_remote(settings: Settings, block_bytes: int, identity: str) -> RemoteTier | None:
+    """The remote tier of `settings` (None when it is off) for blocks of `block_bytes` whose
+    meaning `identity` names: every replica of a deployment must give the same text (the model,
+    KV geometry, dtype and byte layout; nothing per-process), since it is the store's namespace."""
+    if settings.remote is None:
+        return None
+    from kvtier_rs.tiers.remote.build import open_remote_tier
+
+    return open_remote_tier(settings.remote, block_bytes, identity)
+
+
 def open_data_path(
     settings: Settings,
     host: HostTier,
@@ -89,8 +102,9 @@ def open_data_path(
     tokens_per_block: int,
     block_bytes: int,
     disk: DiskTier | None = None,
+    remote: RemoteTier | None = None,
 ) -> TierOrchestrator:
-    """The data path over `host` and `disk` with `settings`' cost rule (for blocks of
+    """The data path over `host`, `disk` and `remote` with `settings`' cost rule (for blocks of
     `tokens_per_block` tokens and `block_bytes` bytes), guards and caps on promotions in
     flight."""
     from kvtier_rs.orchestrator.cost import CostModel
@@ -106,6 +120,7 @@ def open_data_path(
         host,
         engine,
         disk=disk,
+        remote=remote,
         cost=cost,
         guards=dict(path.guards),
         max_promotions_in_flight=dict(path.max_promotions_in_flight),

@@ -933,3 +933,60 @@ def test_a_finished_request_waits_for_its_own_saves_only(tmp_path, engines):
     index.prepare_store([held[0]])
     assert eng.poll_finished() == [1]
     index.complete_store([held[0]], False)
+
+
+# ---- the shared remote tier ---------------------------------------------------------------------
+def _remote(cluster, **extra):
+    return {"remote_url": cluster.url, "remote_admission": "always", "remote_probe_wait_s": WAIT_S, **extra}
+
+
+def test_a_prefix_one_engine_computed_is_loaded_by_the_next_from_the_remote_tier(tmp_path, engines, cluster):
+    shared = prompt(9, 12)  # 3 full blocks
+    first = make(tmp_path, **_remote(cluster))
+    first.run_request(Request(1, shared + [1]))
+    first.worker.tiers.orchestrator.drain()
+    assert first.worker.tiers.orchestrator.stats()["tiers"]["remote"]["writes"]["completed"] == 3
+    first.worker.close()  # the replica is gone: its CPU tier with it
+
+    second = make(tmp_path, **_remote(cluster))  # another replica: nothing local
+    engines.append(second)
+    r = Request(2, shared + [2])
+    second.step([r])
+    assert second.matched[2] == 12
+    assert second.worker.counts["loaded_blocks"] == 3  # and the driver checked every loaded byte
+    st = second.worker.tiers.orchestrator.stats()["tiers"]["remote"]
+    assert (st["hits"], st["promotions"]) == (3, 3)
+    for pos in range(12):
+        for layer in range(second.layers):
+            assert torch.equal(
+                second._slot(r.block_ids[pos // TPB], pos, layer), second.token_kv(shared[: pos + 1], layer)
+            )
+
+
+def test_without_an_answer_in_time_remote_blocks_are_recomputed_not_promised(tmp_path, engines, cluster):
+    shared = prompt(10, 12)
+    first = make(tmp_path, **_remote(cluster))
+    first.run_request(Request(1, shared + [1]))
+    first.worker.tiers.orchestrator.drain()
+    first.worker.close()
+    cluster.pause(0)
+    cluster.pause(1)
+    cluster.pause(2)
+    try:
+        second = make(tmp_path, **_remote(cluster, remote_probe_wait_s=0.05, remote_deadline_s=1.0))
+        engines.append(second)
+        second.step([Request(2, shared + [2])])
+        assert second.matched[2] == 0, "the store did not answer within remote_probe_wait_s"
+    finally:
+        for i in range(3):
+            cluster.resume(i)
+
+
+def test_remote_keys_are_checked_like_the_others():
+    with pytest.raises(InvalidArgumentError, match=r"remote_probe_wait_s.*needs remote_url"):
+        parse_options({"cpu_bytes": "1MiB", "remote_probe_wait_s": 0.01})
+    with pytest.raises(InvalidArgumentError, match="remote_url"):
+        parse_options({"cpu_bytes": "1MiB", "remote_url": "redis://:secret@host:1"})
+    o = parse_options({"cpu_bytes": "1MiB", "remote_url": "redis://127.0.0.1:7000"})
+    assert o.remote_probe_wait_s == 0.005 and o.settings is not None and o.settings.remote is not None
+    assert parse_options({"cpu_bytes": "1MiB"}).remote_probe_wait_s is None

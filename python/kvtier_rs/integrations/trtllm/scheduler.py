@@ -185,6 +185,11 @@ class SchedulerCore:
             r.stopped = bool(getattr(request, "multimodal_hashes", None))
             return 0, False
         orch = self._tiers().orchestrator
+        if self.options.remote_probe_wait_s is not None:
+            # TensorRT-LLM asks once per request: the remote tier's answer must be in before the
+            # plan, or the blocks it holds would be recomputed. One batched round trip, waited
+            # for a few ms at most; a late answer serves the next request.
+            orch.probe(r.keys[:usable], r.gpu_blocks, wait_s=self.options.remote_probe_wait_s)
         # The scheduling decision: plan() counts it (one lookup, its hits, misses and refusals),
         # also when nothing is worth loading and the worker never sees this request. Asked again
         # for the same request on a later step (a reset, a replay, or a request that did not fit
@@ -195,7 +200,9 @@ class SchedulerCore:
         # The engine will treat the tokens answered here as computed, and TensorRT-LLM has no
         # way to report a load that fell short: so answer only what is held now. The CPU hits
         # are pinned; the disk hits get CPU slots to stage through and their reads start at
-        # once. A disk hit with no CPU slot free is recomputed instead of promised.
+        # once; so do the remote hits' (a block the store evicted since the probe, or whose value
+        # does not verify, then fails the load: TensorRT-LLM cannot take a promise back). A
+        # staged hit with no CPU slot free is recomputed instead of promised.
         res = orch.reserve(
             r.keys[:usable],
             request_id=("trtllm", rid, next(self._reservations)),

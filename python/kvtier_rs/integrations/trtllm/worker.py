@@ -16,6 +16,7 @@ overlaps the copies of layers i+1.. (on CUDA the copy streams run beside the for
 
 from __future__ import annotations
 
+import json
 import time
 from collections import deque
 from collections.abc import Callable
@@ -31,7 +32,7 @@ from kvtier_rs.integrations.trtllm.config import READER, ConnectorOptions, load_
 from kvtier_rs.integrations.trtllm.metadata import KvtierConnectorMetadata, validate_metadata
 from kvtier_rs.integrations.trtllm.scheduler import tokens_per_block_of
 from kvtier_rs.orchestrator import TierOrchestrator
-from kvtier_rs.tiers.build import open_data_path, open_disk, open_host_tier
+from kvtier_rs.tiers.build import open_data_path, open_disk, open_host_tier, open_remote
 from kvtier_rs.transfer import BlockLayout, CpuTransferEngine, Region, TransferEngine
 
 _PAGE = 4096
@@ -140,6 +141,21 @@ class WorkerCore:
         disk = None
         if settings.disk is not None:
             disk = open_disk(settings, host.pool.slot_bytes, path=Path(settings.disk.root) / sub, reader=READER)
+        # The shared store's namespace: what every replica serving this model with this KV
+        # geometry and byte layout agrees on (the same name and geometry as the directory above,
+        # plus what a key is made of), never anything of this process.
+        identity = json.dumps(
+            {
+                "engine": "tensorrt_llm",
+                "namespace": self.engine,
+                "tokens_per_block": self.tokens_per_block,
+                "block_bytes": layout.bytes_per_block,
+                "block_shape": list(kv_cache_tensor.shape[1:]),  # layers, K/V, heads, tokens, ...
+                "dtype": str(kv_cache_tensor.dtype),
+            },
+            sort_keys=True,
+        )
+        remote = open_remote(settings, layout.bytes_per_block, identity)
         orch = open_data_path(
             settings,
             host,
@@ -147,6 +163,7 @@ class WorkerCore:
             tokens_per_block=self.tokens_per_block,
             block_bytes=layout.bytes_per_block,
             disk=disk,
+            remote=remote,
         )
         self.tiers = shared.EngineTiers(orch, layout, len(layout.regions), self.tokens_per_block)
         shared.publish(self.engine, self.tiers)
@@ -288,7 +305,8 @@ class WorkerCore:
                 # Everything promised was held (see the scheduler), so only a fault gets here.
                 error = error or KvTierError(
                     f"kvtier: request {spec.request_id}: {len(spec.keys) - res.loaded} of {len(spec.keys)} blocks "
-                    "failed to load (copy error, or a disk block failed its checksum); refusing to run the layer "
+                    "failed to load (copy error, a disk or remote block that failed its check, or a remote block "
+                    "evicted since the probe); refusing to run the layer "
                     "on missing KV"
                 )
                 continue
@@ -380,7 +398,7 @@ class WorkerCore:
             return
         self.tiers.orchestrator.drain()
         self.tiers.orchestrator.engine.close()
-        if self.tiers.orchestrator.stager is not None:
-            self.tiers.orchestrator.stager.disk.close()
+        for stager in self.tiers.orchestrator.stagers.values():
+            stager.disk.close()
         shared.withdraw(self.engine)
         self.tiers = None

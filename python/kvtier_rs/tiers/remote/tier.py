@@ -360,6 +360,18 @@ class RemoteTier:  # noqa: PLR0904 - the staging contract plus probes
         self._pool.submit(self._run_probe, ask)
         return True
 
+    def wait_answered(self, keys: Sequence[Key], timeout: float) -> bool:
+        """Wait up to `timeout` seconds until no probe of `keys` is in flight; whether none is
+        (their answers then reach `contains`)."""
+        end = time.monotonic() + timeout
+        with self._idle:
+            while any(k in self._probing for k in keys):
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
     # ---- workers --------------------------------------------------------------------------------
 
     def _run_probe(self, keys: list[Key]) -> None:
