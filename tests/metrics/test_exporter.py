@@ -551,6 +551,77 @@ def test_a_plan_is_counted_once_whether_or_not_it_is_loaded(tmp_path):
         assert tr.step() == {}
 
 
+def test_remote_tier_series(tmp_path):
+    """The shared remote tier under tier="remote", against a real cluster this test starts (it
+    kills the cluster at the end to open the breaker): hits, promotions, lookups, bytes, a miss
+    by its reason, the guard's series and the breaker's state."""
+    from support.valkey import make_tier, plain_client, running_cluster
+
+    from kvtier_rs.tiers.remote import CircuitBreaker, store_key
+
+    with running_cluster(tmp_path / "cluster") as cluster:
+        made = []
+
+        def replica(tag):
+            tensors = [torch.randn(32, 2, 16, 64) for _ in range(2)]
+            layout = BlockLayout.per_layer(tensors)
+            host = kv.HostTier(kv.TierConfig(8 * 16384, layout.bytes_per_block))
+            engine = CpuTransferEngine(layout, host.pool)
+            remote = make_tier(
+                cluster.url,
+                password=cluster.password,
+                block_bytes=layout.bytes_per_block,
+                admission="always",
+                deadline_s=5.0,
+                breaker=CircuitBreaker(failures=1),
+            )
+            orch = TierOrchestrator(host, engine, remote=remote, guards={"remote": GuardRule(p99_ms=1000)})
+            made.append((orch, engine, remote))
+            return orch, remote
+
+        try:
+            a, a_remote = replica("a")
+            b, b_remote = replica("b")
+            ks = keys("remote", 3)
+            a.offload(ks, [0, 1, 2])
+            a.drain()
+            plain_client(cluster).set(store_key(a_remote.prefix, a_remote.format.namespace, ks[2]), b"not kvtier's")
+            with exporter(b) as srv:
+                tr = Tracker(srv.url)
+                assert tr.now("kvtier_guard_enabled", tier="remote") == 1
+                assert b.probe(ks, wait_s=60)
+                res = b.load(ks, [5, 6, 7])
+                b.drain()
+                x = tr.step()
+                assert (res.loaded_remote, res.failed) == (2, 1)
+                assert d(x, "kvtier_hits_total", tier="remote") == 3
+                assert d(x, "kvtier_lookup_blocks_total", tier="remote") == 3
+                assert d(x, "kvtier_promotions_total", tier="remote") == 2
+                assert d(x, "kvtier_remote_misses_total", reason="foreign") == 1
+                assert d(x, "kvtier_transferred_bytes_total", tier="remote", direction="load") > 0
+                assert d(x, "kvtier_latency_seconds_count", tier="remote", direction="load") == 1
+
+                # Blocks of B's own go to the store too.
+                b.offload(keys("own", 2), [8, 9])
+                b.drain()
+                x = tr.step()
+                assert d(x, "kvtier_transferred_bytes_total", tier="remote", direction="store") > 0
+                assert d(x, "kvtier_latency_seconds_count", tier="remote", direction="store") == 1
+
+                # The store goes away: one failed probe opens this breaker.
+                for i in range(len(cluster.nodes)):
+                    cluster.kill(i)
+                b.probe(keys("gone", 1), wait_s=60)
+                tr.step()
+                assert tr.now("kvtier_remote_breaker_state") == 1
+                _MOVED.update(tr.moved)
+        finally:
+            for orch, engine, remote in made:
+                orch.drain(60)
+                engine.close()
+                remote.close()
+
+
 def trtllm_engine(tmp_path, **cfg):
     """kvtier's TensorRT-LLM connector under the executor stand-in of tests/support/trtllm."""
     from support.trtllm.driver import Engine, llm_args

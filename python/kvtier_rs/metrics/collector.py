@@ -23,10 +23,10 @@ from prometheus_client.registry import Collector
 
 from kvtier_rs._core import InvalidArgumentError
 from kvtier_rs.checks import invalid_argument
-from kvtier_rs.metrics.names import SERIES, Series
+from kvtier_rs.metrics.names import REMOTE_MISS_REASONS, SERIES, Series
 from kvtier_rs.orchestrator.latency import BUCKETS
 from kvtier_rs.orchestrator.orchestrator import TierOrchestrator, occupancy
-from kvtier_rs.orchestrator.stats import CpuTierSnapshot, DataPathSnapshot, DiskTierSnapshot
+from kvtier_rs.orchestrator.stats import CpuTierSnapshot, DataPathSnapshot, DiskTierSnapshot, RemoteTierSnapshot
 from kvtier_rs.tiers.events import EventStream
 
 Labels = tuple[str, ...]
@@ -146,6 +146,30 @@ class KvTierCollector(Collector):
         v["kvtier_transferred_bytes"][("disk", "store")] = d["bytes_written"]
         v["kvtier_transferred_bytes"][("disk", "load")] = d["bytes_read"]
 
+    @staticmethod
+    def _from_remote(v: dict[str, dict[Labels, Any]], t: RemoteTierSnapshot) -> None:
+        """The remote tier: the data path's side and the store's own counters."""
+        st = {k: int(x) for k, x in t.store.items() if not isinstance(x, str)}  # all counts
+        v["kvtier_hits"][("remote",)] = t.hits
+        v["kvtier_lookup_blocks"][("remote",)] = t.lookup_blocks
+        v["kvtier_promotions"][("remote",)] = t.promotions
+        v["kvtier_promotions_in_flight"][("remote",)] = t.promotions_in_flight
+        for reason, n in t.refused.items():
+            v["kvtier_refusals"][("remote", "load", reason)] = n
+        v["kvtier_refusals"][("remote", "store", "admission")] = st["writes_refused_admission"]
+        v["kvtier_refusals"][("remote", "store", "no_space")] = st["writes_refused_full"]
+        v["kvtier_refusals"][("remote", "store", "backpressure")] = (
+            st["writes_dropped_backlog"] + t.writes.dropped_backlog
+        )
+        v["kvtier_refusals"][("remote", "store", "unavailable")] = st["writes_refused_breaker"] + t.writes.not_started
+        v["kvtier_latency_seconds"][("remote", "load")] = t.load_histogram
+        v["kvtier_latency_seconds"][("remote", "store")] = t.store_histogram
+        v["kvtier_transferred_bytes"][("remote", "load")] = st["bytes_read"]
+        v["kvtier_transferred_bytes"][("remote", "store")] = st["bytes_written"]
+        for reason in REMOTE_MISS_REASONS:
+            v["kvtier_remote_misses"][(reason,)] = st[f"miss_{reason}"]
+        v["kvtier_remote_breaker_state"][()] = st["breaker_state"]
+
     def _from_orchestrator(self, v: dict[str, dict[Labels, Any]], s: DataPathSnapshot) -> None:
         v["kvtier_lookups"][()] = s.lookups
         v["kvtier_misses"][()] = s.misses
@@ -178,6 +202,8 @@ class KvTierCollector(Collector):
                 v["kvtier_refusals"][(tier, "store", reason)] = n
             v["kvtier_latency_seconds"][(tier, "load")] = t.load_histogram
             v["kvtier_latency_seconds"][(tier, "store")] = t.store_histogram
+        if s.tiers.remote is not None:
+            self._from_remote(v, s.tiers.remote)
         for tier, g in s.guards.items():
             v["kvtier_guard_enabled"][(tier,)] = 1
             v["kvtier_guard_state"][(tier,)] = int(g.state == "bypassed")

@@ -5,8 +5,10 @@ Each series lists every label combination it exposes. The collector emits all of
 first scrape, at zero until the tiers move data, so no dashboard or alert meets a missing series.
 
 Tiers: ``gpu`` (the engine's device blocks, seen only through lookups), ``cpu`` (host DRAM, the
-primary tier), ``disk`` (NVMe/file, staged through CPU). Directions: ``load`` moves blocks
-toward the GPU, ``store`` away from it. A series for a tier that is not configured stays at 0.
+primary tier), ``disk`` (NVMe/file, staged through CPU), ``remote`` (the shared Valkey/Redis
+store, staged through CPU; it owns no capacity: the server evicts). Directions: ``load`` moves
+blocks toward the GPU, ``store`` away from it. A series for a tier that is not configured stays
+at 0.
 """
 
 from __future__ import annotations
@@ -14,11 +16,20 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+#: The tiers with an index and a capacity of their own.
 TIERS = ("cpu", "disk")
-LOOKUP_TIERS = ("gpu", "cpu", "disk")
+#: The tiers blocks are promoted from (and stored to).
+PROMOTION_TIERS = ("cpu", "disk", "remote")
+LOOKUP_TIERS = ("gpu", "cpu", "disk", "remote")
 DIRECTIONS = ("load", "store")
 LOAD_REFUSALS = ("cost", "backpressure", "guard")
-STORE_REFUSALS = {"cpu": ("admission", "no_space"), "disk": ("admission", "no_space", "backpressure", "unavailable")}
+STORE_REFUSALS = {
+    "cpu": ("admission", "no_space"),
+    "disk": ("admission", "no_space", "backpressure", "unavailable"),
+    "remote": ("admission", "no_space", "backpressure", "unavailable"),
+}
+#: Why a block read from the remote store was a miss (``tiers.remote.values.Miss``).
+REMOTE_MISS_REASONS = ("absent", "foreign", "format", "namespace", "key", "length", "check", "error")
 EVENT_KINDS = ("stored", "removed", "promoted", "bypassed", "restored")
 IO_ERROR_KINDS = ("read", "short_read", "write")
 
@@ -48,8 +59,8 @@ def _by(*dims: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
     return tuple(itertools.product(*dims))
 
 
-_REFUSAL_SETS = tuple((t, "load", r) for t in TIERS for r in LOAD_REFUSALS) + tuple(
-    (t, "store", r) for t in TIERS for r in STORE_REFUSALS[t]
+_REFUSAL_SETS = tuple((t, "load", r) for t in PROMOTION_TIERS for r in LOAD_REFUSALS) + tuple(
+    (t, "store", r) for t in PROMOTION_TIERS for r in STORE_REFUSALS[t]
 )
 
 SERIES: tuple[Series, ...] = (
@@ -59,7 +70,7 @@ SERIES: tuple[Series, ...] = (
         "kvtier_lookup_blocks",
         "counter",
         "Blocks asked of each tier: the whole chain of the GPU, what the GPU missed of the CPU, "
-        "what the CPU missed of the disk.",
+        "what the CPU missed of the disk, what the disk missed of the remote store.",
         ("tier",),
         _by(LOOKUP_TIERS),
     ),
@@ -73,9 +84,9 @@ SERIES: tuple[Series, ...] = (
     Series(
         "kvtier_promotions",
         "counter",
-        "Blocks loaded to the device from each tier (disk promotions are staged through CPU).",
+        "Blocks loaded to the device from each tier (disk and remote promotions are staged through CPU).",
         ("tier",),
-        _by(TIERS),
+        _by(PROMOTION_TIERS),
     ),
     Series("kvtier_misses", "counter", "Blocks held by no tier: the engine recomputes them."),
     Series(
@@ -91,7 +102,7 @@ SERIES: tuple[Series, ...] = (
     Series(
         "kvtier_load_unreserved",
         "counter",
-        "Disk hits not loaded because no CPU slot was free to stage them through: recomputed.",
+        "Disk or remote hits not loaded because no CPU slot was free to stage them through: recomputed.",
     ),
     Series(
         "kvtier_refusals",
@@ -123,9 +134,9 @@ SERIES: tuple[Series, ...] = (
         "kvtier_transferred_bytes",
         "counter",
         "Bytes moved over each tier's link: cpu = device<->host copies, disk = host<->disk I/O "
-        "(disk writes include the 4 KiB slot header).",
+        "(disk writes include the 4 KiB slot header), remote = block payloads to and from the store.",
         ("tier", "direction"),
-        _by(TIERS, DIRECTIONS),
+        _by(PROMOTION_TIERS, DIRECTIONS),
     ),
     Series(
         "kvtier_latency_seconds",
@@ -133,9 +144,9 @@ SERIES: tuple[Series, ...] = (
         "Seconds per operation. Load: what the engine waited for a request's promotion from the tier, "
         "from when its destinations were given (disk: the part of the read, verify and copy after "
         "that; a read started at reservation only shortens it). Store: one device->CPU copy or one "
-        "CPU->disk write job.",
+        "CPU->disk (or CPU->remote) write job.",
         ("tier", "direction"),
-        _by(TIERS, DIRECTIONS),
+        _by(PROMOTION_TIERS, DIRECTIONS),
     ),
     Series(
         "kvtier_promotions_in_flight",
@@ -143,7 +154,7 @@ SERIES: tuple[Series, ...] = (
         "Promotions from the tier in flight: requests' loads, and disk reads no request waits for any "
         "more until they land (back-pressure acts on this).",
         ("tier",),
-        _by(TIERS),
+        _by(PROMOTION_TIERS),
     ),
     Series("kvtier_disk_write_backlog_blocks", "gauge", "Blocks with a CPU->disk write-through in flight."),
     # ---- capacity -----------------------------------------------------------------------------
@@ -176,30 +187,45 @@ SERIES: tuple[Series, ...] = (
         _by(IO_ERROR_KINDS),
     ),
     Series("kvtier_disk_full", "gauge", "1 while the disk tier refuses writes after ENOSPC, else 0."),
+    # ---- remote store ---------------------------------------------------------------------------
+    Series(
+        "kvtier_remote_misses",
+        "counter",
+        "Blocks read from the remote store that were misses, by reason: absent (evicted or flushed), a "
+        "value not kvtier's (foreign), an unknown format, another namespace, another key, a wrong length, "
+        "a failed check (BLAKE3 or MAC), or an error (deadline, node down).",
+        ("reason",),
+        _by(REMOTE_MISS_REASONS),
+    ),
+    Series(
+        "kvtier_remote_breaker_state",
+        "gauge",
+        "The remote tier's circuit breaker: 0 closed, 1 open (the store is not called), 2 probing.",
+    ),
     # ---- SLO guard ------------------------------------------------------------------------------
-    Series("kvtier_guard_enabled", "gauge", "1 when an SLO guard watches the tier.", ("tier",), _by(TIERS)),
+    Series("kvtier_guard_enabled", "gauge", "1 when an SLO guard watches the tier.", ("tier",), _by(PROMOTION_TIERS)),
     Series(
         "kvtier_guard_state",
         "gauge",
         "The SLO guard's state of the tier: 0 serving, 1 bypassed (its p99 went over the budget; its hits "
         "are recomputed until a re-probe).",
         ("tier",),
-        _by(TIERS),
+        _by(PROMOTION_TIERS),
     ),
-    Series("kvtier_guard_trips", "counter", "Times the SLO guard tripped.", ("tier",), _by(TIERS)),
+    Series("kvtier_guard_trips", "counter", "Times the SLO guard tripped.", ("tier",), _by(PROMOTION_TIERS)),
     Series(
         "kvtier_guard_p99_seconds",
         "gauge",
         "p99 promotion latency over the guard's window; while bypassed, the p99 that tripped it.",
         ("tier",),
-        _by(TIERS),
+        _by(PROMOTION_TIERS),
     ),
     Series(
         "kvtier_guard_threshold_seconds",
         "gauge",
         "The guard's p99 threshold (0 without a guard).",
         ("tier",),
-        _by(TIERS),
+        _by(PROMOTION_TIERS),
     ),
     # ---- event stream ---------------------------------------------------------------------------
     Series("kvtier_events", "counter", "Block and tier events published, by kind.", ("kind",), _by(EVENT_KINDS)),
