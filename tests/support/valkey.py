@@ -51,14 +51,55 @@ def _free_port() -> int:
     raise RuntimeError("no free port pair for a cluster node")
 
 
+@dataclass(frozen=True)
+class TlsFiles:
+    """A CA and a server certificate for 127.0.0.1 it signed (`make_tls_files`)."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+
+def make_tls_files(workdir: Path) -> TlsFiles:
+    """A throwaway CA, and a certificate for 127.0.0.1 signed by it, made with the openssl tool."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.fail("openssl is not on PATH: the TLS tests make their certificates with it")
+    workdir.mkdir(parents=True, exist_ok=True)
+    ca, ca_key = workdir / "ca.crt", workdir / "ca.key"
+    cert, key, csr, ext = workdir / "server.crt", workdir / "server.key", workdir / "server.csr", workdir / "san.ext"
+    ext.write_text("subjectAltName=IP:127.0.0.1\n")
+    steps = [
+        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=kvtier test CA",
+         "-keyout", str(ca_key), "-out", str(ca)],
+        [openssl, "req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", str(key),
+         "-out", str(csr)],
+        [openssl, "x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial",
+         "-days", "2", "-extfile", str(ext), "-out", str(cert)],
+    ]  # fmt: skip
+    for cmd in steps:
+        subprocess.run(cmd, check=True, capture_output=True, timeout=60)
+    return TlsFiles(ca, cert, key)
+
+
 @dataclass
 class Node:
     port: int
     proc: subprocess.Popen[bytes]
     workdir: Path
     args: list[str]
+    tls: TlsFiles | None = None
 
     def client(self, password: str | None = None) -> redis.Redis:
+        if self.tls is not None:
+            return redis.Redis(
+                host="127.0.0.1",
+                port=self.port,
+                password=password,
+                socket_timeout=5,
+                ssl=True,
+                ssl_ca_certs=str(self.tls.ca),
+            )
         return redis.Redis(host="127.0.0.1", port=self.port, password=password, socket_timeout=5)
 
 
@@ -70,8 +111,9 @@ class Cluster:
 
     @property
     def url(self) -> str:
-        """Every node as a seed, as an operator would write it."""
-        return "redis://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+        """Every node as a seed, as an operator would write it (`rediss://` over TLS)."""
+        scheme = "rediss" if self.nodes and self.nodes[0].tls is not None else "redis"
+        return f"{scheme}://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
 
     def node_clients(self) -> list[redis.Redis]:
         return [n.client(self.password) for n in self.nodes if n.proc.poll() is None]
@@ -92,7 +134,7 @@ class Cluster:
         """Start a killed node again from its own data directory (cluster config and all)."""
         n = self.nodes[i]
         n.proc = subprocess.Popen(n.args, cwd=n.workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        _wait_up(n.port, self.password)
+        _wait_up(n, self.password)
         self.wait_ok()
 
     def flushall(self) -> None:
@@ -137,21 +179,28 @@ class Cluster:
                 n.proc.wait()
 
 
-def _wait_up(port: int, password: str | None, timeout: float = 30.0) -> None:
+def _wait_up(node: Node, password: str | None, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
-    c = redis.Redis(host="127.0.0.1", port=port, password=password, socket_timeout=1)
+    c = node.client(password)
     while True:
-        with contextlib.suppress(redis.RedisError):  # not listening yet
+        with contextlib.suppress(redis.RedisError, OSError):  # not listening yet
             if c.ping():
                 return
         if time.monotonic() > deadline:
-            raise RuntimeError(f"node on port {port} did not answer within {timeout} s")
+            raise RuntimeError(f"node on port {node.port} did not answer within {timeout} s")
         time.sleep(0.05)
 
 
 def start_cluster(
-    workdir: Path, *, primaries: int = 3, password: str | None = None, maxmemory: str | None = None
+    workdir: Path,
+    *,
+    primaries: int = 3,
+    password: str | None = None,
+    maxmemory: str | None = None,
+    tls: TlsFiles | None = None,
 ) -> Cluster:
+    """`tls`: the nodes listen for TLS only (clients and the cluster bus), with that
+    certificate; clients are not asked for one."""
     server, cli = _binary(SERVERS), _binary(CLIS)
     nodes: list[Node] = []
     try:
@@ -159,9 +208,16 @@ def start_cluster(
             port = _free_port()
             d = workdir / f"node{i}"
             d.mkdir(parents=True, exist_ok=True)
+            listen = ["--port", str(port)]
+            if tls is not None:
+                listen = [
+                    "--port", "0", "--tls-port", str(port), "--tls-cluster", "yes", "--tls-replication", "yes",
+                    "--tls-cert-file", str(tls.cert), "--tls-key-file", str(tls.key),
+                    "--tls-ca-cert-file", str(tls.ca), "--tls-auth-clients", "no",
+                ]  # fmt: skip
             args = [
                 server,
-                "--port", str(port),
+                *listen,
                 "--bind", "127.0.0.1",
                 "--cluster-enabled", "yes",
                 "--cluster-config-file", "nodes.conf",
@@ -177,11 +233,13 @@ def start_cluster(
             if maxmemory is not None:
                 args += ["--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"]
             proc = subprocess.Popen(args, cwd=d, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            nodes.append(Node(port, proc, d, args))
+            nodes.append(Node(port, proc, d, args, tls))
         for n in nodes:
-            _wait_up(n.port, password)
+            _wait_up(n, password)
         create = [cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in nodes)]
         create += ["--cluster-replicas", "0", "--cluster-yes"]
+        if tls is not None:
+            create += ["--tls", "--cacert", str(tls.ca)]
         env = dict(os.environ)
         if password is not None:
             env["REDISCLI_AUTH"] = password
@@ -237,6 +295,7 @@ def make_tier(
     *,
     password: str | None = None,
     timeout_s: float = 5.0,
+    tls_ca_file: str | None = None,
     identity: str = IDENTITY,
     salt: str = "",
     secret: bytes | None = None,
@@ -258,7 +317,7 @@ def make_tier(
     options.setdefault("deadline_s", 60.0)
     rest = {k: v for k, v in kwargs.items() if k not in names}
     return RemoteTier(
-        lambda: connect(endpoint, password=password, timeout_s=timeout_s),
+        lambda: connect(endpoint, password=password, timeout_s=timeout_s, tls_ca_file=tls_ca_file),
         fmt,
         block_bytes,
         RemoteOptions(**options),  # type: ignore[arg-type]
@@ -348,7 +407,10 @@ def plain_client(cluster: Cluster):  # -> redis.RedisCluster
     from redis.cluster import ClusterNode, RedisCluster
 
     n = cluster.nodes[0]
-    return RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", n.port)], password=cluster.password, socket_timeout=10)
+    tls = {"ssl": True, "ssl_ca_certs": str(n.tls.ca)} if n.tls is not None else {}
+    return RedisCluster(
+        startup_nodes=[ClusterNode("127.0.0.1", n.port)], password=cluster.password, socket_timeout=10, **tls
+    )
 
 
 def bkeys(n: int, tag: bytes = b"k") -> list[bytes]:
