@@ -31,18 +31,18 @@ demo: build
 	$(VPY) examples/plan_demo.py out/plan-demo
 
 # The remote tier's tests start a real Redis Cluster (tests/support/valkey.py): Debian's
-# redis-server and redis-cli, installed here when missing (CI runs as root on a fresh Debian 12).
-# The package's init script starts a system server on 6379; the tests use free ports of their
-# own, so it is stopped, not needed.
+# redis-server and redis-cli, installed here when missing (CI runs as root on a fresh Debian 12),
+# and openssl, which makes the TLS tests' certificates. The package's init script starts a system
+# server on 6379; the tests use free ports of their own, so it is stopped, not needed.
 redis:
-	@if command -v redis-server >/dev/null && command -v redis-cli >/dev/null; then :; \
+	@if command -v redis-server >/dev/null && command -v redis-cli >/dev/null && command -v openssl >/dev/null; then :; \
 	elif [ "$$(id -u)" != 0 ]; then \
-		echo "make redis: redis-server/redis-cli are missing and this is not root;" \
-			"install them (apt-get install redis-server) or run as root" >&2; exit 1; \
+		echo "make redis: redis-server/redis-cli/openssl are missing and this is not root;" \
+			"install them (apt-get install redis-server openssl) or run as root" >&2; exit 1; \
 	else \
 		export DEBIAN_FRONTEND=noninteractive; \
-		apt-get install -y -q --no-install-recommends redis-server \
-			|| { apt-get update -q && apt-get install -y -q --no-install-recommends redis-server; }; \
+		apt-get install -y -q --no-install-recommends redis-server openssl \
+			|| { apt-get update -q && apt-get install -y -q --no-install-recommends redis-server openssl; }; \
 		service redis-server stop >/dev/null 2>&1 || true; \
 	fi
 	@redis-server --version
