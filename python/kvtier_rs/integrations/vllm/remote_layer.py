@@ -90,7 +90,7 @@ class RemoteLayer(DiskLayer):
 
     def has_pending_work(self) -> bool:
         # A probe in flight: keep the engine stepping, so that the deferred request is asked again.
-        return super().has_pending_work() or bool(self._to_probe) or self.remote.stats()["probes_in_flight"] > 0
+        return super().has_pending_work() or bool(self._to_probe) or self.remote.probes_in_flight > 0
 
     def reset(self) -> None:
         self.drain()

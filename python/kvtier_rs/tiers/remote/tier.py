@@ -339,6 +339,11 @@ class RemoteTier:  # noqa: PLR0904 - the staging contract plus probes
         known, or the answer expired)."""
         return self._known(key, self._clock())
 
+    @property
+    def probes_in_flight(self) -> int:
+        """Probes sent and not answered yet (a plain read: the engine asks at every step)."""
+        return self._probes_in_flight
+
     def probing(self, key: Key) -> bool:
         return key in self._probing
 
