@@ -4,7 +4,7 @@ For each block size (default 2, 16 and 64 MiB) the tier stores a batch of `--bat
 host slots (`RemoteTier.submit_write`, then `wait_idle`) and loads them back into the slots
 (`submit_read`); the baseline is redis-py's `RedisCluster` pipeline doing the same SET NX / GET of
 values of the same size under keys of the same shape, with nothing around it: no copy out of the
-slots, no sealing (BLAKE3), no verification, no copy into the slots. The whole of that difference
+slots, no sealing (the XXH3 check), no verification, no copy into the slots. The whole of that difference
 is what kvtier costs. `redis-benchmark --cluster` runs as an extra reference row where it applies.
 
 Same work on both sides: one batch is one tier job, which one worker thread runs as one pipeline

@@ -389,7 +389,7 @@ TREE: tuple[Setting, ...] = (
         default=None,
         takes=_REMOTE,
         needs="remote_url",
-        shown_default="null (a plain BLAKE3 checksum)",
+        shown_default="null (a plain XXH3-128 check)",
     ),
     Setting(
         "remote_password_env",

@@ -193,7 +193,7 @@ SERIES: tuple[Series, ...] = (
         "counter",
         "Blocks read from the remote store that were misses, by reason: absent (evicted or flushed), a "
         "value not kvtier's (foreign), an unknown format, another namespace, another key, a wrong length, "
-        "a failed check (BLAKE3 or MAC), or an error (deadline, node down).",
+        "a failed check (XXH3, or the keyed MAC), or an error (deadline, node down).",
         ("reason",),
         _by(REMOTE_MISS_REASONS),
     ),
