@@ -12,7 +12,7 @@ from support.valkey import Cluster, make_tier, plain_client, running_cluster
 
 import kvtier_rs as kv
 from kvtier_rs._core import DiskTier
-from kvtier_rs.orchestrator import TierOrchestrator
+from kvtier_rs.orchestrator import CostModel, TierOrchestrator
 from kvtier_rs.tiers.remote import RemoteTier, store_key
 from kvtier_rs.transfer import BlockLayout, CpuTransferEngine
 
@@ -24,7 +24,9 @@ class Replica:
     """One serving replica: device blocks (CPU tensors), a CPU tier, a transfer engine and the
     data path over them and the shared store."""
 
-    def __init__(self, cluster: Cluster, *, seed: int, cpu_blocks: int = 8, disk_root=None, **remote_kw) -> None:
+    def __init__(
+        self, cluster: Cluster, *, seed: int, cpu_blocks: int = 8, disk_root=None, cost=None, **remote_kw
+    ) -> None:
         g = torch.Generator().manual_seed(seed)
         self.tensors = [torch.randn(GPU_BLOCKS, 2, 4, 64, generator=g).to(torch.float16) for _ in range(2)]
         self.layout = BlockLayout.per_layer(self.tensors)
@@ -42,7 +44,7 @@ class Replica:
         self.disk = None
         if disk_root is not None:
             self.disk = DiskTier(str(disk_root), 64 * slot, slot, engine="pool")
-        self.orch = TierOrchestrator(self.host, self.engine, disk=self.disk, remote=self.remote)
+        self.orch = TierOrchestrator(self.host, self.engine, disk=self.disk, remote=self.remote, cost=cost)
 
     def block(self, b: int) -> bytes:
         return b"".join(t[b].numpy().tobytes() for t in self.tensors)
@@ -107,6 +109,27 @@ def test_the_chain_goes_on_from_the_cpu_tier_into_the_remote_tier(replicas) -> N
     assert (res.plan.cpu_hits, res.plan.remote_hits) == (2, 3)
     assert (res.loaded_cpu, res.loaded_remote, res.failed) == (2, 3, 0)
     assert [b.block(i) for i in (12, 13, 14)] == [a.block(i) for i in (3, 4, 5)]
+
+
+def test_a_remote_hit_slower_than_recomputing_is_not_taken_until_reads_say_otherwise(replicas) -> None:
+    # Recomputing a block: 16 tokens at 1e6 tokens/s = 16 us. The remote hop starts at its first
+    # estimate (1 GB/s, 1 ms): slower, so the store's hits are recomputed.
+    cost = CostModel(prefill_tokens_per_s=1e6, tokens_per_block=16, block_bytes=1, latency_s={"cpu": 0.0, "disk": 0.0})
+    a, b = replicas(), replicas(cost=cost)
+    cost.block_bytes = b.layout.bytes_per_block
+    keys = keys_of("slow", 2)
+    a.orch.offload(keys, [0, 1])
+    a.orch.drain(WAIT_S)
+    b.orch.probe(keys, wait_s=WAIT_S)
+    plan = b.orch.plan(keys)
+    assert (plan.remote_hits, plan.load_remote) == (2, 0)
+    assert plan.refused == {"remote": {"cost": 2}}
+    assert b.orch.stats()["tiers"]["remote"]["refused"]["cost"] == 2
+    # Reads measured fast (and with no latency) make loading worth it.
+    cost.latency_s["remote"] = 0.0
+    for _ in range(50):
+        cost.observe("remote", 10**9, 1e-3)
+    assert b.orch.plan(keys).load_remote == 2
 
 
 def test_a_plan_asks_the_store_and_the_next_plan_counts_the_answer(replicas) -> None:
