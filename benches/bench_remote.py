@@ -12,7 +12,9 @@ per 64 MiB of values (`tier.PIPELINE_BYTES`) one after the other; the baseline r
 one thread cut into the same pipelines, on one `RedisCluster` client (as the tier's workers share
 one). The tier's other workers idle in both, so the thread and connection counts match.
 
-Each figure is the best of `--reps` repetitions (the least disturbed run on a shared machine);
+Each figure is the best of `--reps` repetitions (the least disturbed run on a shared machine), or
+of as many as move `--min-gib` GiB each way when that is more (a batch of 2 MiB blocks takes tens
+of milliseconds, where one scheduler hiccup is a large share);
 a repetition runs the tier and the baseline back to back, alternating which goes first. Every
 store writes fresh keys (SET NX skips present ones, so a rewrite would measure nothing): the
 keys of each run are deleted after it (UNLINK of its own keys, untimed; not FLUSHALL, so that
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -161,6 +164,11 @@ def warm_up(tier: RemoteTier, client: RedisCluster, run: Run) -> None:
     tier.forget()
 
 
+def reps_for(args: argparse.Namespace, batch_bytes: int) -> int:
+    """`--reps`, or enough repetitions to move `--min-gib` GiB, whichever is more."""
+    return max(args.reps, math.ceil(args.min_gib * GiB / batch_bytes))
+
+
 def bandwidth(args: argparse.Namespace, client: RedisCluster, factory, fmt: ValueFormat, size: int) -> list[dict]:
     run = Run(client, fmt)
     batch = args.batch
@@ -184,7 +192,7 @@ def bandwidth(args: argparse.Namespace, client: RedisCluster, factory, fmt: Valu
     seal_s = float("inf")
     best = {"store": [float("inf")] * 2, "load": [float("inf")] * 2}  # [tier, raw]
     try:
-        for rep in range(args.reps):
+        for rep in range(reps_for(args, batch * size)):
             for side in (0, 1) if rep % 2 == 0 else (1, 0):
                 keys = run.keys(batch)
                 skeys = run.store_keys(keys)
@@ -225,6 +233,7 @@ def bandwidth(args: argparse.Namespace, client: RedisCluster, factory, fmt: Valu
                 "raw_gib_s": batch * size / t_raw / GiB,
                 "ratio": t_raw / t_tier,
                 "pipelines_per_batch": len(_batches(batch, size)),
+                "reps": reps_for(args, batch * size),
                 "copy_seal_s": seal_s if op == "store" else None,
                 "tier_s": t_tier,
                 "raw_s": t_raw,
@@ -306,6 +315,9 @@ def main() -> None:
     ap.add_argument("--sizes", default="2MiB,16MiB,64MiB", help="block sizes (default 2MiB,16MiB,64MiB)")
     ap.add_argument("--batch", type=int, default=32, help="blocks per batch (default 32)")
     ap.add_argument("--reps", type=int, default=2, help="repetitions; the best is reported (default 2)")
+    ap.add_argument(
+        "--min-gib", type=float, default=2.0, help="at least this many GiB moved per size and side (default 2)"
+    )
     ap.add_argument("--workers", type=int, default=RemoteOptions.workers, help="the tier's worker threads")
     ap.add_argument("--probe-keys", default="64,1024", help="probe batch sizes (default 64,1024)")
     ap.add_argument("--no-redis-benchmark", action="store_true", help="skip the redis-benchmark row")
@@ -350,10 +362,14 @@ def main() -> None:
     if args.json:
         print(json.dumps({"bandwidth": rows, "probe": probes, "redis_benchmark": refs, "server": versions}))
         return
-    print(f"server {', '.join(versions)}; batch {args.batch}, best of {args.reps}, {args.workers} tier workers")
+    print(
+        f"server {', '.join(versions)}; batch {args.batch}, best of {args.reps} or of enough to move "
+        f"{args.min_gib:g} GiB, {args.workers} tier workers"
+    )
     print(f"{'size':>6} {'op':<6} {'batch':>5} {'kvtier GiB/s':>13} {'raw GiB/s':>10} {'ratio':>6}  notes")
     for r in rows:
-        note = f"{r['tier_s']:.2f} s vs {r['raw_s']:.2f} s a batch, {r['pipelines_per_batch']} pipeline(s)"
+        note = f"{r['tier_s']:.3f} s vs {r['raw_s']:.3f} s a batch (best of {r['reps']})"
+        note += f", {r['pipelines_per_batch']} pipeline(s)"
         if r["copy_seal_s"] is not None:
             note += f"; copy+seal alone {r['copy_seal_s']:.2f} s"
         if r["ratio"] < 0.8:

@@ -485,13 +485,19 @@ class RemoteTier:  # noqa: PLR0904 - the staging contract plus probes
     def _run_read(self, job: _Job, view: memoryview) -> None:
         t0 = time.monotonic()
         n = self.block_bytes
-        values: list[bytes | None] = []
+        ok: list[Key] = []
+        failed: list[tuple[Key, Miss]] = []
+        batches = _batches(len(job.keys), n)
         try:
-            for lo, hi in _batches(len(job.keys), n):
+            for lo, hi in batches:
                 pipe = self._cluster().pipeline(transaction=False)
                 for k in job.keys[lo:hi]:
                     pipe.get(self._store_key(k))
-                values += pipe.execute(raise_on_error=True)
+                values = pipe.execute(raise_on_error=True)
+                # Each pipeline's values are verified and copied as they arrive, then dropped:
+                # a job holds one pipeline's values at a time (64 MiB), not all of its own.
+                if not self._take_values(job, view, lo, values, ok, failed, last=hi == len(job.keys)):
+                    return  # abandoned: poll reported (and counted) its keys already
         except _STORE_ERRORS as e:
             self._failed("read", e)
             with job.lock:
@@ -502,27 +508,44 @@ class RemoteTier:  # noqa: PLR0904 - the staging contract plus probes
             self._finish(job, [], list(job.keys), 0, time.monotonic() - t0)
             return
         self.breaker.succeeded()
-        opened = [self.format.open(_key_bytes(k), v, n) for k, v in zip(job.keys, values, strict=True)]
-        ok: list[Key] = []
-        failed: list[Key] = []
+        now = self._clock()
+        with self._lock:
+            for k, _ in failed:
+                self._learn(k, False, now)
+        for _, reason in failed:
+            self._miss(reason, 1)
+        self._count("hits", len(ok))
+        self._count("bytes_read", len(ok) * n)
+        self._finish(job, ok, [k for k, _ in failed], len(ok) * n, time.monotonic() - t0)
+
+    def _take_values(
+        self,
+        job: _Job,
+        view: memoryview,
+        lo: int,
+        values: list[bytes | None],
+        ok: list[Key],
+        failed: list[tuple[Key, Miss]],
+        *,
+        last: bool,
+    ) -> bool:
+        """Verify one pipeline's values (of keys `lo`...) and copy each that verifies into its
+        slot; False, touching no slot, once `poll` has abandoned the job."""
+        n = self.block_bytes
+        keys = job.keys[lo : lo + len(values)]
+        opened = [self.format.open(_key_bytes(k), v, n) for k, v in zip(keys, values, strict=True)]
         with job.lock:
             if job.abandoned:
-                return
-            for k, off, got in zip(job.keys, job.offsets, opened, strict=True):
+                return False
+            for k, off, got in zip(keys, job.offsets[lo : lo + len(values)], opened, strict=True):
                 if isinstance(got, Miss):
-                    failed.append(k)
-                    self._miss(got, 1)
+                    failed.append((k, got))
                 else:
                     view[off : off + n] = got
                     ok.append(k)
-            job.slots_done = True
-        now = self._clock()
-        with self._lock:
-            for k in failed:
-                self._learn(k, False, now)
-        self._count("hits", len(ok))
-        self._count("bytes_read", len(ok) * n)
-        self._finish(job, ok, failed, len(ok) * n, time.monotonic() - t0)
+            if last:
+                job.slots_done = True
+        return True
 
     def _finish(self, job: _Job, ok: list[Key], failed: list[Key], nbytes: int, seconds: float) -> None:
         self._observe(job.kind, seconds)
