@@ -430,22 +430,45 @@ class DataPathStats:
             store_histogram=self.latency["cpu_store"].histogram() if histograms else None,
         )
 
+    def _staged(self, tier: str, stager: DiskStager, histograms: bool) -> dict[str, Any]:
+        """The fields a staged tier's snapshot (disk or remote) has in common: the data path's
+        side of it and its stager's write-throughs and reads."""
+        t = self.counts.tier(tier)
+        sc = stager.counters
+        return {
+            "hits": t.hit_blocks,
+            "promotions": t.promoted_blocks,
+            "refused": dict(t.refused),
+            "load_latency": Percentiles.of(self.latency[f"{tier}_load"]),
+            "read_latency": Percentiles.of(sc.read_latency),
+            "write_latency": Percentiles.of(sc.write_latency),
+            "writes": DiskWrites(
+                submitted=sc.writes_submitted,
+                completed=sc.writes_completed,
+                failed=sc.writes_failed,
+                refused=sc.writes_refused,
+                no_space=sc.writes_no_space,
+                dropped_backlog=sc.writes_dropped_backlog,
+                dropped_evicted=sc.writes_dropped_evicted,
+                dropped_index_failed=sc.writes_dropped_index_failed,
+                not_started=sc.writes_not_started,
+            ),
+            "promotion_blocks_failed": sc.promotion_blocks_failed,
+            "lookup_blocks": t.lookup_blocks,
+            "promotions_in_flight": self.in_flight.promotions(tier),
+            "write_backlog": stager.write_backlog,
+            "load_histogram": self.latency[f"{tier}_load"].histogram() if histograms else None,
+            "store_histogram": sc.write_latency.histogram() if histograms else None,
+            "read_histogram": sc.read_latency.histogram() if histograms else None,
+        }
+
     def _disk(self, stager: DiskStager, histograms: bool) -> DiskTierSnapshot:
-        c = self.counts
         sc = stager.counters
         index = dict(stager.disk.stats())
         occ = occupancy(index, stager.disk.block_bytes)
         return DiskTierSnapshot(
-            hits=c.disk.hit_blocks,
-            promotions=c.disk.promoted_blocks,
-            refused=dict(c.disk.refused),
-            load_latency=Percentiles.of(self.latency["disk_load"]),
-            read_latency=Percentiles.of(sc.read_latency),
-            write_latency=Percentiles.of(sc.write_latency),
-            writes=_writes(stager),
-            promotion_blocks_failed=sc.promotion_blocks_failed,
+            **self._staged("disk", stager, histograms),
             index=index,
-            lookup_blocks=c.disk.lookup_blocks,
             evictions=int(index["evictions"]),
             store_refused=DiskStoreRefusals(
                 admission=int(index["store_refused"]),
@@ -453,37 +476,17 @@ class DataPathStats:
                 backpressure=sc.writes_dropped_backlog,
                 unavailable=sc.writes_not_started,
             ),
-            promotions_in_flight=self.in_flight.promotions("disk"),
-            write_backlog=stager.write_backlog,
             block_bytes=occ["block_bytes"],
             capacity_bytes=occ["capacity_bytes"],
             usage_bytes=occ["usage_bytes"],
             pinned_bytes=occ["pinned_bytes"],
-            load_histogram=self.latency["disk_load"].histogram() if histograms else None,
-            store_histogram=sc.write_latency.histogram() if histograms else None,
-            read_histogram=sc.read_latency.histogram() if histograms else None,
         )
 
     def _remote(self, stager: DiskStager, histograms: bool) -> RemoteTierSnapshot:
-        c = self.counts
-        sc = stager.counters
         return RemoteTierSnapshot(
-            hits=c.remote.hit_blocks,
-            promotions=c.remote.promoted_blocks,
-            refused=dict(c.remote.refused),
-            load_latency=Percentiles.of(self.latency["remote_load"]),
-            read_latency=Percentiles.of(sc.read_latency),
-            write_latency=Percentiles.of(sc.write_latency),
-            writes=_writes(stager),
-            promotion_blocks_failed=sc.promotion_blocks_failed,
+            **self._staged("remote", stager, histograms),
             store=dict(stager.disk.stats()),
-            lookup_blocks=c.remote.lookup_blocks,
-            promotions_in_flight=self.in_flight.promotions("remote"),
-            write_backlog=stager.write_backlog,
             block_bytes=stager.disk.block_bytes,
-            load_histogram=self.latency["remote_load"].histogram() if histograms else None,
-            store_histogram=sc.write_latency.histogram() if histograms else None,
-            read_histogram=sc.read_latency.histogram() if histograms else None,
         )
 
     def _cost_model(self) -> CostModelState | None:
@@ -495,19 +498,3 @@ class DataPathStats:
             observations_skipped=self.cost.observations_skipped,
             probes=self.cost.probes,
         )
-
-
-def _writes(stager: DiskStager) -> DiskWrites:
-    """A staged tier's write-throughs, from its stager's counters."""
-    sc = stager.counters
-    return DiskWrites(
-        submitted=sc.writes_submitted,
-        completed=sc.writes_completed,
-        failed=sc.writes_failed,
-        refused=sc.writes_refused,
-        no_space=sc.writes_no_space,
-        dropped_backlog=sc.writes_dropped_backlog,
-        dropped_evicted=sc.writes_dropped_evicted,
-        dropped_index_failed=sc.writes_dropped_index_failed,
-        not_started=sc.writes_not_started,
-    )
