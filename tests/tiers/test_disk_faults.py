@@ -7,6 +7,7 @@ every block reported ok with its expected payload), and the tier keeps serving a
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import os
@@ -610,6 +611,21 @@ def test_an_io_uring_enter_fault_needs_the_io_uring_engine(tmp_path):
             tier._inject_fault("enter_eio", 1)
 
 
+@contextlib.contextmanager
+def python_sigint():
+    """Python's own SIGINT handling for the block: its default handler, and the signal not
+    blocked in this thread. What this test checks is that kvtier's waits honour it; a library
+    loaded earlier in the same test process (an engine's shutdown handler, a mask inherited by
+    its threads) may have changed either, and the interrupt would then never reach the wait."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        signal.signal(signal.SIGINT, old)
+
+
 @pytest.mark.parametrize("how", ["wait", "wait_idle"])
 def test_ctrl_c_interrupts_a_wait_for_a_job_that_is_not_done(tmp_path, how):
     """wait() and wait_idle() released the GIL for their whole length: Ctrl-C (SIGINT) could
@@ -618,7 +634,7 @@ def test_ctrl_c_interrupts_a_wait_for_a_job_that_is_not_done(tmp_path, how):
     from inside the wait (by a thread that gets the GIL when the wait releases it)."""
     require_engine("io_uring")
     host = Host(4)
-    with make_tier(tmp_path, "io_uring") as tier:
+    with python_sigint(), make_tier(tmp_path, "io_uring") as tier:
         tier._inject_fault("enter_eagain", 1_000_000)
         host.put(0, payload(1, host.block))
         job = tier.submit_write([1], host.pool, [0]).job_id
