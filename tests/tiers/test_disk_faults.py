@@ -7,7 +7,6 @@ every block reported ok with its expected payload), and the tier keeps serving a
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import functools
 import os
@@ -611,30 +610,11 @@ def test_an_io_uring_enter_fault_needs_the_io_uring_engine(tmp_path):
             tier._inject_fault("enter_eio", 1)
 
 
-@contextlib.contextmanager
-def python_sigint():
-    """Python's own SIGINT handling for the block: its default handler, and the signal not
-    blocked in this thread. What this test checks is that kvtier's waits honour it; a library
-    loaded earlier in the same test process (an engine's shutdown handler, a mask inherited by
-    its threads) may have changed either, and the interrupt would then never reach the wait."""
-    old = signal.signal(signal.SIGINT, signal.default_int_handler)
-    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        signal.signal(signal.SIGINT, old)
-
-
-@pytest.mark.parametrize("how", ["wait", "wait_idle"])
-def test_ctrl_c_interrupts_a_wait_for_a_job_that_is_not_done(tmp_path, how):
-    """wait() and wait_idle() released the GIL for their whole length: Ctrl-C (SIGINT) could
-    not interrupt them until the job finished. The job here stays in flight for seconds (the
-    ring retries a transient io_uring_enter error for 5 s, then fails it); the interrupt is sent
-    from inside the wait (by a thread that gets the GIL when the wait releases it)."""
+def ctrl_c_scenario(tmp_path, how: str) -> None:
+    """The scenario of the Ctrl-C test below, run by it in a fresh interpreter."""
     require_engine("io_uring")
     host = Host(4)
-    with python_sigint(), make_tier(tmp_path, "io_uring") as tier:
+    with make_tier(tmp_path, "io_uring") as tier:
         tier._inject_fault("enter_eagain", 1_000_000)
         host.put(0, payload(1, host.block))
         job = tier.submit_write([1], host.pool, [0]).job_id
@@ -664,3 +644,26 @@ def test_ctrl_c_interrupts_a_wait_for_a_job_that_is_not_done(tmp_path, how):
         assert tier.running_jobs == 1, "interrupted while the job was still in flight"
         result = tier.wait(job, timeout=30)  # the job itself went on, and ends failed
         assert result is not None and result.failed_keys == [1]
+
+
+@pytest.mark.parametrize("how", ["wait", "wait_idle"])
+def test_ctrl_c_interrupts_a_wait_for_a_job_that_is_not_done(tmp_path, how):
+    """wait() and wait_idle() released the GIL for their whole length: Ctrl-C (SIGINT) could
+    not interrupt them until the job finished. The job here stays in flight for seconds (the
+    ring retries a transient io_uring_enter error for 5 s, then fails it); the interrupt is sent
+    from inside the wait (by a thread that gets the GIL when the wait releases it).
+
+    Run in a fresh interpreter: the check rests on Python's SIGINT handling and on which thread
+    gets the GIL when the wait releases it, and what earlier tests leave in this process (their
+    threads, a handler or signal mask a library changed) disturbed both in full runs."""
+    require_engine("io_uring")
+    code = (
+        "import pathlib, sys\n"
+        "from tiers.test_disk_faults import ctrl_c_scenario\n"
+        "ctrl_c_scenario(pathlib.Path(sys.argv[1]), sys.argv[2])\n"
+        "print('scenario passed')\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path), how], capture_output=True, text=True, timeout=300, env=child_env()
+    )
+    assert r.returncode == 0 and "scenario passed" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
