@@ -35,13 +35,11 @@ does the job, each in its own module and usable on its own:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvtier_rs._core import ClosedError
 from kvtier_rs.checks import check_count, check_number, invalid_argument
 from kvtier_rs.orchestrator.completions import handle_each
 from kvtier_rs.orchestrator.cost import CostModel
@@ -240,19 +238,11 @@ class TierOrchestrator:  # noqa: PLR0904 - the public API, one delegating method
         the answer, so that a `plan` right after can count them. For an engine that asks once
         per request and cannot be asked again (TensorRT-LLM). Returns whether every block
         asked about is answered (True too without a remote tier, or with nothing to ask)."""
-        keys = key_list(keys)
-        if not 0 <= gpu_hit_blocks <= len(keys):
-            raise invalid_argument("gpu_hit_blocks", f"{gpu_hit_blocks} not in 0..{len(keys)}")
         wait_s = check_number("wait_s", wait_s, zero_ok=True)
+        ask = self._planner.asked_of("remote", keys, gpu_hit_blocks)  # validates its arguments
         if self.remote_stager is None:
             return True
-        rest = keys[gpu_hit_blocks:]
-        at = self.host.index.lookup_prefix(rest)
-        if self.stager is not None and at < len(rest):
-            with contextlib.suppress(ClosedError):
-                at += self.stager.disk.lookup_prefix(rest[at:])
         remote = self.remote_stager.disk
-        ask = rest[at:]
         probe, wait = getattr(remote, "probe", None), getattr(remote, "wait_answered", None)
         if not ask or probe is None or wait is None:
             return True  # a tier that owns its index answers lookups itself

@@ -92,9 +92,7 @@ class LoadPlanner:
         """How many leading blocks of `keys` after the first `gpu_hit_blocks` each tier holds,
         and how many of them to load (`TierOrchestrator.plan`); counted unless `count` is False."""
         keys = key_list(keys)
-        if not 0 <= gpu_hit_blocks <= len(keys):
-            raise invalid_argument("gpu_hit_blocks", f"{gpu_hit_blocks} not in 0..{len(keys)}")
-        rest = keys[gpu_hit_blocks:]
+        rest = _past_gpu_hits(keys, gpu_hit_blocks)
         hits = {"cpu": self.cpu.lookup_prefix(rest)}
         refused: dict[str, dict[str, int]] = {}
         loads = {"cpu": self._admit("cpu", hits["cpu"], refused)}
@@ -128,6 +126,18 @@ class LoadPlanner:
         if count:
             self.count(plan)
         return plan
+
+    def asked_of(self, tier: str, keys: Sequence[Key], gpu_hit_blocks: int = 0) -> list[Key]:
+        """The blocks of `keys` after the first `gpu_hit_blocks` and past the leading hits of
+        every tier before staged `tier` in the chain: what `tier` is asked about. Unlike `plan`,
+        it consults no gate (whose refusals start cost-probe clocks) and counts nothing."""
+        rest = _past_gpu_hits(key_list(keys), gpu_hit_blocks)
+        at = self.cpu.lookup_prefix(rest)
+        for before in self.stagers:
+            if before == tier or at == len(rest):
+                break
+            at += self._hits(before, rest[at:])
+        return rest[at:]
 
     def plan_for(self, keys: list[Key], gpu_hit_blocks: int, plan: LoadPlan | None) -> tuple[LoadPlan, bool]:
         """The caller's plan (counted when it was made), or a new one, not counted yet: the
@@ -172,3 +182,10 @@ class LoadPlanner:
             return n
         refused.setdefault(tier, {})[reason] = n
         return 0
+
+
+def _past_gpu_hits(keys: list[Key], gpu_hit_blocks: int) -> list[Key]:
+    """`keys` after the first `gpu_hit_blocks`, which must be within them."""
+    if not 0 <= gpu_hit_blocks <= len(keys):
+        raise invalid_argument("gpu_hit_blocks", f"{gpu_hit_blocks} not in 0..{len(keys)}")
+    return keys[gpu_hit_blocks:]
