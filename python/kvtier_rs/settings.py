@@ -597,6 +597,17 @@ TREE: tuple[Setting, ...] = (
         needs="remote_url",
     ),
     Setting(
+        "async_loads",
+        "engine",
+        "`off`: every load is waited for per layer in the forward pass; `staged`: a request whose load "
+        "reads from the disk or remote tier is answered `load_kv_async` and kept out of the batch until "
+        "its blocks are in place (needs a release that defers cancelling a loading request; a staged "
+        "load that then falls short stops the executor, since TensorRT-LLM cannot take a promise back)",
+        _choice("off", "staged"),
+        default="off",
+        takes=frozenset({TRTLLM}),
+    ),
+    Setting(
         "block_identity",
         "engine",
         "`auto` (the engine's own block hash when TensorRT-LLM's hasher imports, else kvtier's chain), "

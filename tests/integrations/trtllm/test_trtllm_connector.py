@@ -14,7 +14,17 @@ import types
 
 import pytest
 import torch
-from support.trtllm.driver import Engine, Request, Retention, TokenRange, llm_args, standin_engine_hash
+from support.disk import HeldReads
+from support.trtllm.driver import (
+    Engine,
+    Request,
+    RequestData,
+    Retention,
+    SchedulerOutput,
+    TokenRange,
+    llm_args,
+    standin_engine_hash,
+)
 
 from kvtier_rs._core import BlockIndex, InvalidArgumentError, KvTierError
 from kvtier_rs.integrations import trtllm
@@ -990,3 +1000,124 @@ def test_remote_keys_are_checked_like_the_others():
     o = parse_options({"cpu_bytes": "1MiB", "remote_url": "redis://127.0.0.1:7000"})
     assert o.remote_probe_wait_s == 0.005 and o.settings is not None and o.settings.remote is not None
     assert parse_options({"cpu_bytes": "1MiB"}).remote_probe_wait_s is None
+
+
+# ---- async loads (async_loads: "staged") ------------------------------------------------------
+def test_a_disk_load_waits_outside_the_batch_and_comes_back_with_its_kv(tmp_path, engines):
+    """A request whose blocks come from disk is answered load_kv_async: it is parked while
+    another request decodes (no layer waits for its read, which is held back), and once the
+    read lands and get_finished reports it, it runs as a new request on the loaded KV (the
+    driver checks every token of every layer)."""
+    eng = make(tmp_path, cpu_blocks=4, disk=True, async_loads="staged")
+    engines.append(eng)
+    first = prompt(3, 12)
+    orch = _evicted_to_disk(eng, first)
+    other = Request(5, prompt(77, 6), max_new_tokens=8)
+    eng.step([other])  # prefill of an unrelated request
+    held = HeldReads(orch.stager.disk)
+    orch.stager.disk = held
+    r = Request(2, first + [2])
+    meta = eng.step([r])  # parked; `other` decodes in the same step
+    assert eng.matched[2] == 12 and 2 in eng.parked
+    assert [(s.request_id, s.asynchronous) for s in meta.loads] == [(2, True)]
+    for _ in range(3):  # the read is held back: `other` keeps decoding, nothing waits for it
+        eng.step()
+        assert 2 in eng.parked and eng.announced_loading == {2}
+    assert eng.worker.counts["loaded_blocks"] == 0
+    held.release = True
+    eng.wait_loaded(2)
+    meta = eng.step()  # request 2 is prefilled from position 12 on the loaded blocks
+    assert r.state == "GENERATION_IN_PROGRESS" and not meta.loads
+    assert eng.worker.counts["loaded_blocks"] == 3
+    assert orch.stats()["tiers"]["disk"]["promotions"] == 3
+    assert orch.host.index.stats()["pinned_blocks"] == 0
+
+
+def test_cpu_hits_stay_synchronous_under_async_loads(tmp_path, engines):
+    eng = make(tmp_path, async_loads="staged")
+    engines.append(eng)
+    shared = prompt(4, 12)
+    eng.run_request(Request(1, shared + [1]))
+    r = Request(2, shared + [2])
+    meta = eng.step([r])
+    assert eng.matched[2] == 12 and 2 not in eng.parked
+    assert [(s.request_id, s.asynchronous) for s in meta.loads] == [(2, False)]
+    assert eng.worker.counts["loaded_blocks"] == 3
+
+
+def test_async_loads_are_off_by_default(tmp_path, engines):
+    eng = make(tmp_path, cpu_blocks=4, disk=True)
+    engines.append(eng)
+    first = prompt(3, 12)
+    _evicted_to_disk(eng, first)
+    assert eng.sched.get_num_new_matched_tokens(Request(2, first + [2]), 0) == (12, False)
+
+
+def test_a_request_back_from_an_async_load_saves_only_computed_blocks(tmp_path, engines):
+    """It comes back as a new request whose computed_position already counts the loaded
+    tokens: adding them again would file blocks of a later prefill chunk, not computed yet."""
+    eng = make(tmp_path, cpu_blocks=4, disk=True, async_loads="staged")
+    engines.append(eng)
+    first = prompt(3, 12)
+    _evicted_to_disk(eng, first)
+    r = Request(2, first + prompt(8, 12))  # 24 tokens: 3 blocks loaded, 3 to compute
+    eng.step([r])
+    eng.wait_loaded(2)
+    # The engine schedules the rest of the prompt in chunks; the first chunk is 4 tokens.
+    chunk = RequestData(2, r.get_tokens(0), list(r.block_ids), 12, 4)
+    meta = eng.sched.build_connector_meta(SchedulerOutput(new_requests=[chunk]))
+    assert [len(s.keys) for s in meta.saves] == [4], "blocks 0-3 are complete after this chunk, not 0-5"
+
+
+def test_a_short_async_load_stops_at_get_finished_naming_the_request(tmp_path, engines):
+    eng = make(tmp_path, cpu_blocks=4, disk=True, async_loads="staged")
+    engines.append(eng)
+    first = prompt(3, 12)
+    orch = _evicted_to_disk(eng, first)
+    orch.stager.disk._inject_fault("eio_read", 1)
+    with pytest.raises(KvTierError, match=r"async load of request 2: .* blocks failed to load"):
+        eng.step([Request(2, first + [2])])
+        eng.wait_loaded(2)
+    assert 2 in eng.parked, "never reported: TensorRT-LLM would run it on missing KV"
+
+
+def test_get_finished_refuses_a_loading_id_it_has_no_load_for(tmp_path, engines):
+    eng = make(tmp_path, async_loads="staged")
+    engines.append(eng)
+    with pytest.raises(InvalidArgumentError, match=r"started_loading_req_ids.*\[99\]"):
+        eng.worker.get_finished([], [99])
+
+
+def test_async_loads_need_a_release_that_defers_cancels(tmp_path, monkeypatch):
+    """Before TensorRT-LLM waited for a loading request's report to cancel it, a cancel freed
+    its blocks while kvtier could still be copying into them."""
+    old = types.ModuleType("kv_cache_connector_without_deferred_cancel")
+    old.KvCacheConnectorManager = type("KvCacheConnectorManager", (), {})
+    monkeypatch.setitem(sys.modules, old.__name__, old)
+    monkeypatch.setattr(trtllm, "BASE_MODULE", old.__name__)
+    assert not trtllm.defers_cancelling_loading_requests()
+    cfg = {"cpu_bytes": 16 * 4096, "io_engine": "cpu", "async_loads": "staged"}
+    cls = type("S", (trtllm.KvtierScheduler,), {"kvtier_config": cfg})
+    with pytest.raises(InvalidArgumentError, match=r"async_loads.*has_pending_transfers"):
+        cls(llm_args(TPB))
+    old.KvCacheConnectorManager.has_pending_transfers = lambda self: False
+    assert trtllm.defers_cancelling_loading_requests()
+
+
+def test_a_remote_load_answered_async_is_served_byte_for_byte(tmp_path, engines, cluster):
+    shared = prompt(11, 12)
+    first = make(tmp_path, **_remote(cluster))
+    first.run_request(Request(1, shared + [1]))
+    first.worker.tiers.orchestrator.drain()
+    first.worker.close()
+
+    second = make(tmp_path, async_loads="staged", **_remote(cluster))
+    engines.append(second)
+    r = Request(2, shared + [2])
+    second.step([r])
+    assert second.matched[2] == 12 and 2 in second.parked
+    second.wait_loaded(2)
+    second.step()  # the forward pass checks every loaded token's KV
+    assert r.state == "GENERATION_IN_PROGRESS" and second.worker.counts["loaded_blocks"] == 3
+    st = second.worker.tiers.orchestrator.stats()["tiers"]["remote"]
+    assert (st["hits"], st["promotions"]) == (3, 3)

@@ -12,6 +12,14 @@ py_executor.py, connectors/kv_cache_connector.py, resource_manager.py):
                get_finished(new finished-saving ids, new async-loading ids); blocks of requests
                reported done are freed.
 
+Async loads (a request answered load_kv_async=True) as in the 2026 releases: the request keeps
+its blocks but is left out of the SchedulerOutput and the forward pass (parked); its id is passed
+once, in the next get_finished; once get_finished returns it, it is scheduled on the next step as
+a new request whose computed_position already counts the loaded tokens, without being asked
+again. Returning an id never passed in, or twice, fails (TensorRT-LLM's KeyError). A step whose
+batch holds only requests just parked builds and binds its metadata and starts loads, but runs
+no forward pass and no wait_for_save.
+
 The KV pool is a real torch tensor [blocks, layers, 2, tokens_per_block * heads * dim] (dim 0 =
 block id, TensorRT-LLM's get_unique_primary_pool shape). The "model" writes, for every token it
 computes, KV that is a pure function of the token prefix and the layer, and before running a
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -147,6 +156,9 @@ class Engine:
         self.running: dict[int, Request] = {}
         self.saving: dict[int, Request] = {}  # finished, blocks kept until get_finished says done
         self.new_saving: list[int] = []
+        self.parked: dict[int, Request] = {}  # waiting for an async load, out of every batch
+        self.new_loading: list[int] = []  # parked since the last get_finished
+        self.announced_loading: set[int] = set()  # passed to get_finished, not yet returned
         self.matched: dict[int, int] = {}  # request id -> connector-matched tokens
         self.layer_calls: list[tuple[str, int]] = []
         self.forward_errors: list[BaseException] = []
@@ -203,25 +215,7 @@ class Engine:
         gpu_matched = gpu_matched or {}
         out = SchedulerOutput()
         computing: list[tuple[Request, int, int]] = []  # (req, first pos, end pos) computed now
-        for req in new_requests:
-            nct = gpu_matched.get(req.request_id, 0)
-            n, load_async = self.sched.get_num_new_matched_tokens(req, nct)
-            if n == 0 and load_async:
-                raise RuntimeError("load_kv_async must be False when num_tokens is 0!")
-            assert not load_async
-            req.external = n
-            self.matched[req.request_id] = n
-            need = -(-(req.prompt_len + req.max_new_tokens + 8) // self.tpb)  # room for a few decode steps
-            req.block_ids = [self.free.pop(0) for _ in range(need)]
-            if nct:  # blocks TensorRT-LLM reused itself: fill them as its radix tree would
-                for pos in range(nct):
-                    for layer in range(self.layers):
-                        self._slot(req.block_ids[pos // self.tpb], pos, layer).copy_(
-                            self.token_kv(req.tokens[: pos + 1], layer)
-                        )
-            self.sched.update_state_after_alloc(req, list(req.block_ids))
-            req.context_current_position = nct + n
-            self.running[req.request_id] = req
+        parked_now = any([self._schedule(req, gpu_matched.get(req.request_id, 0)) for req in new_requests])
         for req in list(self.running.values()):
             if req.state == "CONTEXT_INIT":
                 start = req.context_current_position
@@ -258,6 +252,9 @@ class Engine:
         meta = pickle.loads(pickle.dumps(meta))  # the MPI broadcast
         self.worker.bind_connector_meta(meta)
         self.worker.start_load_kv(None)
+        if parked_now and not computing:  # the batch emptied when its requests were parked
+            self.poll_finished()
+            return meta
         try:
             self._forward(computing, model_error_at_layer)
         except AssertionError:
@@ -278,6 +275,32 @@ class Engine:
             self._terminate(self.running.pop(rid))
         self.poll_finished()
         return meta
+
+    def _schedule(self, req, nct):
+        """Match and allocate a new request (`nct` tokens matched by the engine itself); True
+        if it was answered load_kv_async and is parked."""
+        n, load_async = self.sched.get_num_new_matched_tokens(req, nct)
+        if n == 0 and load_async:
+            raise RuntimeError("load_kv_async must be False when num_tokens is 0!")
+        req.external = 0 if load_async else n  # a parked request comes back with n counted
+        self.matched[req.request_id] = n
+        need = -(-(req.prompt_len + req.max_new_tokens + 8) // self.tpb)  # room for a few decode steps
+        req.block_ids = [self.free.pop(0) for _ in range(need)]
+        if nct:  # blocks TensorRT-LLM reused itself: fill them as its radix tree would
+            for pos in range(nct):
+                for layer in range(self.layers):
+                    self._slot(req.block_ids[pos // self.tpb], pos, layer).copy_(
+                        self.token_kv(req.tokens[: pos + 1], layer)
+                    )
+        self.sched.update_state_after_alloc(req, list(req.block_ids))
+        req.context_current_position = nct + n
+        if not load_async:
+            self.running[req.request_id] = req
+            return False
+        req.state = "DISAGG_GENERATION_TRANS_IN_PROGRESS"
+        self.parked[req.request_id] = req
+        self.new_loading.append(req.request_id)
+        return True
 
     def _request_data(self, *args, **kwargs):
         if self.request_data == "legacy":
@@ -319,8 +342,15 @@ class Engine:
 
     def poll_finished(self):
         ids, self.new_saving = self.new_saving, []
-        done_saving, done_loading = self.worker.get_finished(ids, [])
-        assert not done_loading
+        loading, self.new_loading = self.new_loading, []
+        self.announced_loading.update(loading)
+        done_saving, done_loading = self.worker.get_finished(ids, loading)
+        for rid in done_loading:
+            assert rid in self.announced_loading, f"get_finished returned loading id {rid}, not waiting to be"
+            self.announced_loading.discard(rid)
+            req = self.parked.pop(rid)
+            req.state = "CONTEXT_INIT"  # scheduled on the next step, as a new request
+            self.running[rid] = req
         for rid in done_saving:
             assert rid in self.saving, f"get_finished returned {rid}, never passed in"
             self._free(self.saving.pop(rid))
@@ -332,6 +362,17 @@ class Engine:
             self.pool[b].fill_(float("nan"))
         self.free += req.block_ids
         req.block_ids = []
+
+    def wait_loaded(self, rid):
+        """Drive steps until parked request `rid` has been reported loaded (it is then running,
+        to be scheduled on the next step)."""
+        deadline = time.monotonic() + 60  # far beyond any stall; spent only when kvtier is broken
+        while rid in self.parked:
+            # get_finished polls the orchestrator itself (orchestrator.drain would take the
+            # load's result away from the worker).
+            self.poll_finished()
+            assert time.monotonic() < deadline, f"request {rid}'s async load was never reported"
+            time.sleep(0.001)
 
     def run_request(self, req, *, gpu_matched=0):
         """Prefill, one decode step, finish; then wait until its saves are reported."""

@@ -58,6 +58,7 @@ class ConnectorOptions:
     namespace: str | None = None
     load_timeout_s: float = 60.0
     remote_probe_wait_s: float | None = None  # None: no remote tier
+    async_loads: str = "off"
     block_identity: str = "auto"
     guards: dict[str, GuardRule] = field(default_factory=dict)
     max_promotions_in_flight: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_MAX_IN_FLIGHT))

@@ -25,12 +25,15 @@ ReservationId = tuple[str, int, int]
 class LoadSpec:
     """Load `keys` (consecutive blocks of one request) into device blocks `block_ids`: the
     blocks the scheduler reserved (CPU hits pinned, disk hits being read into reserved CPU
-    slots) under `reservation` when it matched them."""
+    slots) under `reservation` when it matched them. `asynchronous`: the request was answered
+    `load_kv_async` and waits outside the batch; the worker reports the load through
+    `get_finished`, and no layer of a forward pass waits for it."""
 
     request_id: int
     keys: tuple[bytes, ...]
     block_ids: tuple[int, ...]
     reservation: ReservationId
+    asynchronous: bool = False
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,8 @@ def validate_metadata(meta: Any, num_blocks: int) -> KvtierConnectorMetadata:
                 and all(isinstance(v, int) and not isinstance(v, bool) for v in s.reservation[1:])
             ):
                 raise _bad(where, f"reservation must be (str, int, int), got {s.reservation!r}")
+            if isinstance(s, LoadSpec) and not isinstance(s.asynchronous, bool):
+                raise _bad(where, f"asynchronous must be a bool, got {s.asynchronous!r}")
             if isinstance(s, SaveSpec):
                 if not (len(s.priorities) == len(s.durations_s) == len(s.keys)):
                     raise _bad(where, "priorities and durations_s must have one entry per key")

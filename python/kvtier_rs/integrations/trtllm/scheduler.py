@@ -54,6 +54,7 @@ class _Req:
     load_keys: list[bytes] = field(default_factory=list)
     reservation: ReservationId | None = None  # the load's blocks, held until the worker binds them
     load_dst: list[int] | None = None
+    load_async: bool = False  # answered load_kv_async: waits outside the batch for its load
     saved: int = 0  # leading blocks already handed to a SaveSpec (or skipped as GPU/loaded)
     stopped: bool = False  # a block fell below min_offload_priority: nothing later is offloaded
     renew_only: bool = False  # stopped by priority: later blocks held by kvtier are still renewed
@@ -77,6 +78,10 @@ class SchedulerCore:
         self._reqs: dict[int, _Req] = {}
         self._steps = itertools.count()
         self._reservations = itertools.count()  # one id per reservation, never reused
+        # Requests answered load_kv_async whose blocks are allocated: TensorRT-LLM leaves them out
+        # of every SchedulerOutput until their load is reported, so the next metadata carries
+        # their loads whatever the output holds.
+        self._async_to_start: list[int] = []
         self.counts = {
             "matched_blocks": 0,
             "saved_blocks": 0,
@@ -217,7 +222,11 @@ class SchedulerCore:
         r.load_keys = r.keys[r.gpu_blocks : r.gpu_blocks + n]
         r.external_tokens = (r.gpu_blocks + n) * tpb - num_computed_tokens
         self.counts["matched_blocks"] += n
-        return r.external_tokens, False
+        # A load that reads from a staged tier can take a network round trip or a slow disk:
+        # with async loads the request waits outside the batch instead of every layer of the
+        # step waiting for it. CPU hits copy at memory speed and stay overlapped per layer.
+        r.load_async = self.options.async_loads == "staged" and res.disk + res.remote > 0
+        return r.external_tokens, r.load_async
 
     def update_state_after_alloc(self, request: Any, block_ids: list[int]) -> None:
         r = self._req(request.request_id, "update_state_after_alloc")
@@ -233,6 +242,8 @@ class SchedulerCore:
             if any(b < 0 for b in ids[r.gpu_blocks : need]):
                 raise invalid_argument("block_ids", "-1 (no page) where kvtier must load a block")
             r.load_dst = ids[r.gpu_blocks : need]
+            if r.load_async:
+                self._async_to_start.append(request.request_id)
 
     def update_state_after_alloc_by_layer_group(self, request: Any, block_ids_by_layer_group: list[list[int]]) -> None:
         if len(block_ids_by_layer_group) != 1:
@@ -245,6 +256,11 @@ class SchedulerCore:
     def build_connector_meta(self, scheduler_output: Any) -> KvtierConnectorMetadata:
         loads: list[LoadSpec] = []
         saves: list[SaveSpec] = []
+        for rid in dict.fromkeys(self._async_to_start):  # once each, in order
+            r = self._reqs.get(rid)
+            if r is not None and r.load_keys:  # not finished (cancelled) since
+                loads.append(self._take_load(rid, r))
+        self._async_to_start.clear()
         new = list(getattr(scheduler_output, "new_requests", None) or ())
         cached = list(getattr(scheduler_output, "cached_requests", None) or ())
         for data, is_new in [(d, True) for d in new] + [(d, False) for d in cached]:
@@ -286,17 +302,25 @@ class SchedulerCore:
                     raise KvTierError(
                         f"kvtier: request {data.request_id} has a load but update_state_after_alloc never ran"
                     )
-                assert r.reservation is not None
-                loads.append(LoadSpec(data.request_id, tuple(r.load_keys), tuple(r.load_dst), r.reservation))
-                r.reservation = None  # the worker binds it; the orchestrator unpins once loaded
-                r.load_keys = []
+                loads.append(self._take_load(data.request_id, r))
             # Blocks whose KV is complete after this forward pass. computed_position of a new
-            # request excludes what the connector matched; add it back.
-            valid = data.computed_position + data.num_scheduled_tokens + (r.external_tokens if is_new else 0)
+            # request excludes what the connector matched synchronously; add it back. A request
+            # back from an async load comes as new with its loaded tokens already counted.
+            loaded = r.external_tokens if is_new and not r.load_async else 0
+            valid = data.computed_position + data.num_scheduled_tokens + loaded
             spec = self._save_spec(data.request_id, r, valid // self.tokens_per_block)
             if spec is not None:
                 saves.append(spec)
         return KvtierConnectorMetadata(next(self._steps), tuple(loads), tuple(saves))
+
+    def _take_load(self, rid: int, r: _Req) -> LoadSpec:
+        """The request's load, handed to the worker (which binds its reservation; the
+        orchestrator unpins the blocks once loaded)."""
+        assert r.reservation is not None and r.load_dst is not None
+        spec = LoadSpec(rid, tuple(r.load_keys), tuple(r.load_dst), r.reservation, asynchronous=r.load_async)
+        r.reservation = None
+        r.load_keys = []
+        return spec
 
     def _retention(self, r: _Req, block: int) -> tuple[int, float | None]:
         """(priority, duration_s) of one of the request's blocks."""

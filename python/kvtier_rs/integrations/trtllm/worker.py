@@ -12,6 +12,11 @@ device row. Each request's load is split into one transfer job per layer (region
 orchestrator), submitted in layer order, so ``wait_for_layer_load(i)`` returns as soon as layer i
 of every load of the step is in place, while later layers are still copying: layer i's attention
 overlaps the copies of layers i+1.. (on CUDA the copy streams run beside the forward stream).
+
+Async loads (``async_loads: "staged"``): the scheduler answered the request ``load_kv_async``
+and TensorRT-LLM keeps it out of the batch; its load is bound in ``start_load_kv`` like the
+others, but no layer waits for it, and ``get_finished`` reports it once it has landed and
+TensorRT-LLM has announced it (``started_loading_req_ids``).
 """
 
 from __future__ import annotations
@@ -96,6 +101,12 @@ class WorkerCore:
         # to other requests since. Waited for, never reported (see _retire_pending_loads).
         self._stale_loads: dict[Any, Any] = {}
         self._loads_done = True
+        # Async loads (LoadSpec.asynchronous): their requests wait outside the batch, so no layer
+        # waits for them; get_finished reports each once TensorRT-LLM has announced it.
+        self._async_loads: dict[Any, Any] = {}  # orchestrator request id -> LoadSpec, in flight
+        self._async_landed: set[int] = set()  # TensorRT-LLM request ids whose load is complete
+        self._async_short: dict[int, str] = {}  # request id -> why its load fell short
+        self._async_announced: set[int] = set()  # passed in started_loading_req_ids, not yet reported
         self._save_jobs: dict[int, set[int]] = {}  # request id -> its offloads' copy jobs
         self._saving: set[int] = set()  # finished requests whose saves we must report
         self._known: set[int] = set()  # request ids seen in any SaveSpec
@@ -232,8 +243,11 @@ class WorkerCore:
                     if orch.is_reserved(later.reservation):
                         orch.release(later.reservation)
                 raise
-            self._pending_loads[res.request_id] = spec
-            self._loads_done = False
+            if spec.asynchronous:
+                self._async_loads[res.request_id] = spec
+            else:
+                self._pending_loads[res.request_id] = spec
+                self._loads_done = False
 
     def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
         if self.tiers is None:
@@ -295,6 +309,8 @@ class WorkerCore:
         # for good (and every later start_load_kv would refuse to run).
         error = None
         for res in results:
+            if self._landed_async(res):
+                continue
             spec = self._pending_loads.pop(res.request_id, None)
             if spec is None:
                 if self._stale_loads.pop(res.request_id, None) is not None:
@@ -313,6 +329,24 @@ class WorkerCore:
             self.counts["loaded_blocks"] += res.loaded
         if error is not None:
             raise error
+
+    def _landed_async(self, res: Any) -> bool:
+        """Take the result of an async load (False: not one). A short one is kept for
+        get_finished to raise about, not raised here: this also runs inside other requests'
+        layer waits, whose step it does not concern."""
+        spec = self._async_loads.pop(res.request_id, None)
+        if spec is None:
+            return False
+        self.load_results.append(res)
+        if res.loaded != len(spec.keys):
+            self._async_short[spec.request_id] = (
+                f"{len(spec.keys) - res.loaded} of {len(spec.keys)} blocks failed to load (a disk or remote block "
+                "that failed its check, a remote block evicted since the probe, a read given up, or a copy error)"
+            )
+        else:
+            self._async_landed.add(spec.request_id)
+            self.counts["loaded_blocks"] += res.loaded
+        return True
 
     def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
         # Offloads are whole blocks (every layer of a pool row), submitted once per step in
@@ -358,12 +392,7 @@ class WorkerCore:
         self, finished_gen_req_ids: list[int], started_loading_req_ids: list[int]
     ) -> tuple[list[int], list[int]]:
         orch = self._orch("get_finished")
-        if started_loading_req_ids:
-            raise invalid_argument(
-                "started_loading_req_ids",
-                f"{list(started_loading_req_ids)[:5]}; kvtier never "
-                "answers load_kv_async=True, so no request can be loading asynchronously",
-            )
+        self._announce_async(started_loading_req_ids)
         # An id with no save known here is not an error: the scheduler says a request saves once
         # it has put a SaveSpec in some step's metadata, and a forward pass that failed before
         # wait_for_save (TensorRT-LLM then fails every active request) never submitted it. Such
@@ -389,7 +418,36 @@ class WorkerCore:
             self._saving.discard(rid)
             self._save_jobs.pop(rid, None)
             self._known.discard(rid)
-        return done, []
+        return done, self._report_async()
+
+    def _announce_async(self, started: list[int]) -> None:
+        """TensorRT-LLM names each request it parked for an async load once, in the
+        get_finished call of the step that parked it; that step's start_load_kv bound its load."""
+        bound = {spec.request_id for spec in self._async_loads.values()} | self._async_landed | set(self._async_short)
+        unknown = [rid for rid in started if rid not in bound or rid in self._async_announced]
+        if unknown:
+            raise invalid_argument(
+                "started_loading_req_ids",
+                f"{unknown[:5]}: no async load of kvtier's is waiting to be reported for these requests "
+                "(announced twice, or their load never reached start_load_kv)",
+            )
+        self._async_announced.update(started)
+
+    def _report_async(self) -> list[int]:
+        """Announced async loads that have landed, each reported once. A load that fell short
+        stops here: reporting it would run the request on missing KV, and withholding it would
+        park the request for good, so the error names it (TensorRT-LLM has no way to fail one
+        loading request; the exception ends its executor loop)."""
+        short = sorted(rid for rid in self._async_short if rid in self._async_announced)
+        if short:
+            raise KvTierError(
+                f"kvtier: async load of request {short[0]}: {self._async_short[short[0]]}; TensorRT-LLM cannot be "
+                "told that a promised load fell short (set async_loads to off to fail only the step instead)"
+            )
+        done = sorted(self._async_landed & self._async_announced)
+        self._async_landed.difference_update(done)
+        self._async_announced.difference_update(done)
+        return done
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def close(self) -> None:
