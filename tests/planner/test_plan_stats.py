@@ -28,7 +28,7 @@ def numpy_histogram(values: list[float], log: bool) -> tuple[list[float], list[i
         lo = max(a[a > 0].min(), 1e-3) if (a > 0).any() else 1e-3
         hi = max(a.max(), lo * 10)
         edges = np.logspace(math.log10(lo), math.log10(hi), 25)
-        edges[0] = 0.0
+        edges[0], edges[-1] = 0.0, hi  # the largest value is always in the last bin
     else:
         edges = np.linspace(0, a.max() or 1, 25)
     counts, edges = np.histogram(a, bins=edges)
@@ -63,6 +63,12 @@ def test_histogram_matches_numpy(vs: list[float], log: bool) -> None:
     if not near:
         assert got["counts"] == counts
     assert sum(got["counts"]) == sum(counts)
+
+
+def test_the_largest_value_is_counted_when_its_logarithm_rounds_down() -> None:
+    # 10 ** log10(1343651.0974815711) is an ulp below it: the value fell outside every bin.
+    got = _histogram([1.0, 1343651.0974815711], log=True)
+    assert got is not None and sum(got["counts"]) == 2 and got["edges"][-1] == 1343651.0974815711
 
 
 def test_empty_is_none() -> None:

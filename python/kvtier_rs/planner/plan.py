@@ -113,7 +113,9 @@ def _histogram(values: list[float], *, log: bool) -> dict[str, list[Any]] | None
         hi = max(s[-1], lo * 10)
         a, b = math.log10(lo), math.log10(hi)
         step = (b - a) / (n_edges - 1)
-        edges = [10.0 ** (a + i * step) for i in range(n_edges - 1)] + [10.0**b]
+        # The last edge is the largest value itself: 10 ** log10(hi) can come out an ulp below
+        # it, which left the largest value out of every bin.
+        edges = [10.0 ** (a + i * step) for i in range(n_edges - 1)] + [float(hi)]
         edges[0] = 0.0
     else:
         top = s[-1] or 1
