@@ -520,7 +520,12 @@ def test_bad_metadata_and_unknown_ids_are_clear_errors(tmp_path, engines):
         w.start_load_kv(None)
     bad = KvtierConnectorMetadata(0, loads=(LoadSpec(1, (b"x" * 16,), (10_000,), ("trtllm", 1, 0)),))
     w.bind_connector_meta(bad)
-    with pytest.raises(InvalidArgumentError, match=r"loads\[0\].*outside the KV pool"):
+    with pytest.raises(InvalidArgumentError, match=r"loads\[0\].*outside the KV pool") as ei:
+        w.start_load_kv(None)
+    assert ei.value.arg == "metadata"
+    bad = KvtierConnectorMetadata(0, loads=(LoadSpec(1, (b"x" * 16,), (1,), ("trtllm", 1, 0), asynchronous=1),))
+    w.bind_connector_meta(bad)
+    with pytest.raises(InvalidArgumentError, match=r"loads\[0\].*asynchronous must be a bool"):
         w.start_load_kv(None)
     bad = KvtierConnectorMetadata(0, loads=(LoadSpec(1, (b"x" * 16,), (1,), ("trtllm", 1)),))
     w.bind_connector_meta(bad)
@@ -583,23 +588,44 @@ def test_config_errors_name_the_key(cfg, key):
 
 
 @pytest.mark.parametrize(
-    ("text", "what"),
+    ("text", "what", "arg"),
     [
-        ('{"cpu_bytes": "1MiB", "load_timeout_s": 1' + "0" * 400 + "}", r"config\['load_timeout_s'\]"),
-        ('{"cpu_bytes": "1MiB", "cost_model": {"prefill_tokens_per_s": Infinity}}', r"config\['cost_model'\]"),
-        ('{"cpu_bytes": "1MiB", "load_timeout_s": 1' + "0" * 5000 + "}", "KVTIER_TRTLLM_CONFIG: not usable JSON"),
-        ('{"cpu_bytes": ' + "[" * 100000 + "]" * 100000 + "}", "KVTIER_TRTLLM_CONFIG: not usable JSON"),
-        (b'{"cpu_bytes": "1MiB", "namespace": "caf\xe9"}', "KVTIER_TRTLLM_CONFIG: .* is not UTF-8"),
+        (
+            '{"cpu_bytes": "1MiB", "load_timeout_s": 1' + "0" * 400 + "}",
+            r"config\['load_timeout_s'\]",
+            "load_timeout_s",
+        ),
+        (
+            '{"cpu_bytes": "1MiB", "cost_model": {"prefill_tokens_per_s": Infinity}}',
+            r"config\['cost_model'\]",
+            "cost_model",
+        ),
+        (
+            '{"cpu_bytes": "1MiB", "load_timeout_s": 1' + "0" * 5000 + "}",
+            "KVTIER_TRTLLM_CONFIG: not usable JSON",
+            "KVTIER_TRTLLM_CONFIG",
+        ),
+        (
+            '{"cpu_bytes": ' + "[" * 100000 + "]" * 100000 + "}",
+            "KVTIER_TRTLLM_CONFIG: not usable JSON",
+            "KVTIER_TRTLLM_CONFIG",
+        ),
+        (
+            b'{"cpu_bytes": "1MiB", "namespace": "caf\xe9"}',
+            "KVTIER_TRTLLM_CONFIG: .* is not UTF-8",
+            "KVTIER_TRTLLM_CONFIG",
+        ),
     ],
     ids=["int-401-digits", "Infinity", "int-5000-digits", "nested-100000-deep", "latin-1-file"],
 )
-def test_config_from_environment_errors_are_clear(monkeypatch, tmp_path, text, what):
+def test_config_from_environment_errors_are_clear(monkeypatch, tmp_path, text, what, arg):
     if isinstance(text, bytes):  # a file (Latin-1 here): a UnicodeDecodeError before
         (tmp_path / "cfg.json").write_bytes(text)
         text = str(tmp_path / "cfg.json")
     monkeypatch.setenv("KVTIER_TRTLLM_CONFIG", text)
-    with pytest.raises(InvalidArgumentError, match=what):
+    with pytest.raises(InvalidArgumentError, match=what) as ei:
         trtllm.KvtierScheduler(llm_args(TPB))
+    assert ei.value.arg == arg  # the key, or the variable itself: no need to parse the message
 
 
 @pytest.mark.parametrize(
@@ -626,8 +652,16 @@ def test_config_from_environment(monkeypatch, tmp_path):
     s = trtllm.KvtierScheduler(llm_args(TPB, model="env-model"))
     assert s.options.cpu_bytes == 65536
     monkeypatch.setenv("KVTIER_TRTLLM_CONFIG", "not json")
-    with pytest.raises(InvalidArgumentError, match="KVTIER_TRTLLM_CONFIG"):
+    with pytest.raises(InvalidArgumentError, match="KVTIER_TRTLLM_CONFIG") as ei:
         trtllm.KvtierScheduler(llm_args(TPB))
+    assert ei.value.arg == "KVTIER_TRTLLM_CONFIG"
+    monkeypatch.delenv("KVTIER_TRTLLM_CONFIG")
+    with pytest.raises(InvalidArgumentError, match="kvtier trtllm config: none given") as ei:
+        trtllm.KvtierScheduler(llm_args(TPB))
+    assert ei.value.arg == "KVTIER_TRTLLM_CONFIG"
+    with pytest.raises(InvalidArgumentError, match="expected a dict, got list") as ei:
+        parse_options([])
+    assert ei.value.arg == "kvtier_config"
 
 
 def test_scheduler_without_registered_pool_says_so(monkeypatch):
@@ -1098,8 +1132,9 @@ def test_async_loads_need_a_release_that_defers_cancels(tmp_path, monkeypatch):
     assert not trtllm.defers_cancelling_loading_requests()
     cfg = {"cpu_bytes": 16 * 4096, "io_engine": "cpu", "async_loads": "staged"}
     cls = type("S", (trtllm.KvtierScheduler,), {"kvtier_config": cfg})
-    with pytest.raises(InvalidArgumentError, match=r"async_loads.*has_pending_transfers"):
+    with pytest.raises(InvalidArgumentError, match=r"async_loads.*has_pending_transfers") as ei:
         cls(llm_args(TPB))
+    assert ei.value.arg == "async_loads"
     old.KvCacheConnectorManager.has_pending_transfers = lambda self: False
     assert trtllm.defers_cancelling_loading_requests()
 

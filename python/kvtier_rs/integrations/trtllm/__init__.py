@@ -78,7 +78,7 @@ class _FallbackSchedulerBase:
         self._llm_args = llm_args
 
 
-from kvtier_rs._core import InvalidArgumentError  # noqa: E402
+from kvtier_rs.integrations.trtllm.config import READER  # noqa: E402
 from kvtier_rs.integrations.trtllm.metadata import KvtierConnectorMetadata, LoadSpec, SaveSpec  # noqa: E402
 from kvtier_rs.integrations.trtllm.scheduler import SchedulerCore  # noqa: E402
 from kvtier_rs.integrations.trtllm.worker import WorkerCore  # noqa: E402
@@ -106,10 +106,11 @@ class KvtierScheduler(SchedulerCore, _SchedBase or _FallbackSchedulerBase):  # t
         super().__init__(llm_args)
         self._kvtier_init(llm_args)
         if self.options.async_loads != "off" and not defers_cancelling_loading_requests():
-            raise InvalidArgumentError(
-                f"kvtier trtllm config[async_loads]: {self.options.async_loads!r} needs a TensorRT-LLM release "
-                f"whose connector manager defers cancelling a loading request (has_pending_transfers); "
-                f"{BASE_MODULE} has none, and a cancelled request's blocks could be freed mid-copy. Use 'off'"
+            raise READER.error(
+                "async_loads",
+                f"{self.options.async_loads!r} needs a TensorRT-LLM release whose connector manager defers "
+                f"cancelling a loading request (has_pending_transfers); {BASE_MODULE} has none, and a "
+                "cancelled request's blocks could be freed mid-copy. Use 'off'",
             )
 
 

@@ -24,6 +24,7 @@ from typing import Any
 from kvtier_rs import defaults as D
 from kvtier_rs import settings as S
 from kvtier_rs._core import InvalidArgumentError
+from kvtier_rs.checks import invalid_argument
 from kvtier_rs.options import OptionReader
 from kvtier_rs.orchestrator.gate import DEFAULT_MAX_IN_FLIGHT
 from kvtier_rs.orchestrator.guard import GuardRule
@@ -70,7 +71,11 @@ class ConnectorOptions:
 def parse_options(raw: Mapping[str, Any]) -> ConnectorOptions:
     """Validate a config dict; every error names its key."""
     if not isinstance(raw, Mapping):
-        raise InvalidArgumentError(f"kvtier trtllm config: expected a dict, got {type(raw).__name__}")
+        raise invalid_argument(
+            "kvtier_config",
+            f"expected a dict, got {type(raw).__name__}",
+            message=f"kvtier trtllm config: expected a dict, got {type(raw).__name__}",
+        )
     settings = S.settings_from_values(S.read_values(raw, S.TRTLLM, _opts))
     cpu, disk, path = settings.cpu, settings.disk, settings.data_path
     if cpu.admission.startswith("priority:"):
@@ -105,30 +110,36 @@ def parse_options(raw: Mapping[str, Any]) -> ConnectorOptions:
     )
 
 
+def _env_error(reason: str) -> InvalidArgumentError:
+    """An error in what the environment variable holds, with ``.arg`` naming it."""
+    return invalid_argument(ENV_VAR, reason, message=f"{ENV_VAR}: {reason}")
+
+
 def load_options(class_config: Mapping[str, Any] | None) -> ConnectorOptions:
     """The connector's options: the class attribute if set, else the environment variable."""
     if class_config is not None:
         return parse_options(class_config)
     text = os.environ.get(ENV_VAR)
     if not text:
-        raise InvalidArgumentError(
-            f"kvtier trtllm config: none given. Set {ENV_VAR} to a JSON object (or a JSON file's path), "
+        reason = (
+            f"none given. Set {ENV_VAR} to a JSON object (or a JSON file's path), "
             'e.g. {"cpu_bytes": "8GiB"}, or subclass KvtierScheduler/KvtierWorker with kvtier_config = {...}'
         )
+        raise invalid_argument(ENV_VAR, reason, message=f"kvtier trtllm config: {reason}")
     if not text.lstrip().startswith("{"):
         path = Path(text)
         if not path.is_file():
-            raise InvalidArgumentError(f"{ENV_VAR}: {text!r} is neither a JSON object nor an existing file")
+            raise _env_error(f"{text!r} is neither a JSON object nor an existing file")
         try:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
-            raise InvalidArgumentError(f"{ENV_VAR}: {text!r} is not UTF-8 text (JSON is UTF-8): {e}") from None
+            raise _env_error(f"{text!r} is not UTF-8 text (JSON is UTF-8): {e}") from None
         except OSError as e:
-            raise InvalidArgumentError(f"{ENV_VAR}: cannot read {text!r}: {e}") from None
+            raise _env_error(f"cannot read {text!r}: {e}") from None
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as e:
-        raise InvalidArgumentError(f"{ENV_VAR}: not valid JSON: {e}") from None
+        raise _env_error(f"not valid JSON: {e}") from None
     except (ValueError, RecursionError) as e:  # an integer of over 4300 digits, nesting too deep
-        raise InvalidArgumentError(f"{ENV_VAR}: not usable JSON: {e}") from None
+        raise _env_error(f"not usable JSON: {e}") from None
     return parse_options(raw)

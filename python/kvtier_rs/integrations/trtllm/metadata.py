@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier_rs._core import InvalidArgumentError
+from kvtier_rs.checks import invalid_argument
 
 KEY_BYTES = 16  # every block key, under either identity scheme (see identity.py)
 DEFAULT_PRIORITY = 35
@@ -56,7 +57,7 @@ class KvtierConnectorMetadata:
 
 
 def _bad(where: str, msg: str) -> InvalidArgumentError:
-    return InvalidArgumentError(f"invalid connector metadata: {where}: {msg}")
+    return invalid_argument("metadata", f"{where}: {msg}", message=f"invalid connector metadata: {where}: {msg}")
 
 
 def validate_metadata(meta: Any, num_blocks: int) -> KvtierConnectorMetadata:
