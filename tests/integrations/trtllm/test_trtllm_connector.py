@@ -984,14 +984,20 @@ def _remote(cluster, **extra):
     return {"remote_url": cluster.url, "remote_admission": "always", "remote_probe_wait_s": WAIT_S, **extra}
 
 
-def test_a_prefix_one_engine_computed_is_loaded_by_the_next_from_the_remote_tier(tmp_path, engines, cluster):
-    shared = prompt(9, 12)  # 3 full blocks
+def _stored_by_a_replica_that_is_gone(tmp_path, cluster, seed):
+    """A 12-token prefix (3 blocks) that one engine computed and wrote to the remote tier before
+    it went away (its CPU tier with it)."""
+    shared = prompt(seed, 12)
     first = make(tmp_path, **_remote(cluster))
     first.run_request(Request(1, shared + [1]))
     first.worker.tiers.orchestrator.drain()
     assert first.worker.tiers.orchestrator.stats()["tiers"]["remote"]["writes"]["completed"] == 3
-    first.worker.close()  # the replica is gone: its CPU tier with it
+    first.worker.close()
+    return shared
 
+
+def test_a_prefix_one_engine_computed_is_loaded_by_the_next_from_the_remote_tier(tmp_path, engines, cluster):
+    shared = _stored_by_a_replica_that_is_gone(tmp_path, cluster, 9)
     second = make(tmp_path, **_remote(cluster))  # another replica: nothing local
     engines.append(second)
     r = Request(2, shared + [2])
@@ -1008,11 +1014,7 @@ def test_a_prefix_one_engine_computed_is_loaded_by_the_next_from_the_remote_tier
 
 
 def test_without_an_answer_in_time_remote_blocks_are_recomputed_not_promised(tmp_path, engines, cluster):
-    shared = prompt(10, 12)
-    first = make(tmp_path, **_remote(cluster))
-    first.run_request(Request(1, shared + [1]))
-    first.worker.tiers.orchestrator.drain()
-    first.worker.close()
+    shared = _stored_by_a_replica_that_is_gone(tmp_path, cluster, 10)
     cluster.pause(0)
     cluster.pause(1)
     cluster.pause(2)
@@ -1140,12 +1142,7 @@ def test_async_loads_need_a_release_that_defers_cancels(tmp_path, monkeypatch):
 
 
 def test_a_remote_load_answered_async_is_served_byte_for_byte(tmp_path, engines, cluster):
-    shared = prompt(11, 12)
-    first = make(tmp_path, **_remote(cluster))
-    first.run_request(Request(1, shared + [1]))
-    first.worker.tiers.orchestrator.drain()
-    first.worker.close()
-
+    shared = _stored_by_a_replica_that_is_gone(tmp_path, cluster, 11)
     second = make(tmp_path, async_loads="staged", **_remote(cluster))
     engines.append(second)
     r = Request(2, shared + [2])
