@@ -94,7 +94,20 @@ def make_llm(model: str, kv_transfer_config: Any = None, gpu_blocks: int = 16, *
     args.update(kw)
     if kv_transfer_config is not None:
         args["kv_transfer_config"] = kv_transfer_config
-    return LLM(**args)
+    try:
+        return LLM(**args)
+    except BaseException:
+        _drop_process_connector()  # vLLM leaves it behind when an engine fails to start
+        raise
+
+
+def _drop_process_connector() -> None:
+    """Shut down the KV connector an in-process engine leaves in vLLM's process-wide slot: the
+    next engine of this process (another test's) would find it there and run with a connector
+    made for the engine before it (or, without one of its own, with that one)."""
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+    ensure_kv_transfer_shutdown()
 
 
 def generate(llm: Any, ids: list[int], max_tokens: int = 8) -> tuple[list[int], int]:
@@ -116,6 +129,7 @@ def shutdown(llm: Any) -> None:
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
+    _drop_process_connector()
 
 
 def engine_id(llm: Any) -> str:
