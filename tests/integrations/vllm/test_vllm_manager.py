@@ -846,7 +846,7 @@ def test_disk_directories_differ_by_parallelism_and_layout():
     # each worker's half of the heads in turn, a PP=2 row each worker's layers) and on the host
     # layout: deployments that differ in these must never share a directory, even when their
     # rows have the same size. Before: the digest left them out, so all of these were one.
-    from kvtier_rs.integrations.vllm.disk_layer import tier_dir
+    from kvtier_rs.integrations.vllm.tier_identity import tier_dir
 
     configs = {
         "tp1": _offloading_config({}),
@@ -1213,3 +1213,20 @@ def test_a_directory_of_an_earlier_format_is_never_opened_and_is_named_in_the_lo
         assert (old / "kvtier-disk.meta").read_text() == "left by an earlier release\n", "left alone"
     finally:
         mgr.shutdown()
+
+
+def test_the_tiering_specs_disk_tier_also_names_a_directory_of_an_earlier_format(tmp_path, caplog, monkeypatch):
+    import logging
+    import mmap
+
+    monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)
+    old = tmp_path / "tiny_llama_0123456789ab"
+    old.mkdir()
+    (old / "kvtier-disk.meta").write_text("left by an earlier release\n")
+    mm = mmap.mmap(-1, 8 * 32768)
+    tier = _disk_tier_of(tmp_path, _offloading_config({}), memoryview(mm).cast("B", (8, 32768)))
+    try:
+        assert "ignoring disk-tier directory tiny_llama_0123456789ab" in caplog.text, caplog.text
+        assert (old / "kvtier-disk.meta").read_text() == "left by an earlier release\n", "left alone"
+    finally:
+        tier.shutdown()

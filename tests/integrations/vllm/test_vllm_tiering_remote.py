@@ -25,9 +25,9 @@ from vllm.v1.kv_offload.tiering.base import TransferJob  # noqa: E402
 
 from kvtier_rs._core import InvalidArgumentError  # noqa: E402
 from kvtier_rs.integrations.vllm import metrics as m  # noqa: E402
-from kvtier_rs.integrations.vllm.disk_layer import layout_identity  # noqa: E402
 from kvtier_rs.integrations.vllm.options import parse_options  # noqa: E402
 from kvtier_rs.integrations.vllm.secondary import KvtierRemoteTier  # noqa: E402
+from kvtier_rs.integrations.vllm.tier_identity import layout_identity  # noqa: E402
 from kvtier_rs.tiers.remote.build import open_remote_tier  # noqa: E402
 
 ROW = 8192

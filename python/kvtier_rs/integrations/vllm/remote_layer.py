@@ -22,8 +22,9 @@ from vllm.v1.kv_offload.base import Locality, LookupResult, OffloadKey
 
 from kvtier_rs._core import BlockIndex, HostPool
 from kvtier_rs.integrations.vllm import metrics as m
-from kvtier_rs.integrations.vllm.disk_layer import DiskLayer, layout_identity
+from kvtier_rs.integrations.vllm.disk_layer import DiskLayer
 from kvtier_rs.integrations.vllm.options import KvtierOptions
+from kvtier_rs.integrations.vllm.tier_identity import layout_identity
 from kvtier_rs.orchestrator.gate import LoadGate
 from kvtier_rs.tiers.remote.breaker import BreakerState
 from kvtier_rs.tiers.remote.build import open_remote_tier

@@ -61,7 +61,6 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from kvtier_rs._core import HostPool, IndexFailedError, InvalidArgumentError, KvTierError, NoSpaceError
 from kvtier_rs.integrations.vllm import metrics as m
-from kvtier_rs.integrations.vllm.disk_layer import layout_identity, tier_dir
 from kvtier_rs.integrations.vllm.options import (
     DISK_TIER_READER,
     DISK_TIER_TYPE,
@@ -71,6 +70,7 @@ from kvtier_rs.integrations.vllm.options import (
     parse_disk_tier,
     parse_remote_tier,
 )
+from kvtier_rs.integrations.vllm.tier_identity import layout_identity, log_earlier_formats, tier_dir
 from kvtier_rs.integrations.vllm.worker import KvtierWorker
 from kvtier_rs.tiers.disk import open_disk_tier
 from kvtier_rs.tiers.remote.breaker import BreakerState
@@ -265,6 +265,7 @@ class KvtierDiskTier(_InPlaceTier):
 
     def _open(self, parsed: Any, config: Any, row_bytes: int) -> Any:
         path = tier_dir(parsed.disk.root, config, row_bytes)
+        log_earlier_formats(path)
         # What only the tier can check (a capacity holding no block of this size, a directory
         # it cannot open) is reported under the key the user wrote.
         args, root_name = disk_tier_names(parsed.written)
