@@ -3,6 +3,8 @@ concurrency per step, and hit quality as stacked bars, measured beside predicted
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,28 +23,44 @@ def _pyplot() -> Any:
     return plt
 
 
-def latency_cdf(report: dict[str, Any], path: Path) -> None:
+@contextmanager
+def _figure(path: Path, *, panels: int = 1, figsize: tuple[float, float] = (11, 4)) -> Iterator[Any]:
+    """A figure of `panels` axes side by side (yielded as a list), saved to `path` and closed."""
     plt = _pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, key, title in ((axes[0], "ttft_s", "TTFT"), (axes[1], "e2e_s", "end-to-end latency")):
-        for step in report["steps"]:
-            vals = np.sort([r[key] for lv in step["levels"] for r in lv["per_request"] if r[key] is not None])
-            if vals.size:
-                ax.step(vals * 1e3, np.arange(1, vals.size + 1) / vals.size, where="post", label=step["name"])
-        ax.set_xscale("log")
-        ax.set_xlabel(f"{title} (ms)")
-        ax.set_ylabel("share of requests")
-        ax.set_title(f"{title} CDF per step (all levels)")
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    fig, axes = plt.subplots(1, panels, figsize=figsize, squeeze=False)
+    try:
+        yield list(axes[0])
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+    finally:
+        plt.close(fig)
+
+
+def _label(ax: Any, xlabel: str, ylabel: str, title: str) -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+
+
+def latency_cdf(report: dict[str, Any], path: Path) -> None:
+    with _figure(path, panels=2) as axes:
+        for ax, key, title in ((axes[0], "ttft_s", "TTFT"), (axes[1], "e2e_s", "end-to-end latency")):
+            for step in report["steps"]:
+                vals = np.sort([r[key] for lv in step["levels"] for r in lv["per_request"] if r[key] is not None])
+                if vals.size:
+                    ax.step(vals * 1e3, np.arange(1, vals.size + 1) / vals.size, where="post", label=step["name"])
+            ax.set_xscale("log")
+            _label(ax, f"{title} (ms)", "share of requests", f"{title} CDF per step (all levels)")
 
 
 def p99_vs_concurrency(report: dict[str, Any], path: Path) -> None:
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    with _figure(path, panels=2) as axes:
+        _p99_panels(report, axes)
+
+
+def _p99_panels(report: dict[str, Any], axes: list[Any]) -> None:
     budgets = report["budgets"]
     for ax, key, budget, title in (
         (axes[0], "ttft_s", budgets.get("ttft_p99_s"), "p99 TTFT"),
@@ -60,14 +78,7 @@ def p99_vs_concurrency(report: dict[str, Any], path: Path) -> None:
             ax.set_xticks(levels, [str(c) for c in levels])  # the levels run, not fractions between them
         if budget is not None:
             ax.axhline(budget * 1e3, color="k", linestyle="--", label="budget")
-        ax.set_xlabel("concurrency (requests in flight)")
-        ax.set_ylabel(f"{title} (ms)")
-        ax.set_title(f"{title} against concurrency")
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+        _label(ax, "concurrency (requests in flight)", f"{title} (ms)", f"{title} against concurrency")
 
 
 def _pooled_shares(step: dict[str, Any]) -> dict[str, float]:
@@ -77,7 +88,6 @@ def _pooled_shares(step: dict[str, Any]) -> dict[str, float]:
 
 
 def hit_quality(report: dict[str, Any], path: Path) -> None:
-    plt = _pyplot()
     labels, bars = [], []
     for step in report["steps"]:
         labels.append(f"{step['name']}\nmeasured")
@@ -86,18 +96,15 @@ def hit_quality(report: dict[str, Any], path: Path) -> None:
         if pred:
             labels.append(f"{step['name']}\nplanner")
             bars.append({s: pred.get(s) or 0.0 for s in SOURCES})
-    fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(bars) + 2), 4))
-    bottom = np.zeros(len(bars))
-    for s in SOURCES:
-        vals = np.asarray([b[s] for b in bars]) * 100
-        ax.bar(labels, vals, bottom=bottom, label=s, color=COLORS[s])
-        bottom += vals
-    ax.set_ylabel("share of prompt tokens (%)")
-    ax.set_title("hit quality: where prompt tokens came from")
-    ax.legend(loc="upper left", bbox_to_anchor=(1, 1))
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with _figure(path, figsize=(max(5, 1.3 * len(bars) + 2), 4)) as (ax,):
+        bottom = np.zeros(len(bars))
+        for s in SOURCES:
+            vals = np.asarray([b[s] for b in bars]) * 100
+            ax.bar(labels, vals, bottom=bottom, label=s, color=COLORS[s])
+            bottom += vals
+        ax.set_ylabel("share of prompt tokens (%)")
+        ax.set_title("hit quality: where prompt tokens came from")
+        ax.legend(loc="upper left", bbox_to_anchor=(1, 1))
 
 
 FIGURES = {
