@@ -15,6 +15,7 @@ __all__ = [
     "FAULT_INJECTION",
     "MAX_KEY_BYTES",
     "MAX_REPLICAS",
+    "Admission",
     "BlockIndex",
     "ClosedError",
     "DirectoryLockedError",
@@ -57,6 +58,20 @@ FAULT_INJECTION: bool
 def version() -> str: ...
 def policy_names() -> list[str]: ...
 def parse_admission(spec: str) -> str: ...
+
+@final
+class Admission:
+    """An admission rule ("always", "uses:K", "priority:T") with the uses it has counted, as the
+    index's tiers count them (a count-min sketch for `expected_keys` keys, halved with age), for
+    a tier that keeps no index in the core (the shared remote tier)."""
+
+    def __new__(cls, rule: str, expected_keys: int = 65536) -> Admission: ...
+    def offer(self, key: Key, priority: int = 35) -> bool:
+        """Count this offer as a use and say whether the tier takes the block."""
+    def record_use(self, key: Key) -> None: ...
+    @property
+    def rule(self) -> str: ...
+    def clear(self) -> None: ...
 
 class KvTierError(Exception): ...
 

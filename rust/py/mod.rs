@@ -1,6 +1,7 @@
 //! The pyo3 layer: thin wrappers that convert arguments, release the GIL around core calls and
 //! map `KvError` onto Python exceptions. No policy or bookkeeping logic lives here.
 
+mod admission;
 mod convert;
 mod disk;
 mod errors;
@@ -16,6 +17,8 @@ use pyo3::prelude::*;
 // the GIL back on.
 #[pymodule(name = "_core", gil_used = true)]
 mod core_module {
+    #[pymodule_export]
+    use super::admission::PyAdmission;
     #[cfg(feature = "fault-injection")]
     #[pymodule_export]
     use super::disk::_inject_spawn_failure;

@@ -337,6 +337,32 @@ def test_uses_beyond_the_sketchs_counters_is_refused(tmp_path, spec):
     assert offers == 255
 
 
+def test_the_cores_admission_for_tiers_without_an_index_decides_as_an_index_tier():
+    from kvtier_rs._core import Admission
+
+    a, ix = Admission("USES:3"), kv.BlockIndex(4, admission="uses:3")
+    assert a.rule == "uses:3"
+    for key in (b"a", 7):
+        assert [a.offer(key) for _ in range(3)] == [bool(ix.prepare_store([key]).keys) for _ in range(3)]
+        assert a.offer(key), "admitted from the K-th offer on"
+    a.record_use(b"b")
+    a.record_use(b"b")
+    assert a.offer(b"b"), "uses served elsewhere count"
+    a.clear()
+    assert not a.offer(b"a")
+    p = Admission("priority:50")
+    assert p.offer(b"x", 50) and not p.offer(b"x", 49)
+    assert Admission("always").offer(b"x", 0)
+    for call, arg in (
+        (lambda: Admission("sometimes"), "admission"),
+        (lambda: p.offer(b"x", 101), "priority"),
+        (lambda: a.offer("text"), "key"),
+    ):
+        with pytest.raises(kv.InvalidArgumentError) as ei:
+            call()
+        assert ei.value.arg == arg
+
+
 @pytest.mark.parametrize("keys", [bytearray(b"\x01\x02"), memoryview(b"\x01"), "ab"])
 def test_bytes_like_objects_are_not_sequences_of_keys(keys):
     # Iterating a bytearray or memoryview yields ints: it used to store int keys 1 and 2.

@@ -21,6 +21,7 @@ from a local disk:
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import threading
@@ -34,7 +35,8 @@ from typing import Any
 import redis
 from redis.cluster import RedisCluster
 
-from kvtier_rs._core import ClosedError, HostPool, parse_admission
+from kvtier_rs._core import MAX_KEY_BYTES as CORE_KEY_BYTES
+from kvtier_rs._core import Admission, ClosedError, HostPool
 from kvtier_rs.checks import check_count, check_number
 from kvtier_rs.orchestrator.latency import LatencyRecorder
 from kvtier_rs.tiers.keys import Key, key_list
@@ -125,29 +127,12 @@ class RemoteOptions:
         check_count("workers", self.workers)
 
 
-class Admission:
-    """Which offered blocks the shared store receives: ``always``, ``uses:K`` (on the K-th offer
-    counted in this process: reuse evidence) or ``priority:T`` (a retention priority >= T)."""
-
-    def __init__(self, spec: str) -> None:
-        self.spec = parse_admission(spec)
-        kind, _, arg = self.spec.partition(":")
-        self.kind = kind
-        self.threshold = int(arg) if arg else 0
-        self._offers: OrderedDict[Key, int] = OrderedDict()
-
-    def admits(self, key: Key, priority: int) -> bool:
-        if self.kind == "always":
-            return True
-        if self.kind == "priority":
-            return priority >= self.threshold
-        n = self._offers.pop(key, 0) + 1
-        if n >= self.threshold:
-            return True
-        self._offers[key] = n
-        if len(self._offers) > PRESENCE_ENTRIES:
-            self._offers.popitem(last=False)
-        return False
+def _counted_as(key: Key) -> Key:
+    """`key` as the core's admission counts it: a block key longer than the core's keys (the
+    value format takes up to MAX_KEY_BYTES) by a 16-byte digest of it."""
+    if isinstance(key, bytes) and len(key) > CORE_KEY_BYTES:
+        return hashlib.blake2b(key, digest_size=16).digest()
+    return key
 
 
 class RemoteTier:  # noqa: PLR0904 - the staging contract plus probes
@@ -174,7 +159,9 @@ class RemoteTier:  # noqa: PLR0904 - the staging contract plus probes
         self.prefix = o.prefix
         self.deadline_s = o.deadline_s
         self.ttl_s = o.ttl_s
-        self.admission = Admission(o.admission)
+        # The core's rule and use counter, as the index's tiers have them; `uses:K` counts in a
+        # fixed-size sketch, not one entry per key offered.
+        self.admission = Admission(o.admission, PRESENCE_ENTRIES)
         self.max_write_bytes = o.max_write_bytes
         self.absent_ttl_s = o.absent_ttl_s
         self.present_ttl_s = o.present_ttl_s
@@ -236,7 +223,7 @@ class RemoteTier:  # noqa: PLR0904 - the staging contract plus probes
                 # The value format cannot hold it: refused here, not raised by a worker (which
                 # would leave the job unreported until its deadline).
                 too_long.append(k)
-            elif not self.admission.admits(k, priority):
+            elif not self.admission.offer(_counted_as(k), priority):
                 refused.append(k)
             else:
                 take.append(k)
