@@ -580,7 +580,8 @@ TREE: tuple[Setting, ...] = (
     Setting(
         "load_timeout_s",
         "engine",
-        "seconds `wait_for_layer_load` waits for a load before failing",
+        "seconds `wait_for_layer_load` waits for a load before failing (an async load: seconds from its "
+        "start until `get_finished` fails it)",
         _seconds,
         default=60.0,
         takes=frozenset({TRTLLM}),

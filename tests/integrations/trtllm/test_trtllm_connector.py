@@ -1153,3 +1153,48 @@ def test_a_remote_load_answered_async_is_served_byte_for_byte(tmp_path, engines,
     assert r.state == "GENERATION_IN_PROGRESS" and second.worker.counts["loaded_blocks"] == 3
     st = second.worker.tiers.orchestrator.stats()["tiers"]["remote"]
     assert (st["hits"], st["promotions"]) == (3, 3)
+
+
+def _parked_by_hand(eng, r):
+    """Request `r` answered load_kv_async and its load started, as TensorRT-LLM's step does,
+    but not yet announced to get_finished (the driver's step announces it at its end)."""
+    n, load_async = eng.sched.get_num_new_matched_tokens(r, 0)
+    assert load_async and n == 12
+    r.block_ids = [eng.free.pop(0) for _ in range(5)]
+    eng.sched.update_state_after_alloc(r, list(r.block_ids))
+    meta = pickle.loads(pickle.dumps(eng.sched.build_connector_meta(SchedulerOutput())))
+    assert [s.request_id for s in meta.loads] == [r.request_id]
+    eng.worker.bind_connector_meta(meta)
+    eng.worker.start_load_kv(None)
+
+
+def test_an_async_load_is_announced_once_and_reported_once(tmp_path, engines):
+    eng = make(tmp_path, cpu_blocks=4, disk=True, async_loads="staged")
+    engines.append(eng)
+    first = prompt(3, 12)
+    _evicted_to_disk(eng, first)
+    _parked_by_hand(eng, Request(2, first + [2]))
+    with pytest.raises(InvalidArgumentError, match=r"started_loading_req_ids.*\[2\].*announced twice"):
+        eng.worker.get_finished([], [2, 2])
+    reported = eng.worker.get_finished([], [2])[1]
+    deadline = time.monotonic() + WAIT_S
+    while not reported:
+        assert time.monotonic() < deadline, "the load was never reported"
+        reported = eng.worker.get_finished([], [])[1]
+    assert reported == [2]
+    assert eng.worker.get_finished([], [])[1] == [], "reported once"
+    with pytest.raises(InvalidArgumentError, match="started_loading_req_ids"):
+        eng.worker.get_finished([], [2])
+
+
+def test_an_async_load_not_in_place_within_load_timeout_s_stops_naming_the_request(tmp_path, engines):
+    eng = make(tmp_path, cpu_blocks=4, disk=True, async_loads="staged", load_timeout_s=0.5)
+    engines.append(eng)
+    first = prompt(3, 12)
+    orch = _evicted_to_disk(eng, first)
+    held = HeldReads(orch.stager.disk)  # a device that stopped answering
+    orch.stager.disk = held
+    eng.step([Request(2, first + [2])])
+    with pytest.raises(KvTierError, match=r"async load of request 2: not in place after 0.5 s"):
+        wait_for(lambda: eng.poll_finished() is None, "the overdue load reported")
+    held.release = True  # the device answers again: the worker can close

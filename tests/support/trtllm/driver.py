@@ -364,8 +364,8 @@ class Engine:
         req.block_ids = []
 
     def wait_loaded(self, rid):
-        """Drive steps until parked request `rid` has been reported loaded (it is then running,
-        to be scheduled on the next step)."""
+        """Call get_finished (as the executor does at the end of each step) until parked request
+        `rid` has been reported loaded; it is then running, to be scheduled on the next step."""
         deadline = time.monotonic() + 60  # far beyond any stall; spent only when kvtier is broken
         while rid in self.parked:
             # get_finished polls the orchestrator itself (orchestrator.drain would take the

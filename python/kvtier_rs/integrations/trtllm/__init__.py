@@ -84,7 +84,6 @@ from kvtier_rs.integrations.trtllm.scheduler import SchedulerCore  # noqa: E402
 from kvtier_rs.integrations.trtllm.worker import WorkerCore  # noqa: E402
 
 
-# The ignores below (misc): the base class is chosen at import time, which mypy cannot follow.
 def defers_cancelling_loading_requests() -> bool:
     """Whether the installed TensorRT-LLM waits for a request's async load to be reported
     before it cancels the request (its connector manager's ``has_pending_transfers``, 2026
@@ -99,6 +98,7 @@ def defers_cancelling_loading_requests() -> bool:
     return manager is not None and hasattr(manager, "has_pending_transfers")
 
 
+# The ignores below (misc): the base class is chosen at import time, which mypy cannot follow.
 class KvtierScheduler(SchedulerCore, _SchedBase or _FallbackSchedulerBase):  # type: ignore[misc]
     """TensorRT-LLM ``connector_scheduler_class``; runs on rank 0."""
 

@@ -256,11 +256,6 @@ class SchedulerCore:
     def build_connector_meta(self, scheduler_output: Any) -> KvtierConnectorMetadata:
         loads: list[LoadSpec] = []
         saves: list[SaveSpec] = []
-        for rid in dict.fromkeys(self._async_to_start):  # once each, in order
-            r = self._reqs.get(rid)
-            if r is not None and r.load_keys:  # not finished (cancelled) since
-                loads.append(self._take_load(rid, r))
-        self._async_to_start.clear()
         new = list(getattr(scheduler_output, "new_requests", None) or ())
         cached = list(getattr(scheduler_output, "cached_requests", None) or ())
         for data, is_new in [(d, True) for d in new] + [(d, False) for d in cached]:
@@ -311,6 +306,13 @@ class SchedulerCore:
             spec = self._save_spec(data.request_id, r, valid // self.tokens_per_block)
             if spec is not None:
                 saves.append(spec)
+        # Last, so that their copies queue behind the batch's own (one copy stream), which the
+        # forward pass waits for layer by layer.
+        for rid in dict.fromkeys(self._async_to_start):  # once each, in order
+            held = self._reqs.get(rid)
+            if held is not None and held.load_keys:  # not finished since its blocks were allocated
+                loads.append(self._take_load(rid, held))
+        self._async_to_start.clear()
         return KvtierConnectorMetadata(next(self._steps), tuple(loads), tuple(saves))
 
     def _take_load(self, rid: int, r: _Req) -> LoadSpec:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -104,6 +104,7 @@ class WorkerCore:
         # Async loads (LoadSpec.asynchronous): their requests wait outside the batch, so no layer
         # waits for them; get_finished reports each once TensorRT-LLM has announced it.
         self._async_loads: dict[Any, Any] = {}  # orchestrator request id -> LoadSpec, in flight
+        self._async_bound_at: dict[Any, float] = {}  # orchestrator request id -> monotonic bind time
         self._async_landed: set[int] = set()  # TensorRT-LLM request ids whose load is complete
         self._async_short: dict[int, str] = {}  # request id -> why its load fell short
         self._async_announced: set[int] = set()  # passed in started_loading_req_ids, not yet reported
@@ -245,6 +246,7 @@ class WorkerCore:
                 raise
             if spec.asynchronous:
                 self._async_loads[res.request_id] = spec
+                self._async_bound_at[res.request_id] = time.monotonic()
             else:
                 self._pending_loads[res.request_id] = spec
                 self._loads_done = False
@@ -337,6 +339,7 @@ class WorkerCore:
         spec = self._async_loads.pop(res.request_id, None)
         if spec is None:
             return False
+        self._async_bound_at.pop(res.request_id, None)
         self.load_results.append(res)
         if res.loaded != len(spec.keys):
             self._async_short[spec.request_id] = (
@@ -406,6 +409,7 @@ class WorkerCore:
         # engine's forward error handler, would end the executor loop).
         self._retire_pending_loads()
         self._collect(orch.poll())  # completes finished stores in the CPU tier
+        loaded = self._report_async()  # before the saves' bookkeeping: it may raise
         done = []
         for rid in sorted(self._saving):
             # Once its own copy jobs are over the engine's blocks are no longer read and may be
@@ -418,13 +422,14 @@ class WorkerCore:
             self._saving.discard(rid)
             self._save_jobs.pop(rid, None)
             self._known.discard(rid)
-        return done, self._report_async()
+        return done, loaded
 
     def _announce_async(self, started: list[int]) -> None:
         """TensorRT-LLM names each request it parked for an async load once, in the
         get_finished call of the step that parked it; that step's start_load_kv bound its load."""
         bound = {spec.request_id for spec in self._async_loads.values()} | self._async_landed | set(self._async_short)
-        unknown = [rid for rid in started if rid not in bound or rid in self._async_announced]
+        counts = Counter(started)
+        unknown = [rid for rid in counts if rid not in bound or rid in self._async_announced or counts[rid] > 1]
         if unknown:
             raise invalid_argument(
                 "started_loading_req_ids",
@@ -438,6 +443,12 @@ class WorkerCore:
         stops here: reporting it would run the request on missing KV, and withholding it would
         park the request for good, so the error names it (TensorRT-LLM has no way to fail one
         loading request; the exception ends its executor loop)."""
+        now = time.monotonic()
+        for rid, spec in self._async_loads.items():
+            if now - self._async_bound_at[rid] > self.options.load_timeout_s:
+                self._async_short.setdefault(
+                    spec.request_id, f"not in place after {self.options.load_timeout_s} s (load_timeout_s)"
+                )
         short = sorted(rid for rid in self._async_short if rid in self._async_announced)
         if short:
             raise KvTierError(
