@@ -915,3 +915,19 @@ def test_a_hung_disk_at_one_request_at_a_time_trips_its_guard(tmp_path):
     guard = orch.guards["disk"].state()
     assert guard["state"] == "bypassed" and guard["trips"] == 1, guard
     assert orch.plan(left, count=False).refused == {"disk": {"guard": 1}}
+
+
+def test_a_probe_without_a_remote_tier_still_refuses_bad_arguments(tmp_path):
+    orch, _, _ = make(tmp_path, random.Random(1))
+    try:
+        assert orch.probe([b"k" * 16], 0), "nothing to ask: answered"
+        with pytest.raises(kv.InvalidArgumentError) as ei:
+            orch.probe([b"k" * 16], 2)
+        assert ei.value.arg == "gpu_hit_blocks"
+        with pytest.raises(kv.InvalidArgumentError) as ei:
+            orch._planner.asked_of("remote", [b"k" * 16])  # no remote tier is staged here
+        assert ei.value.arg == "tier"
+        assert orch._planner.asked_of("disk", [b"k" * 16]) == [b"k" * 16]
+    finally:
+        orch.drain()
+        orch.stager.disk.close()

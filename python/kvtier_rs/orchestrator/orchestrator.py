@@ -50,7 +50,7 @@ from kvtier_rs.orchestrator.gate import LoadGate
 from kvtier_rs.orchestrator.guard import GuardRule
 from kvtier_rs.orchestrator.latency import LatencyRecorder
 from kvtier_rs.orchestrator.loads import STAGED_TIERS, InFlight, LoadJob, LoadJobs, LoadResult, Reservation
-from kvtier_rs.orchestrator.plans import LoadPlan, LoadPlanner
+from kvtier_rs.orchestrator.plans import LoadPlan, LoadPlanner, past_gpu_hits
 from kvtier_rs.orchestrator.stalls import StallDetector
 from kvtier_rs.orchestrator.stats import DataPathSnapshot, DataPathStats, occupancy
 from kvtier_rs.orchestrator.stores import OffloadTicket, StoreJobs
@@ -239,9 +239,10 @@ class TierOrchestrator:  # noqa: PLR0904 - the public API, one delegating method
         per request and cannot be asked again (TensorRT-LLM). Returns whether every block
         asked about is answered (True too without a remote tier, or with nothing to ask)."""
         wait_s = check_number("wait_s", wait_s, zero_ok=True)
-        ask = self._planner.asked_of("remote", keys, gpu_hit_blocks)  # validates its arguments
         if self.remote_stager is None:
+            past_gpu_hits(key_list(keys), gpu_hit_blocks)  # bad arguments are refused all the same
             return True
+        ask = self._planner.asked_of("remote", keys, gpu_hit_blocks)
         remote = self.remote_stager.disk
         probe, wait = getattr(remote, "probe", None), getattr(remote, "wait_answered", None)
         if not ask or probe is None or wait is None:

@@ -92,7 +92,7 @@ class LoadPlanner:
         """How many leading blocks of `keys` after the first `gpu_hit_blocks` each tier holds,
         and how many of them to load (`TierOrchestrator.plan`); counted unless `count` is False."""
         keys = key_list(keys)
-        rest = _past_gpu_hits(keys, gpu_hit_blocks)
+        rest = past_gpu_hits(keys, gpu_hit_blocks)
         hits = {"cpu": self.cpu.lookup_prefix(rest)}
         refused: dict[str, dict[str, int]] = {}
         loads = {"cpu": self._admit("cpu", hits["cpu"], refused)}
@@ -131,7 +131,9 @@ class LoadPlanner:
         """The blocks of `keys` after the first `gpu_hit_blocks` and past the leading hits of
         every tier before staged `tier` in the chain: what `tier` is asked about. Unlike `plan`,
         it consults no gate (whose refusals start cost-probe clocks) and counts nothing."""
-        rest = _past_gpu_hits(key_list(keys), gpu_hit_blocks)
+        if tier not in self.stagers:
+            raise invalid_argument("tier", f"{tier!r} is not a staged tier here; staged: {', '.join(self.stagers)}")
+        rest = past_gpu_hits(key_list(keys), gpu_hit_blocks)
         at = self.cpu.lookup_prefix(rest)
         for before in self.stagers:
             if before == tier or at == len(rest):
@@ -184,7 +186,7 @@ class LoadPlanner:
         return 0
 
 
-def _past_gpu_hits(keys: list[Key], gpu_hit_blocks: int) -> list[Key]:
+def past_gpu_hits(keys: list[Key], gpu_hit_blocks: int) -> list[Key]:
     """`keys` after the first `gpu_hit_blocks`, which must be within them."""
     if not 0 <= gpu_hit_blocks <= len(keys):
         raise invalid_argument("gpu_hit_blocks", f"{gpu_hit_blocks} not in 0..{len(keys)}")
