@@ -7,13 +7,17 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use pyo3::prelude::*;
 
 use super::convert::{insert_hint, key_from_py};
+use super::errors::invalid;
 use crate::admission::{Admission, AdmissionRule};
 
+/// The sketch takes 4 bytes a column per key expected: 2^28 keys is 1 GiB, far beyond any tier.
+const MAX_EXPECTED_KEYS: i64 = 1 << 28;
+
 /// An admission rule ("always", "uses:K" / "after_uses:K", "priority:T") with the uses it has
-/// counted. `uses:K` counts in a count-min sketch sized for `expected_keys` distinct keys whose
-/// counts halve every ten times that many uses: its memory is fixed (4 bytes per expected key),
-/// a key offered K times within that window is always admitted, and a rare collision can admit
-/// a key early, never refuse one.
+/// counted. `uses:K` counts in a count-min sketch sized for `expected_keys` distinct keys
+/// (1..=2^28; 4 bytes a column, columns the next power of two, at least 1024) whose counts halve
+/// every ten times that many uses: its memory is fixed, a key offered K times within that window
+/// is always admitted, and a rare collision can admit a key early, never refuse one.
 #[pyclass(module = "kvtier_rs._core", name = "Admission", frozen)]
 pub struct PyAdmission {
     // Offers come from the tier's worker threads.
@@ -31,8 +35,12 @@ impl PyAdmission {
 impl PyAdmission {
     #[new]
     #[pyo3(signature = (rule, expected_keys=65536))]
-    fn new(rule: &str, expected_keys: usize) -> PyResult<Self> {
-        Ok(PyAdmission { inner: Mutex::new(Admission::new(AdmissionRule::parse(rule)?, expected_keys)) })
+    fn new(rule: &str, expected_keys: i64) -> PyResult<Self> {
+        if !(1..=MAX_EXPECTED_KEYS).contains(&expected_keys) {
+            return Err(invalid("expected_keys", format!("{expected_keys} is outside 1..={MAX_EXPECTED_KEYS}")));
+        }
+        let rule = AdmissionRule::parse(rule)?;
+        Ok(PyAdmission { inner: Mutex::new(Admission::new(rule, expected_keys as usize)) })
     }
 
     /// Count this offer of `key` as a use and say whether the tier takes the block

@@ -357,6 +357,8 @@ def test_the_cores_admission_for_tiers_without_an_index_decides_as_an_index_tier
         (lambda: Admission("sometimes"), "admission"),
         (lambda: p.offer(b"x", 101), "priority"),
         (lambda: a.offer("text"), "key"),
+        (lambda: Admission("uses:2", 0), "expected_keys"),
+        (lambda: Admission("uses:2", 1 << 40), "expected_keys"),
     ):
         with pytest.raises(kv.InvalidArgumentError) as ei:
             call()
