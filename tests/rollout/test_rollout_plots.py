@@ -3,9 +3,12 @@ no figure is left open (a rollout of many steps must not pile up matplotlib's fi
 
 from __future__ import annotations
 
-import matplotlib.pyplot as plt
+import matplotlib
 
-from kvtier_rs.rollout.plots import FIGURES, write_plots
+matplotlib.use("Agg")  # as the rollout draws them: files only, whatever $DISPLAY says
+import matplotlib.pyplot as plt  # noqa: E402
+
+from kvtier_rs.rollout.plots import FIGURES, write_plots  # noqa: E402
 
 
 def _level(concurrency: int, scale: float) -> dict:

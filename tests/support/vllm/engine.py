@@ -6,6 +6,7 @@ vLLM reads its environment at import, so ``prepare_env`` must run before the fir
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.util
 import mmap
@@ -97,7 +98,9 @@ def make_llm(model: str, kv_transfer_config: Any = None, gpu_blocks: int = 16, *
     try:
         return LLM(**args)
     except BaseException:
-        _drop_process_connector()  # vLLM leaves it behind when an engine fails to start
+        # vLLM leaves it behind when an engine fails to start; the start-up error is what counts.
+        with contextlib.suppress(Exception):
+            _drop_process_connector()
         raise
 
 
