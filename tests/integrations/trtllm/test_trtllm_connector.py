@@ -1081,6 +1081,33 @@ def test_cpu_hits_stay_synchronous_under_async_loads(tmp_path, engines):
     assert eng.worker.counts["loaded_blocks"] == 3
 
 
+def test_a_cpu_load_and_an_async_disk_load_share_a_step(tmp_path, engines):
+    """One step loads a request from the CPU tier (synchronously, per layer) and parks another
+    for its disk read: the async load goes last in the metadata, the synchronous one runs in
+    the step on its loaded KV, and the parked one comes back once its read lands (the driver
+    checks every loaded token of both)."""
+    eng = make(tmp_path, cpu_blocks=8, disk=True, async_loads="staged")
+    engines.append(eng)
+    on_disk = prompt(3, 12)
+    orch = _evicted_to_disk(eng, on_disk)
+    in_cpu = prompt(43, 12)  # the last request _evicted_to_disk ran: still in the CPU tier
+    held = HeldReads(orch.stager.disk)
+    orch.stager.disk = held
+    parked, running = Request(2, on_disk + [2]), Request(3, in_cpu + [3])
+    meta = eng.step([parked, running])
+    assert (eng.matched[2], eng.matched[3]) == (12, 12)
+    assert [(s.request_id, s.asynchronous) for s in meta.loads] == [(3, False), (2, True)]
+    assert 2 in eng.parked and 3 not in eng.parked
+    assert running.state == "GENERATION_IN_PROGRESS"
+    assert eng.worker.counts["loaded_blocks"] == 3, "request 3's blocks, in this step"
+    held.release = True
+    eng.wait_loaded(2)
+    eng.step()
+    assert parked.state == "GENERATION_IN_PROGRESS"
+    assert eng.worker.counts["loaded_blocks"] == 6
+    assert orch.host.index.stats()["pinned_blocks"] == 0
+
+
 def test_async_loads_are_off_by_default(tmp_path, engines):
     eng = make(tmp_path, cpu_blocks=4, disk=True)
     engines.append(eng)

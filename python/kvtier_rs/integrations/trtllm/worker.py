@@ -16,14 +16,15 @@ overlaps the copies of layers i+1.. (on CUDA the copy streams run beside the for
 Async loads (``async_loads: "staged"``): the scheduler answered the request ``load_kv_async``
 and TensorRT-LLM keeps it out of the batch; its load is bound in ``start_load_kv`` like the
 others, but no layer waits for it, and ``get_finished`` reports it once it has landed and
-TensorRT-LLM has announced it (``started_loading_req_ids``).
+TensorRT-LLM has announced it (``started_loading_req_ids``); ``async_loads.py`` keeps their
+bookkeeping.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,6 +34,7 @@ import torch
 from kvtier_rs._core import KvTierError
 from kvtier_rs.checks import invalid_argument
 from kvtier_rs.integrations.trtllm import shared
+from kvtier_rs.integrations.trtllm.async_loads import AsyncLoads
 from kvtier_rs.integrations.trtllm.config import READER, ConnectorOptions, load_options
 from kvtier_rs.integrations.trtllm.metadata import KvtierConnectorMetadata, validate_metadata
 from kvtier_rs.integrations.trtllm.scheduler import tokens_per_block_of
@@ -103,11 +105,7 @@ class WorkerCore:
         self._loads_done = True
         # Async loads (LoadSpec.asynchronous): their requests wait outside the batch, so no layer
         # waits for them; get_finished reports each once TensorRT-LLM has announced it.
-        self._async_loads: dict[Any, Any] = {}  # orchestrator request id -> LoadSpec, in flight
-        self._async_bound_at: dict[Any, float] = {}  # orchestrator request id -> monotonic bind time
-        self._async_landed: set[int] = set()  # TensorRT-LLM request ids whose load is complete
-        self._async_short: dict[int, str] = {}  # request id -> why its load fell short
-        self._async_announced: set[int] = set()  # passed in started_loading_req_ids, not yet reported
+        self._async = AsyncLoads(self.options.load_timeout_s)
         self._save_jobs: dict[int, set[int]] = {}  # request id -> its offloads' copy jobs
         self._saving: set[int] = set()  # finished requests whose saves we must report
         self._known: set[int] = set()  # request ids seen in any SaveSpec
@@ -245,8 +243,7 @@ class WorkerCore:
                         orch.release(later.reservation)
                 raise
             if spec.asynchronous:
-                self._async_loads[res.request_id] = spec
-                self._async_bound_at[res.request_id] = time.monotonic()
+                self._async.bind(res.request_id, spec)
             else:
                 self._pending_loads[res.request_id] = spec
                 self._loads_done = False
@@ -311,7 +308,11 @@ class WorkerCore:
         # for good (and every later start_load_kv would refuse to run).
         error = None
         for res in results:
-            if self._landed_async(res):
+            async_spec = self._async.take(res)
+            if async_spec is not None:
+                self.load_results.append(res)
+                if res.loaded == len(async_spec.keys):
+                    self.counts["loaded_blocks"] += res.loaded
                 continue
             spec = self._pending_loads.pop(res.request_id, None)
             if spec is None:
@@ -331,25 +332,6 @@ class WorkerCore:
             self.counts["loaded_blocks"] += res.loaded
         if error is not None:
             raise error
-
-    def _landed_async(self, res: Any) -> bool:
-        """Take the result of an async load (False: not one). A short one is kept for
-        get_finished to raise about, not raised here: this also runs inside other requests'
-        layer waits, whose step it does not concern."""
-        spec = self._async_loads.pop(res.request_id, None)
-        if spec is None:
-            return False
-        self._async_bound_at.pop(res.request_id, None)
-        self.load_results.append(res)
-        if res.loaded != len(spec.keys):
-            self._async_short[spec.request_id] = (
-                f"{len(spec.keys) - res.loaded} of {len(spec.keys)} blocks failed to load (a disk or remote block "
-                "that failed its check, a remote block evicted since the probe, a read given up, or a copy error)"
-            )
-        else:
-            self._async_landed.add(spec.request_id)
-            self.counts["loaded_blocks"] += res.loaded
-        return True
 
     def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
         # Offloads are whole blocks (every layer of a pool row), submitted once per step in
@@ -395,7 +377,7 @@ class WorkerCore:
         self, finished_gen_req_ids: list[int], started_loading_req_ids: list[int]
     ) -> tuple[list[int], list[int]]:
         orch = self._orch("get_finished")
-        self._announce_async(started_loading_req_ids)
+        self._async.announce(started_loading_req_ids)
         # An id with no save known here is not an error: the scheduler says a request saves once
         # it has put a SaveSpec in some step's metadata, and a forward pass that failed before
         # wait_for_save (TensorRT-LLM then fails every active request) never submitted it. Such
@@ -409,7 +391,7 @@ class WorkerCore:
         # engine's forward error handler, would end the executor loop).
         self._retire_pending_loads()
         self._collect(orch.poll())  # completes finished stores in the CPU tier
-        loaded = self._report_async()  # before the saves' bookkeeping: it may raise
+        loaded = self._async.report()  # before the saves' bookkeeping: it may raise
         done = []
         for rid in sorted(self._saving):
             # Once its own copy jobs are over the engine's blocks are no longer read and may be
@@ -423,42 +405,6 @@ class WorkerCore:
             self._save_jobs.pop(rid, None)
             self._known.discard(rid)
         return done, loaded
-
-    def _announce_async(self, started: list[int]) -> None:
-        """TensorRT-LLM names each request it parked for an async load once, in the
-        get_finished call of the step that parked it; that step's start_load_kv bound its load."""
-        bound = {spec.request_id for spec in self._async_loads.values()} | self._async_landed | set(self._async_short)
-        counts = Counter(started)
-        unknown = [rid for rid in counts if rid not in bound or rid in self._async_announced or counts[rid] > 1]
-        if unknown:
-            raise invalid_argument(
-                "started_loading_req_ids",
-                f"{unknown[:5]}: no async load of kvtier's is waiting to be reported for these requests "
-                "(announced twice, or their load never reached start_load_kv)",
-            )
-        self._async_announced.update(started)
-
-    def _report_async(self) -> list[int]:
-        """Announced async loads that have landed, each reported once. A load that fell short
-        stops here: reporting it would run the request on missing KV, and withholding it would
-        park the request for good, so the error names it (TensorRT-LLM has no way to fail one
-        loading request; the exception ends its executor loop)."""
-        now = time.monotonic()
-        for rid, spec in self._async_loads.items():
-            if now - self._async_bound_at[rid] > self.options.load_timeout_s:
-                self._async_short.setdefault(
-                    spec.request_id, f"not in place after {self.options.load_timeout_s} s (load_timeout_s)"
-                )
-        short = sorted(rid for rid in self._async_short if rid in self._async_announced)
-        if short:
-            raise KvTierError(
-                f"kvtier: async load of request {short[0]}: {self._async_short[short[0]]}; TensorRT-LLM cannot be "
-                "told that a promised load fell short (set async_loads to off to fail only the step instead)"
-            )
-        done = sorted(self._async_landed & self._async_announced)
-        self._async_landed.difference_update(done)
-        self._async_announced.difference_update(done)
-        return done
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def close(self) -> None:
