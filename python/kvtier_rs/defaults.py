@@ -21,3 +21,6 @@ POLICY = "lru"
 DISK_IO_ENGINE = "auto"
 #: Disk I/O requests in flight.
 DISK_QUEUE_DEPTH = 16
+#: Write-through blocks queued for the disk tier at most: each pins its CPU slot until written,
+#: so a slow disk cannot pin the CPU tier without bound; beyond it write-throughs are dropped.
+DISK_MAX_WRITE_BACKLOG = 1024

@@ -493,6 +493,17 @@ TREE: tuple[Setting, ...] = (
         engine_defaults={VLLM: 1024},
         needs="disk_root",
     ),
+    Setting(
+        "disk_max_write_backlog",
+        "data path",
+        "write-through blocks waiting for the disk at most (each pins its CPU slot until written); beyond "
+        "them write-throughs are dropped and counted (`writes_dropped_backlog`), never queued",
+        _in_flight,
+        default=D.DISK_MAX_WRITE_BACKLOG,
+        # vLLM's tiering spec writes its secondary tiers itself: no kvtier stager to bound.
+        takes=frozenset({API, VLLM, TRTLLM}),
+        needs="disk_root",
+    ),
     # -- the guard --
     Setting(
         "cpu_slo_guard",
@@ -728,6 +739,8 @@ class DataPathSettings:
     guards: dict[str, GuardRule] = field(default_factory=dict)
     #: The request-level rule (TTFT / ITL budgets), or None.
     request_rule: RequestRule | None = None
+    #: Write-through blocks waiting for the disk tier at most.
+    max_disk_write_backlog: int = D.DISK_MAX_WRITE_BACKLOG
 
 
 @dataclass(frozen=True)
@@ -762,7 +775,14 @@ def settings_from_values(values: Mapping[str, Any]) -> Settings:
         cpu=CpuTierSettings(values["cpu_bytes"], values["cpu_policy"], values["cpu_admission"]),
         disk=disk,
         remote=remote,
-        data_path=DataPathSettings(values.get("cost_model"), limits, guards, values.get("slo_guard")),
+        data_path=DataPathSettings(
+            values.get("cost_model"),
+            limits,
+            guards,
+            values.get("slo_guard"),
+            # Not an option of vLLM's tiering spec, which writes its secondary tiers itself.
+            values.get("disk_max_write_backlog") or D.DISK_MAX_WRITE_BACKLOG,
+        ),
         engine={k: v for k, v in values.items() if BY_KEY[k].section == "engine"},
     )
 

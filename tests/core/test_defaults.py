@@ -28,6 +28,7 @@ def test_every_entry_point_defaults_to_the_shared_values(tmp_path):
     assert v.disk_admission == t.disk_admission == s.disk.admission == p.disk_admission == D.DISK_ADMISSION
     assert v.disk_io_engine == t.disk_io_engine == s.disk.io_engine == D.DISK_IO_ENGINE
     assert v.disk_queue_depth == t.disk_queue_depth == s.disk.queue_depth == D.DISK_QUEUE_DEPTH
+    assert v.disk_max_write_backlog == t.disk_max_write_backlog == D.DISK_MAX_WRITE_BACKLOG
     assert v.disk_policy == s.disk.policy == D.POLICY  # TensorRT-LLM's tiers default to `priority`
 
 

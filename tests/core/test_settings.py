@@ -194,6 +194,20 @@ def test_the_python_api_returns_the_typed_tree():
     assert (off.disk, off.data_path.cost, off.data_path.max_promotions_in_flight) == (None, None, {"cpu": 64})
 
 
+def test_the_disk_write_backlog_is_read_and_checked_by_name():
+    base = {"cpu_bytes": "1GiB", "disk_root": "/d", "disk_bytes": "2GiB"}
+    assert S.read_settings(base).data_path.max_disk_write_backlog == 1024
+    assert S.read_settings({**base, "disk_max_write_backlog": 8}).data_path.max_disk_write_backlog == 8
+    for bad in (0, "8", True, 1 << 21):
+        with pytest.raises(InvalidArgumentError, match=r"\['disk_max_write_backlog'\]") as e:
+            S.read_settings({**base, "disk_max_write_backlog": bad})
+        assert e.value.arg == "disk_max_write_backlog"
+    with pytest.raises(InvalidArgumentError, match=r"\['disk_max_write_backlog'\]: needs disk_root"):
+        S.read_settings({"cpu_bytes": "1GiB", "disk_max_write_backlog": 8})
+    with pytest.raises(InvalidArgumentError, match=r"\['disk_max_write_backlog'\]: unknown key"):
+        vo.parse_disk_tier({"root_dir": "/d", "capacity_bytes": "1GiB", "disk_max_write_backlog": 8})
+
+
 def test_the_cost_model_reads_alike_for_both_engines():
     rates = {"prefill_tokens_per_s": 8000, "disk_read_bytes_per_s": 2e9}
     v = vo.parse_options({**MINIMAL[S.VLLM], "cost_model": rates})

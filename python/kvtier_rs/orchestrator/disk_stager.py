@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvtier_rs import defaults as D
 from kvtier_rs._core import (
     BlockIndex,
     ClosedError,
@@ -92,7 +93,7 @@ class DiskStager:
         host: StagingHost,
         disk: StagingDisk,
         *,
-        max_write_backlog: int = 1024,
+        max_write_backlog: int = D.DISK_MAX_WRITE_BACKLOG,
         events: EventStream | None = None,
         seals: SlotSeals | None = None,
         tier: str = "disk",

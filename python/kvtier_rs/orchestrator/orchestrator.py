@@ -40,6 +40,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from kvtier_rs import defaults as D
 from kvtier_rs.checks import check_count, check_number, invalid_argument
 from kvtier_rs.orchestrator.completions import handle_each
 from kvtier_rs.orchestrator.cost import CostModel
@@ -74,7 +75,7 @@ class TierOrchestrator:  # noqa: PLR0904 - the public API, one delegating method
         cost: CostModel | None = None,
         guards: dict[str, GuardRule] | None = None,
         max_promotions_in_flight: dict[str, int] | None = None,
-        max_disk_write_backlog: int = 1024,
+        max_disk_write_backlog: int = D.DISK_MAX_WRITE_BACKLOG,
         disk_read_timeout_s: float = 10.0,
         events: EventStream | None = None,
     ) -> None:
@@ -100,9 +101,10 @@ class TierOrchestrator:  # noqa: PLR0904 - the public API, one delegating method
             else None
         )
         #: The remote tier's stager (None: no remote tier); it writes through and promotes
-        #: like the disk's, after it in the chain.
+        #: like the disk's, after it in the chain. Its backlog keeps the default: the tier
+        #: bounds its writes in flight by bytes itself (``remote_max_write_bytes``).
         self.remote_stager = (
-            DiskStager(host, remote, max_write_backlog=max_disk_write_backlog, events=events, tier="remote")
+            DiskStager(host, remote, max_write_backlog=D.DISK_MAX_WRITE_BACKLOG, events=events, tier="remote")
             if remote is not None
             else None
         )

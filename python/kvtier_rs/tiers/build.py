@@ -124,4 +124,5 @@ def open_data_path(
         cost=cost,
         guards=dict(path.guards),
         max_promotions_in_flight=dict(path.max_promotions_in_flight),
+        max_disk_write_backlog=path.max_disk_write_backlog,
     )

@@ -137,6 +137,25 @@ def _evicted_to_disk(eng, first):
     return orch
 
 
+def test_disk_max_write_backlog_bounds_the_write_throughs(tmp_path, engines):
+    # A step's offload of 3 blocks is one write-through: above a backlog of 2 it is dropped
+    # and counted, never queued; the default (1024) takes it.
+    for backlog, dropped in ((2, 3), (None, 0)):
+        eng = make(
+            tmp_path / str(backlog),
+            cpu_blocks=8,
+            disk=True,
+            **({} if backlog is None else {"disk_max_write_backlog": backlog}),
+        )
+        engines.append(eng)
+        eng.run_request(Request(1, prompt(3, 12) + [1]))
+        orch = eng.worker.tiers.orchestrator
+        orch.drain()
+        assert orch.stager.max_write_backlog == (backlog or 1024)
+        writes = orch.stats()["tiers"]["disk"]["writes"]
+        assert (writes["dropped_backlog"], writes["completed"]) == (dropped, 3 - dropped), writes
+
+
 def test_loads_are_byte_identical_after_eviction_to_disk(tmp_path, engines):
     eng = make(tmp_path, cpu_blocks=4, disk=True)
     engines.append(eng)

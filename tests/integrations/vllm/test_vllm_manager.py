@@ -819,6 +819,25 @@ def test_what_only_the_tier_can_check_names_the_key_at_start_up(tmp_path, over, 
     assert engine_state(cfg.engine_id) is None
 
 
+def test_disk_max_write_backlog_bounds_the_disk_layers_write_throughs(tmp_path):
+    from kvtier_rs.integrations.vllm.spec import KvtierOffloadingSpec
+
+    extra = {"cpu_bytes_to_use": 4 * 32768, "disk_root": str(tmp_path), "disk_bytes_to_use": "1MiB"}
+    for given, want in (({}, 1024), ({"disk_max_write_backlog": 3}, 3)):
+        mgr = scheduler_manager(KvtierOffloadingSpec(_offloading_config({**extra, **given})))
+        try:
+            assert mgr.lower.layer("disk").stager.max_write_backlog == want
+        finally:
+            mgr.shutdown()
+    # A batch above the bound is dropped and counted, never queued.
+    mg, disk = _disk_only(tmp_path / "small", 0, disk_max_write_backlog=1)
+    layer = mg.lower.layer("disk")
+    store(mg, [key(50), key(51)])
+    mg.on_schedule_end(None)
+    assert layer.stager.counters.writes_dropped_backlog == 2
+    assert disk.contains([key(50), key(51)]) == [False, False]
+
+
 def test_data_parallel_replicas_get_a_disk_directory_each(tmp_path):
     # Before: both replicas derived one directory and the second failed to start
     # (DirectoryLockedError), though vLLM's spec accepts the set-up.

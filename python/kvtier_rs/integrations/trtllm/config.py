@@ -53,6 +53,7 @@ class ConnectorOptions:
     disk_admission: str = D.DISK_ADMISSION
     disk_io_engine: str = D.DISK_IO_ENGINE
     disk_queue_depth: int = D.DISK_QUEUE_DEPTH
+    disk_max_write_backlog: int = D.DISK_MAX_WRITE_BACKLOG
     io_engine: str = "auto"
     prefill_tokens_per_s: float | None = None
     disk_read_bytes_per_s: float | None = None
@@ -95,6 +96,7 @@ def parse_options(raw: Mapping[str, Any]) -> ConnectorOptions:
             "disk_admission": disk.admission,
             "disk_io_engine": disk.io_engine,
             "disk_queue_depth": disk.queue_depth,
+            "disk_max_write_backlog": path.max_disk_write_backlog,
         }
     return ConnectorOptions(
         cpu_bytes=cpu.bytes,

@@ -136,6 +136,7 @@ def _offloading(extra: Mapping[str, Any]) -> dict[str, Any]:
             "disk_admission": o.disk_admission,
             "disk_io_engine": o.disk_io_engine,
             "disk_queue_depth": o.disk_queue_depth,
+            "disk_max_write_backlog": o.disk_max_write_backlog,
             "disk_on_reset": o.disk_on_reset,
             "cost_model": "always_load" if cost.prefill_tokens_per_s is None else asdict(cost),
             "guard": o.guard,

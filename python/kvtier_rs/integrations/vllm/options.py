@@ -143,6 +143,7 @@ class KvtierOptions:
     disk_admission: str = D.DISK_ADMISSION
     disk_io_engine: str = D.DISK_IO_ENGINE
     disk_queue_depth: int = D.DISK_QUEUE_DEPTH
+    disk_max_write_backlog: int = D.DISK_MAX_WRITE_BACKLOG
     disk_on_reset: str = "clear"
     cost_model: CostModel = CostModel()
     guard: str = "checksum"
@@ -249,6 +250,7 @@ _DISK_OPTION_KEYS = (
     "disk_admission",
     "disk_io_engine",
     "disk_queue_depth",
+    "disk_max_write_backlog",
     "disk_on_reset",
     "disk_max_promotions_in_flight",
 )
