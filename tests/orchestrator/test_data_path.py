@@ -561,6 +561,38 @@ def test_a_reservation_holds_its_blocks_until_bound(tmp_path):
     assert orch.host.index.stats()["pinned_blocks"] == 0
 
 
+def test_staged_says_when_a_reservations_reads_are_in_and_how_many_blocks_they_hold(tmp_path):
+    # TensorRT-LLM's async loads report a parked request once its blocks are all in CPU slots
+    # (staged) and copy them to the device only when it is back in a batch.
+    rng = random.Random(16)
+    orch, layout, _ = make(tmp_path, rng)
+    disk_keys, _ = _chain_on_disk_only(orch, layout, rng, "d", 3)
+    orch.offload([b"head"], [20])
+    orch.drain()
+    keys = [b"head", *disk_keys]
+    assert orch.reserve(keys, request_id="r").blocks == 4
+    assert orch.staged("r") is None, "the disk read is in flight until a poll takes its completion"
+    orch.drain()
+    assert orch.staged("r") == 4
+    orch.bind("r", [0, 1, 2, 3])
+    with pytest.raises(kv.InvalidArgumentError, match="'r' has no unbound reservation to query.*already bound"):
+        orch.staged("r")
+    (result,) = orch.drain()
+    assert result.loaded == 4
+    # A read that fails: fewer blocks held than reserved, and bind loads no more than that.
+    orch.host.index.clear()
+    orch.stager.disk._inject_fault("eio_read", 1)
+    assert orch.reserve(disk_keys, request_id="short").blocks == 3
+    orch.drain()
+    held = orch.staged("short")
+    assert held is not None and held < 3
+    orch.bind("short", [0, 1, 2])
+    (result,) = orch.drain()
+    assert result.loaded == held
+    with pytest.raises(kv.InvalidArgumentError, match="to query.*never reserved"):
+        orch.staged("nope")
+
+
 def test_a_disk_hit_without_a_cpu_slot_is_not_reserved(tmp_path):
     rng = random.Random(12)
     orch, layout, _ = make(tmp_path, rng)

@@ -179,6 +179,14 @@ class LoadJob:
     def open_jobs(self) -> bool:
         return bool(self.cpu.jobs) or any(p.busy for p in self.staged.values())
 
+    def held_blocks(self) -> int | None:
+        """Of an unbound load: None while a staged read is in flight; then its blocks held in
+        the CPU tier (pinned), which bind will copy."""
+        if any(part.read is not None for part in self.staged.values()):
+            return None
+        cpu = 0 if self.cpu.failed else len(self.cpu.keys)
+        return cpu + sum(len(part.copies.keys) for part in self.staged.values())
+
     def first_block(self, tier: str) -> int:
         """Where a staged part's blocks start among the destinations: after the planned blocks
         of every part before it."""

@@ -342,6 +342,14 @@ class TierOrchestrator:  # noqa: PLR0904 - the public API, one delegating method
         """Whether `request_id` names a reservation not bound yet."""
         return self._load_jobs.is_reserved(request_id)
 
+    def staged(self, request_id: Any) -> int | None:
+        """For a reservation not bound yet: None while a read of a staged tier (disk, remote)
+        is in flight; then how many of its blocks are held in the CPU tier for `bind` to copy.
+        Fewer than `Reservation.blocks` means a read came back short (a block that failed its
+        check, evicted since the probe) or could not be pinned: the reservation can no longer
+        load all it promised. Refused for a request with no unbound reservation."""
+        return self._load_jobs.unbound(request_id, "query").held_blocks()
+
     def groups_ready(self, request_id: Any) -> int | None:
         """How many leading region groups of a load in flight are on the device (all parts).
         None when the request has no load in flight (finished, or never started)."""

@@ -1082,7 +1082,9 @@ def test_a_disk_load_waits_outside_the_batch_and_comes_back_with_its_kv(tmp_path
     held.release = True
     eng.wait_loaded(2)
     meta = eng.step()  # request 2 is prefilled from position 12 on the loaded blocks
-    assert r.state == "GENERATION_IN_PROGRESS" and not meta.loads
+    assert r.state == "GENERATION_IN_PROGRESS"
+    # Copied to the device in this step, from the CPU slots the read filled (synchronous).
+    assert [(s.request_id, s.asynchronous) for s in meta.loads] == [(2, False)]
     assert eng.worker.counts["loaded_blocks"] == 3
     assert orch.stats()["tiers"]["disk"]["promotions"] == 3
     assert orch.host.index.stats()["pinned_blocks"] == 0
@@ -1157,7 +1159,7 @@ def test_a_short_async_load_stops_at_get_finished_naming_the_request(tmp_path, e
     first = prompt(3, 12)
     orch = _evicted_to_disk(eng, first)
     orch.stager.disk._inject_fault("eio_read", 1)
-    with pytest.raises(KvTierError, match=r"async load of request 2: .* blocks failed to load"):
+    with pytest.raises(KvTierError, match=r"async load of request 2: \d of 3 blocks could not be staged"):
         eng.step([Request(2, first + [2])])
         eng.wait_loaded(2)
     assert 2 in eng.parked, "never reported: TensorRT-LLM would run it on missing KV"
@@ -1170,21 +1172,62 @@ def test_get_finished_refuses_a_loading_id_it_has_no_load_for(tmp_path, engines)
         eng.worker.get_finished([], [99])
 
 
-def test_async_loads_need_a_release_that_defers_cancels(tmp_path, monkeypatch):
-    """Before TensorRT-LLM waited for a loading request's report to cancel it, a cancel freed
-    its blocks while kvtier could still be copying into them."""
-    old = types.ModuleType("kv_cache_connector_without_deferred_cancel")
-    old.KvCacheConnectorManager = type("KvCacheConnectorManager", (), {})
-    monkeypatch.setitem(sys.modules, old.__name__, old)
-    monkeypatch.setattr(trtllm, "BASE_MODULE", old.__name__)
-    assert not trtllm.defers_cancelling_loading_requests()
-    cfg = {"cpu_bytes": 16 * 4096, "io_engine": "cpu", "async_loads": "staged"}
-    cls = type("S", (trtllm.KvtierScheduler,), {"kvtier_config": cfg})
-    with pytest.raises(InvalidArgumentError, match=r"async_loads.*has_pending_transfers") as ei:
-        cls(llm_args(TPB))
-    assert ei.value.arg == "async_loads"
-    old.KvCacheConnectorManager.has_pending_transfers = lambda self: False
-    assert trtllm.defers_cancelling_loading_requests()
+def test_a_parked_request_failed_by_the_engine_never_has_its_blocks_written(tmp_path, engines):
+    """TensorRT-LLM's error handler fails parked requests too and frees their blocks at once,
+    without a connector call; here the engine hands them straight to the next request. kvtier
+    copies nothing to the device for a parked request, so when the held read lands the
+    newcomer's KV stays its own (the driver checks every token of every layer it attends to).
+    Before, the load was bound at parking and its copies landed in the newcomer's blocks."""
+    eng = make(tmp_path, cpu_blocks=4, disk=True, async_loads="staged")
+    engines.append(eng)
+    first = prompt(3, 12)
+    orch = _evicted_to_disk(eng, first)
+    other = Request(5, prompt(77, 6), max_new_tokens=8)
+    eng.step([other])
+    held = HeldReads(orch.stager.disk)
+    orch.stager.disk = held
+    parked = Request(2, first + [2])
+    eng.step([parked])
+    freed = list(parked.block_ids)
+    eng.step(model_error_at_layer=0)  # fails `other` and the parked request
+    assert 2 not in eng.parked and set(freed) <= set(eng.free)
+    eng.free = freed + [b for b in eng.free if b not in freed]  # handed out next
+    newcomer = Request(6, prompt(90, 16), max_new_tokens=6)
+    eng.step([newcomer])
+    assert set(freed) & set(newcomer.block_ids)
+    held.release = True  # the read lands in CPU slots; request 2's report is set aside
+    deadline = time.monotonic() + WAIT_S
+    while 2 in eng.dropped_loading:
+        assert time.monotonic() < deadline, "the staging was never reported"
+        eng.step()  # the newcomer decodes, attending to its own KV in the freed blocks
+    for _ in range(2):
+        eng.step()
+    for pos in range(len(newcomer.tokens) - 1):
+        for layer in range(eng.layers):
+            got = eng._slot(newcomer.block_ids[pos // TPB], pos, layer)
+            assert torch.equal(got, eng.token_kv(newcomer.tokens[: pos + 1], layer)), (pos, layer)
+
+
+def test_a_parked_request_that_never_comes_back_gives_its_reservation_back(tmp_path, engines, monkeypatch):
+    from kvtier_rs.integrations.trtllm import scheduler
+
+    now = [1000.0]
+    monkeypatch.setattr(scheduler.time, "monotonic", lambda: now[0])
+    eng = make(tmp_path, cpu_blocks=4, disk=True, async_loads="staged", load_timeout_s=10)
+    engines.append(eng)
+    first = prompt(3, 12)
+    orch = _evicted_to_disk(eng, first)
+    eng.step([Request(2, first + [2])])
+    eng.wait_loaded(2)
+    del eng.running[2]  # failed by TensorRT-LLM after its report: no connector call
+    assert orch.host.index.stats()["pinned_blocks"] == 3
+    now[0] += 20.0
+    eng.step()
+    assert orch.host.index.stats()["pinned_blocks"] == 3, "within 2 x load_timeout_s it may still come back"
+    now[0] += 0.5
+    eng.step()
+    assert orch.host.index.stats()["pinned_blocks"] == 0
+    assert eng.sched.counts["abandoned_loads"] == 1
 
 
 def test_a_remote_load_answered_async_is_served_byte_for_byte(tmp_path, engines, cluster):

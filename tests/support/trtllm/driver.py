@@ -16,7 +16,10 @@ Async loads (a request answered load_kv_async=True) as in the 2026 releases: the
 its blocks but is left out of the SchedulerOutput and the forward pass (parked); its id is passed
 once, in the next get_finished; once get_finished returns it, it is scheduled on the next step as
 a new request whose computed_position already counts the loaded tokens, without being asked
-again. Returning an id never passed in, or twice, fails (TensorRT-LLM's KeyError). A step whose
+again. Returning an id never passed in, or twice, fails (TensorRT-LLM's KeyError). A forward
+error fails parked requests too and frees their blocks at once, without telling the connector
+(PyExecutor._handle_errors as read in the 2026 source); a later report of their id is set aside.
+A step whose
 batch holds only requests just parked builds and binds its metadata and starts loads, but runs
 no forward pass and no wait_for_save.
 
@@ -159,6 +162,7 @@ class Engine:
         self.parked: dict[int, Request] = {}  # waiting for an async load, out of every batch
         self.new_loading: list[int] = []  # parked since the last get_finished
         self.announced_loading: set[int] = set()  # passed to get_finished, not yet returned
+        self.dropped_loading: set[int] = set()  # parked, then failed: a late report is set aside
         self.matched: dict[int, int] = {}  # request id -> connector-matched tokens
         self.layer_calls: list[tuple[str, int]] = []
         self.forward_errors: list[BaseException] = []
@@ -315,9 +319,14 @@ class Engine:
             self._free(req)
 
     def _handle_errors(self):
-        """PyExecutor._handle_errors: every active request fails and is terminated."""
+        """PyExecutor._handle_errors: every active request fails and is terminated. Parked ones
+        (waiting for an async load) too, and their blocks are freed at once, without a
+        connector call (no request_finished: only the batch's requests get one)."""
         for rid in list(self.running):
             self._terminate(self.running.pop(rid))
+        for rid in list(self.parked):
+            self._free(self.parked.pop(rid))
+            self.dropped_loading.add(rid)
 
     def _forward(self, computing, model_error_at_layer):
         for layer in range(self.layers):
@@ -348,6 +357,9 @@ class Engine:
         for rid in done_loading:
             assert rid in self.announced_loading, f"get_finished returned loading id {rid}, not waiting to be"
             self.announced_loading.discard(rid)
+            if rid in self.dropped_loading:  # failed while parked: its manager entry is set aside
+                self.dropped_loading.discard(rid)
+                continue
             req = self.parked.pop(rid)
             req.state = "CONTEXT_INIT"  # scheduled on the next step, as a new request
             self.running[rid] = req

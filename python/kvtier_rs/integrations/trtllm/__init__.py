@@ -78,24 +78,9 @@ class _FallbackSchedulerBase:
         self._llm_args = llm_args
 
 
-from kvtier_rs.integrations.trtllm.config import READER  # noqa: E402
 from kvtier_rs.integrations.trtllm.metadata import KvtierConnectorMetadata, LoadSpec, SaveSpec  # noqa: E402
 from kvtier_rs.integrations.trtllm.scheduler import SchedulerCore  # noqa: E402
 from kvtier_rs.integrations.trtllm.worker import WorkerCore  # noqa: E402
-
-
-def defers_cancelling_loading_requests() -> bool:
-    """Whether the installed TensorRT-LLM waits for a request's async load to be reported
-    before it cancels the request (its connector manager's ``has_pending_transfers``, 2026
-    releases). Earlier releases free a cancelled request's blocks while a load may still be
-    copying into them. True without TensorRT-LLM (the tests' engine driver models the 2026
-    behaviour)."""
-    if BASE_MODULE is None:
-        return True
-    import importlib
-
-    manager = getattr(importlib.import_module(BASE_MODULE), "KvCacheConnectorManager", None)
-    return manager is not None and hasattr(manager, "has_pending_transfers")
 
 
 # The ignores below (misc): the base class is chosen at import time, which mypy cannot follow.
@@ -105,13 +90,6 @@ class KvtierScheduler(SchedulerCore, _SchedBase or _FallbackSchedulerBase):  # t
     def __init__(self, llm_args: Any) -> None:
         super().__init__(llm_args)
         self._kvtier_init(llm_args)
-        if self.options.async_loads != "off" and not defers_cancelling_loading_requests():
-            raise READER.error(
-                "async_loads",
-                f"{self.options.async_loads!r} needs a TensorRT-LLM release whose connector manager defers "
-                f"cancelling a loading request (has_pending_transfers); {BASE_MODULE} has none, and a "
-                "cancelled request's blocks could be freed mid-copy. Use 'off'",
-            )
 
 
 class KvtierWorker(WorkerCore, _WorkerBase or _FallbackWorkerBase):  # type: ignore[misc]
@@ -160,5 +138,4 @@ __all__ = [
     "SaveSpec",
     "check_trtllm",
     "connector_config",
-    "defers_cancelling_loading_requests",
 ]

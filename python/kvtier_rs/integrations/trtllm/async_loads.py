@@ -1,18 +1,21 @@
-"""The worker's async loads (``async_loads: "staged"``): their requests wait outside the batch,
-so no layer waits for them; each is reported from ``get_finished`` once it has landed and
-TensorRT-LLM has announced it.
+"""The worker's async loads (``async_loads: "staged"``): a request answered ``load_kv_async``
+waits outside the batch while the reads of its reservation (disk, remote) fill CPU slots; it is
+reported from ``get_finished`` once they are in, and its blocks are copied to the device in the
+step it comes back in, synchronously, like a CPU hit. Nothing is copied to the device while it
+is parked: TensorRT-LLM frees a parked request's blocks at once when it fails or cancels it,
+without telling the connector, and a copy in flight then would land in another request's blocks.
 
-A load's life: ``bind`` (in ``start_load_kv``) -> ``take`` its result (whenever the worker polls
-the orchestrator) -> ``announce`` (``started_loading_req_ids`` of the step that parked it) ->
-``report`` (``get_finished``), in any order between ``take`` and ``announce``.
+A staging's life: ``stage`` (in ``start_load_kv`` of the step that parked the request) ->
+``announce`` (``started_loading_req_ids`` of that step's ``get_finished``) -> ``report`` (each
+``get_finished``: reads over and announced).
 
 The implementation is responsible for:
-- reporting each request once, only after both its landing and its announcement (TensorRT-LLM
-  raises ``KeyError`` on an id it did not announce);
-- refusing an announced id with no load waiting to be reported, named;
-- stopping with an error that names the request when a load fell short or is still in flight
-  after ``timeout_s``: reporting it would run the request on missing KV, and withholding it would
-  park the request for good.
+- reporting each request once, only after both its staging is over and its announcement
+  (TensorRT-LLM raises ``KeyError`` on an id it did not announce);
+- refusing an announced id with no staging waiting to be reported, named;
+- stopping with an error that names the request when its staging fell short or is still in
+  flight after ``timeout_s``: reporting it would run the request on missing KV, and
+  withholding it would park the request for good.
 """
 
 from __future__ import annotations
@@ -26,43 +29,27 @@ from kvtier_rs.checks import invalid_argument
 
 
 class AsyncLoads:
-    """Bookkeeping of the async loads between their bind and their report."""
+    """Bookkeeping of the stagings between the step that parks a request and its report."""
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
-        # orchestrator request id -> (LoadSpec, monotonic bind time), still copying
-        self._in_flight: dict[Any, tuple[Any, float]] = {}
-        self._landed: set[int] = set()  # TensorRT-LLM request ids whose load is complete
-        self._short: dict[int, str] = {}  # request id -> why its load fell short
+        # request id -> (LoadSpec, monotonic time it was staged), reads still in flight
+        self._staging: dict[int, tuple[Any, float]] = {}
+        self._landed: set[int] = set()  # request ids whose blocks are all held in CPU slots
+        self._short: dict[int, str] = {}  # request id -> why its staging fell short
         self._announced: set[int] = set()  # passed in started_loading_req_ids, not yet reported
 
-    def bind(self, orchestrator_request_id: Any, spec: Any) -> None:
-        """`spec`'s load was bound under `orchestrator_request_id` and is copying."""
-        self._in_flight[orchestrator_request_id] = (spec, time.monotonic())
-
-    def take(self, res: Any) -> Any | None:
-        """Take the orchestrator's result `res` if it belongs to an async load: returns its
-        LoadSpec (None: not one). A short one is kept for `report` to raise about, not raised
-        here: this also runs inside other requests' layer waits, whose step it does not concern."""
-        entry = self._in_flight.pop(res.request_id, None)
-        if entry is None:
-            return None
-        spec = entry[0]
-        if res.loaded != len(spec.keys):
-            self._short[spec.request_id] = (
-                f"{len(spec.keys) - res.loaded} of {len(spec.keys)} blocks failed to load (a disk or remote block "
-                "that failed its check, a remote block evicted since the probe, a read given up, or a copy error)"
-            )
-        else:
-            self._landed.add(spec.request_id)
-        return spec
+    def stage(self, spec: Any) -> None:
+        """`spec` (an asynchronous LoadSpec) names a reservation whose reads are filling CPU
+        slots; the worker binds nothing for it."""
+        self._staging[spec.request_id] = (spec, time.monotonic())
 
     def announce(self, started: list[int]) -> None:
         """TensorRT-LLM names each request it parked for an async load once, in the
-        get_finished call of the step that parked it; that step's start_load_kv bound its load."""
+        get_finished call of the step that parked it; that step's start_load_kv staged it."""
         if not started:
             return
-        waiting = {spec.request_id for spec, _ in self._in_flight.values()} | self._landed | set(self._short)
+        waiting = set(self._staging) | self._landed | set(self._short)
         counts = Counter(started)
         unknown = [rid for rid in counts if rid not in waiting or rid in self._announced or counts[rid] > 1]
         if unknown:
@@ -73,15 +60,12 @@ class AsyncLoads:
             )
         self._announced.update(started)
 
-    def report(self) -> list[int]:
-        """Announced async loads that have landed, each reported once (sorted). Raises
-        KvTierError naming the first announced request whose load fell short or is still in
+    def report(self, orchestrator: Any) -> list[int]:
+        """Announced requests whose staging is over, each reported once (sorted). Raises
+        KvTierError naming the first announced request whose staging fell short or is still in
         flight after `timeout_s` (TensorRT-LLM has no way to fail one loading request; the
-        exception ends its executor loop)."""
-        now = time.monotonic()
-        for spec, bound_at in self._in_flight.values():
-            if now - bound_at > self.timeout_s:
-                self._short.setdefault(spec.request_id, f"not in place after {self.timeout_s} s (load_timeout_s)")
+        exception ends its executor loop). `orchestrator` must have been polled just before."""
+        self._check(orchestrator)
         short = sorted(rid for rid in self._short if rid in self._announced)
         if short:
             raise KvTierError(
@@ -92,3 +76,28 @@ class AsyncLoads:
         self._landed.difference_update(done)
         self._announced.difference_update(done)
         return done
+
+    def _check(self, orchestrator: Any) -> None:
+        """Sort the stagings whose reads are over into landed and short; time out the rest."""
+        now = time.monotonic()
+        for rid, (spec, since) in list(self._staging.items()):
+            if not orchestrator.is_reserved(spec.reservation):
+                # The scheduler gave the reservation back: the request finished while parked
+                # (a cancel). Nothing is left to load; an engine that waits for the report
+                # before it frees the blocks gets it.
+                held = len(spec.keys)
+            else:
+                held = orchestrator.staged(spec.reservation)
+            if held is None:
+                if now - since > self.timeout_s:
+                    del self._staging[rid]
+                    self._short[rid] = f"not in place after {self.timeout_s} s (load_timeout_s)"
+                continue
+            del self._staging[rid]
+            if held == len(spec.keys):
+                self._landed.add(rid)
+            else:
+                self._short[rid] = (
+                    f"{len(spec.keys) - held} of {len(spec.keys)} blocks could not be staged (a disk or remote "
+                    "block that failed its check, a remote block evicted since the probe, or a failed read)"
+                )

@@ -27,8 +27,9 @@ class LoadSpec:
     """Load `keys` (consecutive blocks of one request) into device blocks `block_ids`: the
     blocks the scheduler reserved (CPU hits pinned, disk hits being read into reserved CPU
     slots) under `reservation` when it matched them. `asynchronous`: the request was answered
-    `load_kv_async` and waits outside the batch; the worker reports the load through
-    `get_finished`, and no layer of a forward pass waits for it."""
+    `load_kv_async` and waits outside the batch: the worker binds nothing, and reports through
+    `get_finished` once the reservation's reads are in CPU slots; the step the request comes
+    back in carries its load again, synchronous."""
 
     request_id: int
     keys: tuple[bytes, ...]

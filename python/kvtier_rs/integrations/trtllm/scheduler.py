@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,15 +80,20 @@ class SchedulerCore:
         self._steps = itertools.count()
         self._reservations = itertools.count()  # one id per reservation, never reused
         # Requests answered load_kv_async whose blocks are allocated: TensorRT-LLM leaves them out
-        # of every SchedulerOutput until their load is reported, so the next metadata carries
-        # their loads whatever the output holds.
+        # of every SchedulerOutput until their staging is reported, so the next metadata carries
+        # their staging whatever the output holds.
         self._async_to_start: list[int] = []
+        # Parked requests (their staging handed to the worker) -> when: TensorRT-LLM fails or
+        # cancels a parked request without a connector call, so one that never comes back must
+        # be forgotten by age, or its reservation would pin CPU slots for good.
+        self._parked: dict[int, float] = {}
         self.counts = {
             "matched_blocks": 0,
             "saved_blocks": 0,
             "below_min_priority_blocks": 0,
             "unkeyed_requests": 0,
             "engine_hash_mismatches": 0,
+            "abandoned_loads": 0,
         }
 
     # ---- helpers ----------------------------------------------------------------------------
@@ -161,6 +167,7 @@ class SchedulerCore:
         rid = request.request_id
         old = self._reqs.pop(rid, None)
         if old is not None:  # asked again (a reset or replay): start over
+            self._parked.pop(rid, None)
             self._release_reservation(old)
         tokens = list(request.get_tokens(0))
         salt = getattr(request, "cache_salt_id", None)
@@ -254,6 +261,7 @@ class SchedulerCore:
         self.update_state_after_alloc(request, block_ids_by_layer_group[0])
 
     def build_connector_meta(self, scheduler_output: Any) -> KvtierConnectorMetadata:
+        self._drop_abandoned()
         loads: list[LoadSpec] = []
         saves: list[SaveSpec] = []
         new = list(getattr(scheduler_output, "new_requests", None) or ())
@@ -297,6 +305,9 @@ class SchedulerCore:
                     raise KvTierError(
                         f"kvtier: request {data.request_id} has a load but update_state_after_alloc never ran"
                     )
+                # A request back from an async load copies here, synchronously, from the CPU
+                # slots its staging filled: only now is it in the batch, so only now are its
+                # device blocks surely its own (see _stage_spec).
                 loads.append(self._take_load(data.request_id, r))
             # Blocks whose KV is complete after this forward pass. computed_position of a new
             # request excludes what the connector matched synchronously; add it back. A request
@@ -306,12 +317,10 @@ class SchedulerCore:
             spec = self._save_spec(data.request_id, r, valid // self.tokens_per_block)
             if spec is not None:
                 saves.append(spec)
-        # Last, so that their copies queue behind the batch's own (one copy stream), which the
-        # forward pass waits for layer by layer.
         for rid in dict.fromkeys(self._async_to_start):  # once each, in order
             held = self._reqs.get(rid)
             if held is not None and held.load_keys:  # not finished since its blocks were allocated
-                loads.append(self._take_load(rid, held))
+                loads.append(self._stage_spec(rid, held))
         self._async_to_start.clear()
         return KvtierConnectorMetadata(next(self._steps), tuple(loads), tuple(saves))
 
@@ -319,10 +328,46 @@ class SchedulerCore:
         """The request's load, handed to the worker (which binds its reservation; the
         orchestrator unpins the blocks once loaded)."""
         assert r.reservation is not None and r.load_dst is not None
-        spec = LoadSpec(rid, tuple(r.load_keys), tuple(r.load_dst), r.reservation, asynchronous=r.load_async)
+        spec = LoadSpec(rid, tuple(r.load_keys), tuple(r.load_dst), r.reservation)
         r.reservation = None
         r.load_keys = []
+        self._parked.pop(rid, None)
         return spec
+
+    def _stage_spec(self, rid: int, r: _Req) -> LoadSpec:
+        """A parked request's staging, for the worker to watch and report: its reservation's
+        reads fill CPU slots, and nothing is copied to the device until the request is back in
+        a batch (`_take_load`, the step it resumes). TensorRT-LLM frees a parked request's
+        blocks at once when it fails or cancels it, without telling the connector; a copy
+        started while it is parked could land in blocks already given to another request."""
+        assert r.reservation is not None and r.load_dst is not None
+        self._parked[rid] = time.monotonic()
+        return LoadSpec(rid, tuple(r.load_keys), tuple(r.load_dst), r.reservation, asynchronous=True)
+
+    def _drop_abandoned(self) -> None:
+        """Forget the parked requests still not back 2 x load_timeout_s after they were parked:
+        the worker stops the executor on a staging still in flight after load_timeout_s, so
+        such a request was failed or cancelled by TensorRT-LLM, which frees a parked request's
+        blocks without a connector call. Its reservation is given back."""
+        if not self._parked:
+            return
+        limit = 2 * self.options.load_timeout_s
+        now = time.monotonic()
+        for rid, since in list(self._parked.items()):
+            if now - since <= limit:
+                continue
+            del self._parked[rid]
+            r = self._reqs.pop(rid, None)
+            if r is None:
+                continue
+            self._release_reservation(r)
+            self.counts["abandoned_loads"] += 1
+            log.warning(
+                "kvtier: request %s, parked for an async load, has not come back %.0f s after it was "
+                "parked (TensorRT-LLM failed or cancelled it); its reserved blocks are released",
+                rid,
+                now - since,
+            )
 
     def _retention(self, r: _Req, block: int) -> tuple[int, float | None]:
         """(priority, duration_s) of one of the request's blocks."""
@@ -379,6 +424,7 @@ class SchedulerCore:
         r = self._reqs.pop(request.request_id, None)
         if r is None:
             return False  # never matched (e.g. cancelled before scheduling): nothing of ours
+        self._parked.pop(request.request_id, None)
         self._release_reservation(r)
         return r.ever_saved
 

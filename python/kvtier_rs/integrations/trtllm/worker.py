@@ -14,10 +14,10 @@ of every load of the step is in place, while later layers are still copying: lay
 overlaps the copies of layers i+1.. (on CUDA the copy streams run beside the forward stream).
 
 Async loads (``async_loads: "staged"``): the scheduler answered the request ``load_kv_async``
-and TensorRT-LLM keeps it out of the batch; its load is bound in ``start_load_kv`` like the
-others, but no layer waits for it, and ``get_finished`` reports it once it has landed and
-TensorRT-LLM has announced it (``started_loading_req_ids``); ``async_loads.py`` keeps their
-bookkeeping.
+and TensorRT-LLM keeps it out of the batch while its reservation's reads fill CPU slots;
+``get_finished`` reports it once they are in and TensorRT-LLM has announced it
+(``started_loading_req_ids``), and the step it comes back in loads it like a CPU hit
+(``async_loads.py``).
 """
 
 from __future__ import annotations
@@ -232,6 +232,9 @@ class WorkerCore:
         # a forward pass still running may read those blocks for the requests that held them.
         after = stream if tiers.layout.device.type == "cuda" else None
         for n, spec in enumerate(meta.loads):
+            if spec.asynchronous:
+                self._async.stage(spec)  # its request is parked: nothing is copied to the device
+                continue
             # The scheduler reserved these blocks when it matched them (CPU hits pinned, disk
             # hits being read into reserved CPU slots): give the reservation its destinations.
             try:
@@ -242,11 +245,8 @@ class WorkerCore:
                     if orch.is_reserved(later.reservation):
                         orch.release(later.reservation)
                 raise
-            if spec.asynchronous:
-                self._async.bind(res.request_id, spec)
-            else:
-                self._pending_loads[res.request_id] = spec
-                self._loads_done = False
+            self._pending_loads[res.request_id] = spec
+            self._loads_done = False
 
     def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
         if self.tiers is None:
@@ -308,12 +308,6 @@ class WorkerCore:
         # for good (and every later start_load_kv would refuse to run).
         error = None
         for res in results:
-            async_spec = self._async.take(res)
-            if async_spec is not None:
-                self.load_results.append(res)
-                if res.loaded == len(async_spec.keys):
-                    self.counts["loaded_blocks"] += res.loaded
-                continue
             spec = self._pending_loads.pop(res.request_id, None)
             if spec is None:
                 if self._stale_loads.pop(res.request_id, None) is not None:
@@ -391,7 +385,7 @@ class WorkerCore:
         # engine's forward error handler, would end the executor loop).
         self._retire_pending_loads()
         self._collect(orch.poll())  # completes finished stores in the CPU tier
-        loaded = self._async.report()  # before the saves' bookkeeping: it may raise
+        loaded = self._async.report(orch)  # before the saves' bookkeeping: it may raise
         done = []
         for rid in sorted(self._saving):
             # Once its own copy jobs are over the engine's blocks are no longer read and may be
