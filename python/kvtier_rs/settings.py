@@ -613,8 +613,8 @@ TREE: tuple[Setting, ...] = (
         "engine",
         "`off`: every load is waited for per layer in the forward pass; `staged`: a request whose load "
         "reads from the disk or remote tier is answered `load_kv_async` and kept out of the batch until "
-        "its blocks are in place (needs a release that defers cancelling a loading request; a staged "
-        "load that then falls short stops the executor, since TensorRT-LLM cannot take a promise back)",
+        "its blocks are staged in CPU slots, then copied in the step it comes back in (a staging that "
+        "falls short stops the executor, since TensorRT-LLM cannot take a promise back)",
         _choice("off", "staged"),
         default="off",
         takes=frozenset({TRTLLM}),

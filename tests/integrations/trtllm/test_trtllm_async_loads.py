@@ -113,3 +113,16 @@ def test_an_announcement_is_refused_once_reported_or_announced(clock):
     with pytest.raises(InvalidArgumentError, match=r"\[1\]"):
         loads.announce([1])
     loads.announce([])  # nothing to announce is fine
+
+
+def test_a_request_staged_again_starts_over(clock):
+    # Asked again (a reset): its earlier staging's outcome must not be reported for the new one.
+    loads, orch = AsyncLoads(timeout_s=5.0), Reservations()
+    s = staged(loads, orch, 1)
+    orch.held[s.reservation] = 1
+    loads.report(orch)  # short, not announced: kept
+    staged(loads, orch, 1)
+    loads.announce([1])
+    assert loads.report(orch) == [], "the new staging's reads are in flight"
+    orch.held[s.reservation] = 3
+    assert loads.report(orch) == [1]

@@ -1208,26 +1208,47 @@ def test_a_parked_request_failed_by_the_engine_never_has_its_blocks_written(tmp_
             assert torch.equal(got, eng.token_kv(newcomer.tokens[: pos + 1], layer)), (pos, layer)
 
 
-def test_a_parked_request_that_never_comes_back_gives_its_reservation_back(tmp_path, engines, monkeypatch):
-    from kvtier_rs.integrations.trtllm import scheduler
-
-    now = [1000.0]
-    monkeypatch.setattr(scheduler.time, "monotonic", lambda: now[0])
-    eng = make(tmp_path, cpu_blocks=4, disk=True, async_loads="staged", load_timeout_s=10)
+def test_a_parked_request_the_engine_finished_gives_its_reservation_back(tmp_path, engines):
+    # No connector call tells kvtier: the scheduler sees the request finished at its next step.
+    eng = make(tmp_path, cpu_blocks=4, disk=True, async_loads="staged")
     engines.append(eng)
     first = prompt(3, 12)
     orch = _evicted_to_disk(eng, first)
+    other = Request(5, prompt(77, 6), max_new_tokens=8)
+    eng.step([other])
+    held = HeldReads(orch.stager.disk)
+    orch.stager.disk = held
     eng.step([Request(2, first + [2])])
-    eng.wait_loaded(2)
-    del eng.running[2]  # failed by TensorRT-LLM after its report: no connector call
-    assert orch.host.index.stats()["pinned_blocks"] == 3
-    now[0] += 20.0
+    eng.step(model_error_at_layer=0)  # fails `other` and the parked request
+    assert eng.sched.counts["abandoned_loads"] == 0
     eng.step()
-    assert orch.host.index.stats()["pinned_blocks"] == 3, "within 2 x load_timeout_s it may still come back"
-    now[0] += 0.5
-    eng.step()
-    assert orch.host.index.stats()["pinned_blocks"] == 0
     assert eng.sched.counts["abandoned_loads"] == 1
+    held.release = True  # the read lands in the CPU tier, owned by no load
+    orch.drain()
+    eng.poll_finished()  # the worker reports the staging it watched as over; set aside
+    assert orch.host.index.stats()["pinned_blocks"] == 0
+    assert not eng.dropped_loading
+
+
+def test_a_reported_request_that_waits_long_for_a_batch_still_loads(tmp_path, engines, monkeypatch):
+    eng = make(tmp_path, cpu_blocks=4, disk=True, async_loads="staged", load_timeout_s=10)
+    engines.append(eng)
+    first = prompt(3, 12)
+    _evicted_to_disk(eng, first)
+    r = Request(2, first + [2])
+    eng.step([r])
+    eng.wait_loaded(2)
+    eng.running.pop(2)  # no room in a batch for it yet
+    real, later = time.monotonic, [0.0]
+    monkeypatch.setattr(time, "monotonic", lambda: real() + later[0])
+    later[0] = 100.0  # ten times load_timeout_s
+    eng.step()
+    eng.step()
+    eng.running[2] = r
+    meta = eng.step()
+    assert [(s.request_id, s.asynchronous) for s in meta.loads] == [(2, False)]
+    assert r.state == "GENERATION_IN_PROGRESS" and eng.worker.counts["loaded_blocks"] == 3
+    assert eng.sched.counts["abandoned_loads"] == 0
 
 
 def test_a_remote_load_answered_async_is_served_byte_for_byte(tmp_path, engines, cluster):

@@ -114,6 +114,10 @@ class Request:
         assert beam == 0
         return list(self.tokens)
 
+    @property
+    def is_finished(self):  # LlmRequest.is_finished: state GENERATION_COMPLETE
+        return self.state == "GENERATION_COMPLETE"
+
 
 def standin_engine_hash(tokens, parent, lora, salt_id):
     """Stands in for TensorRT-LLM's BlockKeyHasher (not installable here): a 64-bit hash chained
@@ -323,8 +327,10 @@ class Engine:
         (waiting for an async load) too, and their blocks are freed at once, without a
         connector call (no request_finished: only the batch's requests get one)."""
         for rid in list(self.running):
+            self.running[rid].state = "GENERATION_COMPLETE"
             self._terminate(self.running.pop(rid))
         for rid in list(self.parked):
+            self.parked[rid].state = "GENERATION_COMPLETE"
             self._free(self.parked.pop(rid))
             self.dropped_loading.add(rid)
 

@@ -27,6 +27,12 @@ from typing import Any
 from kvtier_rs._core import KvTierError
 from kvtier_rs.checks import invalid_argument
 
+#: Why a promised load can come back short, for the errors that name the request.
+SHORT_LOAD_CAUSES = (
+    "a disk or remote block that failed its check, a remote block evicted since the probe, a failed read "
+    "or a copy error"
+)
+
 
 class AsyncLoads:
     """Bookkeeping of the stagings between the step that parks a request and its report."""
@@ -42,6 +48,8 @@ class AsyncLoads:
     def stage(self, spec: Any) -> None:
         """`spec` (an asynchronous LoadSpec) names a reservation whose reads are filling CPU
         slots; the worker binds nothing for it."""
+        self._landed.discard(spec.request_id)  # a request asked again starts over
+        self._short.pop(spec.request_id, None)
         self._staging[spec.request_id] = (spec, time.monotonic())
 
     def announce(self, started: list[int]) -> None:
@@ -98,6 +106,5 @@ class AsyncLoads:
                 self._landed.add(rid)
             else:
                 self._short[rid] = (
-                    f"{len(spec.keys) - held} of {len(spec.keys)} blocks could not be staged (a disk or remote "
-                    "block that failed its check, a remote block evicted since the probe, or a failed read)"
+                    f"{len(spec.keys) - held} of {len(spec.keys)} blocks could not be staged ({SHORT_LOAD_CAUSES})"
                 )

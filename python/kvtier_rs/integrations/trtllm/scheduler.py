@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +60,7 @@ class _Req:
     renew_only: bool = False  # stopped by priority: later blocks held by kvtier are still renewed
     unkeyed: bool = False  # its block identity cannot be reproduced: never matched or saved
     hashes_checked: int = 0  # leading keys checked against the engine's block_hashes
+    request: Any = None  # the engine's request object (LlmRequest), read for is_finished
     ever_saved: bool = False
     seen: bool = False  # reported in a SchedulerOutput
 
@@ -83,10 +83,10 @@ class SchedulerCore:
         # of every SchedulerOutput until their staging is reported, so the next metadata carries
         # their staging whatever the output holds.
         self._async_to_start: list[int] = []
-        # Parked requests (their staging handed to the worker) -> when: TensorRT-LLM fails or
-        # cancels a parked request without a connector call, so one that never comes back must
-        # be forgotten by age, or its reservation would pin CPU slots for good.
-        self._parked: dict[int, float] = {}
+        # Parked requests (their staging handed to the worker): TensorRT-LLM fails or cancels a
+        # parked request without a connector call, so each step looks for the finished ones, or
+        # their reservations would pin CPU slots for good.
+        self._parked: set[int] = set()
         self.counts = {
             "matched_blocks": 0,
             "saved_blocks": 0,
@@ -156,7 +156,8 @@ class SchedulerCore:
     def _release_reservation(self, r: _Req) -> None:
         if r.reservation is not None:
             t = shared.lookup(self.engine)
-            if t is not None:
+            # Not reserved any more: a worker whose step failed gave it back already.
+            if t is not None and t.orchestrator.is_reserved(r.reservation):
                 t.orchestrator.release(r.reservation)
             r.reservation = None
 
@@ -167,7 +168,7 @@ class SchedulerCore:
         rid = request.request_id
         old = self._reqs.pop(rid, None)
         if old is not None:  # asked again (a reset or replay): start over
-            self._parked.pop(rid, None)
+            self._parked.discard(rid)
             self._release_reservation(old)
         tokens = list(request.get_tokens(0))
         salt = getattr(request, "cache_salt_id", None)
@@ -179,6 +180,7 @@ class SchedulerCore:
             prompt_len=len(tokens),
             retention=getattr(request, "kv_cache_retention_config", None),
             tokens=tokens,
+            request=request,
         )
         self._reqs[rid] = r
         tpb = self.tokens_per_block
@@ -261,7 +263,7 @@ class SchedulerCore:
         self.update_state_after_alloc(request, block_ids_by_layer_group[0])
 
     def build_connector_meta(self, scheduler_output: Any) -> KvtierConnectorMetadata:
-        self._drop_abandoned()
+        self._drop_finished_parked()
         loads: list[LoadSpec] = []
         saves: list[SaveSpec] = []
         new = list(getattr(scheduler_output, "new_requests", None) or ())
@@ -331,7 +333,7 @@ class SchedulerCore:
         spec = LoadSpec(rid, tuple(r.load_keys), tuple(r.load_dst), r.reservation)
         r.reservation = None
         r.load_keys = []
-        self._parked.pop(rid, None)
+        self._parked.discard(rid)
         return spec
 
     def _stage_spec(self, rid: int, r: _Req) -> LoadSpec:
@@ -341,32 +343,22 @@ class SchedulerCore:
         blocks at once when it fails or cancels it, without telling the connector; a copy
         started while it is parked could land in blocks already given to another request."""
         assert r.reservation is not None and r.load_dst is not None
-        self._parked[rid] = time.monotonic()
+        self._parked.add(rid)
         return LoadSpec(rid, tuple(r.load_keys), tuple(r.load_dst), r.reservation, asynchronous=True)
 
-    def _drop_abandoned(self) -> None:
-        """Forget the parked requests still not back 2 x load_timeout_s after they were parked:
-        the worker stops the executor on a staging still in flight after load_timeout_s, so
-        such a request was failed or cancelled by TensorRT-LLM, which frees a parked request's
-        blocks without a connector call. Its reservation is given back."""
-        if not self._parked:
-            return
-        limit = 2 * self.options.load_timeout_s
-        now = time.monotonic()
-        for rid, since in list(self._parked.items()):
-            if now - since <= limit:
-                continue
-            del self._parked[rid]
-            r = self._reqs.pop(rid, None)
-            if r is None:
-                continue
-            self._release_reservation(r)
+    def _drop_finished_parked(self) -> None:
+        """Forget the parked requests TensorRT-LLM has finished (its error handler fails parked
+        requests too, a cancel finishes them) without a connector call; their reservations are
+        given back. A request whose staging was reported but that waits for room in a batch
+        is not finished, however long it waits."""
+        for rid in [rid for rid in self._parked if getattr(self._reqs[rid].request, "is_finished", False)]:
+            self._parked.discard(rid)
+            self._release_reservation(self._reqs.pop(rid))
             self.counts["abandoned_loads"] += 1
             log.warning(
-                "kvtier: request %s, parked for an async load, has not come back %.0f s after it was "
-                "parked (TensorRT-LLM failed or cancelled it); its reserved blocks are released",
+                "kvtier: request %s was finished by TensorRT-LLM (failed or cancelled) while it waited for "
+                "its async load; its reserved blocks are released",
                 rid,
-                now - since,
             )
 
     def _retention(self, r: _Req, block: int) -> tuple[int, float | None]:
@@ -424,7 +416,7 @@ class SchedulerCore:
         r = self._reqs.pop(request.request_id, None)
         if r is None:
             return False  # never matched (e.g. cancelled before scheduling): nothing of ours
-        self._parked.pop(request.request_id, None)
+        self._parked.discard(request.request_id)
         self._release_reservation(r)
         return r.ever_saved
 

@@ -34,7 +34,7 @@ import torch
 from kvtier_rs._core import KvTierError
 from kvtier_rs.checks import invalid_argument
 from kvtier_rs.integrations.trtllm import shared
-from kvtier_rs.integrations.trtllm.async_loads import AsyncLoads
+from kvtier_rs.integrations.trtllm.async_loads import SHORT_LOAD_CAUSES, AsyncLoads
 from kvtier_rs.integrations.trtllm.config import READER, ConnectorOptions, load_options
 from kvtier_rs.integrations.trtllm.metadata import KvtierConnectorMetadata, validate_metadata
 from kvtier_rs.integrations.trtllm.scheduler import tokens_per_block_of
@@ -240,9 +240,10 @@ class WorkerCore:
             try:
                 res = orch.bind(spec.reservation, list(spec.block_ids), region_groups=groups, after_stream=after)
             except BaseException:
-                # The step stops here; the reservations after this one must not stay held.
+                # The step stops here; the reservations after this one must not stay held. A
+                # parked request's stays: the scheduler still owns it (it copies on the resume).
                 for later in meta.loads[n + 1 :]:
-                    if orch.is_reserved(later.reservation):
+                    if not later.asynchronous and orch.is_reserved(later.reservation):
                         orch.release(later.reservation)
                 raise
             self._pending_loads[res.request_id] = spec
@@ -318,9 +319,7 @@ class WorkerCore:
                 # Everything promised was held (see the scheduler), so only a fault gets here.
                 error = error or KvTierError(
                     f"kvtier: request {spec.request_id}: {len(spec.keys) - res.loaded} of {len(spec.keys)} blocks "
-                    "failed to load (copy error, a disk or remote block that failed its check, or a remote block "
-                    "evicted since the probe); refusing to run the layer "
-                    "on missing KV"
+                    f"failed to load ({SHORT_LOAD_CAUSES}); refusing to run the layer on missing KV"
                 )
                 continue
             self.counts["loaded_blocks"] += res.loaded
