@@ -1172,25 +1172,32 @@ def test_get_finished_refuses_a_loading_id_it_has_no_load_for(tmp_path, engines)
         eng.worker.get_finished([], [99])
 
 
+def _parked_then_failed(tmp_path, engines):
+    """An engine whose request 2 was parked for a disk read held back, then failed with the
+    step's other request by a model error (the executor's handler frees its blocks at once):
+    (engine, orchestrator, the held reads, request 2's freed blocks)."""
+    eng = make(tmp_path, cpu_blocks=4, disk=True, async_loads="staged")
+    engines.append(eng)
+    first = prompt(3, 12)
+    orch = _evicted_to_disk(eng, first)
+    eng.step([Request(5, prompt(77, 6), max_new_tokens=8)])
+    held = HeldReads(orch.stager.disk)
+    orch.stager.disk = held
+    parked = Request(2, first + [2])
+    eng.step([parked])
+    freed = list(parked.block_ids)
+    eng.step(model_error_at_layer=0)
+    assert 2 not in eng.parked and set(freed) <= set(eng.free)
+    return eng, orch, held, freed
+
+
 def test_a_parked_request_failed_by_the_engine_never_has_its_blocks_written(tmp_path, engines):
     """TensorRT-LLM's error handler fails parked requests too and frees their blocks at once,
     without a connector call; here the engine hands them straight to the next request. kvtier
     copies nothing to the device for a parked request, so when the held read lands the
     newcomer's KV stays its own (the driver checks every token of every layer it attends to).
     Before, the load was bound at parking and its copies landed in the newcomer's blocks."""
-    eng = make(tmp_path, cpu_blocks=4, disk=True, async_loads="staged")
-    engines.append(eng)
-    first = prompt(3, 12)
-    orch = _evicted_to_disk(eng, first)
-    other = Request(5, prompt(77, 6), max_new_tokens=8)
-    eng.step([other])
-    held = HeldReads(orch.stager.disk)
-    orch.stager.disk = held
-    parked = Request(2, first + [2])
-    eng.step([parked])
-    freed = list(parked.block_ids)
-    eng.step(model_error_at_layer=0)  # fails `other` and the parked request
-    assert 2 not in eng.parked and set(freed) <= set(eng.free)
+    eng, _, held, freed = _parked_then_failed(tmp_path, engines)
     eng.free = freed + [b for b in eng.free if b not in freed]  # handed out next
     newcomer = Request(6, prompt(90, 16), max_new_tokens=6)
     eng.step([newcomer])
@@ -1210,16 +1217,7 @@ def test_a_parked_request_failed_by_the_engine_never_has_its_blocks_written(tmp_
 
 def test_a_parked_request_the_engine_finished_gives_its_reservation_back(tmp_path, engines):
     # No connector call tells kvtier: the scheduler sees the request finished at its next step.
-    eng = make(tmp_path, cpu_blocks=4, disk=True, async_loads="staged")
-    engines.append(eng)
-    first = prompt(3, 12)
-    orch = _evicted_to_disk(eng, first)
-    other = Request(5, prompt(77, 6), max_new_tokens=8)
-    eng.step([other])
-    held = HeldReads(orch.stager.disk)
-    orch.stager.disk = held
-    eng.step([Request(2, first + [2])])
-    eng.step(model_error_at_layer=0)  # fails `other` and the parked request
+    eng, orch, held, _ = _parked_then_failed(tmp_path, engines)
     assert eng.sched.counts["abandoned_loads"] == 0
     eng.step()
     assert eng.sched.counts["abandoned_loads"] == 1
