@@ -1228,6 +1228,27 @@ def test_a_parked_request_the_engine_finished_gives_its_reservation_back(tmp_pat
     assert not eng.dropped_loading
 
 
+def test_a_parked_request_cancelled_gives_its_reservation_back_and_its_blocks_stay_untouched(tmp_path, engines):
+    eng = make(tmp_path, cpu_blocks=4, disk=True, async_loads="staged")
+    engines.append(eng)
+    first = prompt(3, 12)
+    orch = _evicted_to_disk(eng, first)
+    held = HeldReads(orch.stager.disk)
+    orch.stager.disk = held
+    parked = Request(2, first + [2])
+    eng.step([parked])
+    freed = list(parked.block_ids)
+    eng.cancel_parked(2)
+    eng.step()
+    assert eng.sched.counts["abandoned_loads"] == 1
+    held.release = True
+    orch.drain()
+    eng.poll_finished()
+    assert not eng.dropped_loading, "the staging was reported, and set aside"
+    assert orch.host.index.stats()["pinned_blocks"] == 0
+    assert all(torch.isnan(eng.pool[b]).all() for b in freed), "a freed block was written"
+
+
 def test_a_reported_request_that_waits_long_for_a_batch_still_loads(tmp_path, engines, monkeypatch):
     eng = make(tmp_path, cpu_blocks=4, disk=True, async_loads="staged", load_timeout_s=10)
     engines.append(eng)

@@ -334,6 +334,15 @@ class Engine:
             self._free(self.parked.pop(rid))
             self.dropped_loading.add(rid)
 
+    def cancel_parked(self, rid):
+        """A client cancels request `rid` while it is parked for an async load: without a KV
+        transceiver the executor does not wait for the load (_try_cancel_request), and the
+        request is terminated and freed without a connector call."""
+        req = self.parked.pop(rid)
+        req.state = "GENERATION_COMPLETE"
+        self._free(req)
+        self.dropped_loading.add(rid)
+
     def _forward(self, computing, model_error_at_layer):
         for layer in range(self.layers):
             self.layer_calls.append(("wait", layer))
