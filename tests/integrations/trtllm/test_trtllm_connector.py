@@ -1270,6 +1270,39 @@ def test_a_reported_request_that_waits_long_for_a_batch_still_loads(tmp_path, en
     assert eng.sched.counts["abandoned_loads"] == 0
 
 
+def test_async_loads_need_a_release_that_resumes_a_parked_request_on_its_blocks(monkeypatch):
+    """The staged load copies into the blocks allocated at parking, in the step the request
+    comes back in: a connector manager without should_add_sequence cannot be relied on to keep
+    those blocks and resume it as a new request."""
+    old = types.ModuleType("kv_cache_connector_without_async_resume")
+    old.KvCacheConnectorManager = type("KvCacheConnectorManager", (), {})
+    monkeypatch.setitem(sys.modules, old.__name__, old)
+    monkeypatch.setattr(trtllm, "BASE_MODULE", old.__name__)
+    assert not trtllm.resumes_async_loads()
+    cfg = {"cpu_bytes": 16 * 4096, "io_engine": "cpu", "async_loads": "staged"}
+    cls = type("S", (trtllm.KvtierScheduler,), {"kvtier_config": cfg})
+    with pytest.raises(InvalidArgumentError, match=r"async_loads.*should_add_sequence") as ei:
+        cls(llm_args(TPB))
+    assert ei.value.arg == "async_loads"
+    old.KvCacheConnectorManager.should_add_sequence = lambda self, request: True
+    assert trtllm.resumes_async_loads()
+
+
+def test_a_parked_request_back_as_a_cached_request_still_gets_its_load(tmp_path, engines):
+    # Should a release report the returning request among the cached ones, its load (the
+    # tokens the engine counts as computed) must still be copied before its first layer.
+    eng = make(tmp_path, cpu_blocks=4, disk=True, async_loads="staged")
+    engines.append(eng)
+    first = prompt(3, 12)
+    _evicted_to_disk(eng, first)
+    r = Request(2, first + [2])
+    eng.step([r])
+    eng.wait_loaded(2)
+    data = RequestData(2, r.get_tokens(0), list(r.block_ids), 12, 1)
+    meta = eng.sched.build_connector_meta(SchedulerOutput(cached_requests=[data]))
+    assert [(s.request_id, s.asynchronous, s.block_ids) for s in meta.loads] == [(2, False, tuple(r.block_ids[:3]))]
+
+
 def test_a_remote_load_answered_async_is_served_byte_for_byte(tmp_path, engines, cluster):
     shared = _stored_by_a_replica_that_is_gone(tmp_path, cluster, 11)
     second = make(tmp_path, async_loads="staged", **_remote(cluster))

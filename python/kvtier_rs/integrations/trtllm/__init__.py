@@ -78,9 +78,24 @@ class _FallbackSchedulerBase:
         self._llm_args = llm_args
 
 
+from kvtier_rs.integrations.trtllm.config import READER  # noqa: E402
 from kvtier_rs.integrations.trtllm.metadata import KvtierConnectorMetadata, LoadSpec, SaveSpec  # noqa: E402
 from kvtier_rs.integrations.trtllm.scheduler import SchedulerCore  # noqa: E402
 from kvtier_rs.integrations.trtllm.worker import WorkerCore  # noqa: E402
+
+
+def resumes_async_loads() -> bool:
+    """Whether the installed TensorRT-LLM keeps a request parked for an async load on the
+    blocks it allocated and, once the load is reported, runs it as a new request without
+    allocating again (its connector manager's ``should_add_sequence``): what kvtier's staged
+    loads rely on, since they copy into those blocks in the step the request comes back in.
+    True without TensorRT-LLM (the tests' engine driver models that behaviour)."""
+    if BASE_MODULE is None:
+        return True
+    import importlib
+
+    manager = getattr(importlib.import_module(BASE_MODULE), "KvCacheConnectorManager", None)
+    return manager is not None and hasattr(manager, "should_add_sequence")
 
 
 # The ignores below (misc): the base class is chosen at import time, which mypy cannot follow.
@@ -90,6 +105,13 @@ class KvtierScheduler(SchedulerCore, _SchedBase or _FallbackSchedulerBase):  # t
     def __init__(self, llm_args: Any) -> None:
         super().__init__(llm_args)
         self._kvtier_init(llm_args)
+        if self.options.async_loads != "off" and not resumes_async_loads():
+            raise READER.error(
+                "async_loads",
+                f"{self.options.async_loads!r} needs a TensorRT-LLM release whose connector manager keeps a "
+                f"parked request's blocks and resumes it as a new request (should_add_sequence); {BASE_MODULE} "
+                "has none. Use 'off'",
+            )
 
 
 class KvtierWorker(WorkerCore, _WorkerBase or _FallbackWorkerBase):  # type: ignore[misc]
@@ -138,4 +160,5 @@ __all__ = [
     "SaveSpec",
     "check_trtllm",
     "connector_config",
+    "resumes_async_loads",
 ]

@@ -302,7 +302,9 @@ class SchedulerCore:
             hashes = getattr(data, "block_hashes", None)
             if hashes:
                 self._check_engine_hashes(data.request_id, r, list(hashes))
-            if is_new and r.load_keys:
+            # A parked request's load goes with its first appearance after the report, new (as
+            # the releases read do) or not: the engine counts its tokens as computed either way.
+            if r.load_keys and (is_new or data.request_id in self._parked):
                 if r.load_dst is None:
                     raise KvTierError(
                         f"kvtier: request {data.request_id} has a load but update_state_after_alloc never ran"
