@@ -1216,10 +1216,12 @@ def test_a_parked_request_failed_by_the_engine_never_has_its_blocks_written(tmp_
 
 
 def test_a_parked_request_the_engine_finished_gives_its_reservation_back(tmp_path, engines):
-    # No connector call tells kvtier: the scheduler sees the request finished at its next step.
+    # No connector call tells kvtier: the scheduler sees the request finished when it next
+    # builds metadata, at the next step that schedules anything.
     eng, orch, held, _ = _parked_then_failed(tmp_path, engines)
+    eng.step()  # idle: nothing scheduled, so no metadata is built
     assert eng.sched.counts["abandoned_loads"] == 0
-    eng.step()
+    eng.step([Request(7, prompt(91, 6))])  # the next scheduled step
     assert eng.sched.counts["abandoned_loads"] == 1
     held.release = True  # the read lands in the CPU tier, owned by no load
     orch.drain()
@@ -1239,7 +1241,7 @@ def test_a_parked_request_cancelled_gives_its_reservation_back_and_its_blocks_st
     eng.step([parked])
     freed = list(parked.block_ids)
     eng.cancel_parked(2)
-    eng.step()
+    eng.step([Request(7, prompt(91, 6))])  # the next scheduled step
     assert eng.sched.counts["abandoned_loads"] == 1
     held.release = True
     orch.drain()

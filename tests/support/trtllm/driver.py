@@ -21,7 +21,7 @@ error fails parked requests too and frees their blocks at once, without telling 
 (PyExecutor._handle_errors as read in the 2026 source); a later report of their id is set aside.
 A step whose
 batch holds only requests just parked builds and binds its metadata and starts loads, but runs
-no forward pass and no wait_for_save.
+no forward pass and no wait_for_save. A step with nothing scheduled only calls get_finished.
 
 The KV pool is a real torch tensor [blocks, layers, 2, tokens_per_block * heads * dim] (dim 0 =
 block id, TensorRT-LLM's get_unique_primary_pool shape). The "model" writes, for every token it
@@ -256,6 +256,11 @@ class Engine:
                 )
                 out.cached_requests.append(data)
                 computing.append((req, len(req.tokens) - 1, len(req.tokens)))
+        if not new_requests and not computing:
+            # Nothing scheduled: the executor skips the batch (no metadata, no forward pass)
+            # and only asks get_finished, as it does at the end of every iteration.
+            self.poll_finished()
+            return None
         meta = self.sched.build_connector_meta(out)
         meta = pickle.loads(pickle.dumps(meta))  # the MPI broadcast
         self.worker.bind_connector_meta(meta)
