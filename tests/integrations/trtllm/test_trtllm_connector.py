@@ -1129,6 +1129,30 @@ def test_a_cpu_load_and_an_async_disk_load_share_a_step(tmp_path, engines):
     assert orch.host.index.stats()["pinned_blocks"] == 0
 
 
+def test_a_failed_bind_releases_the_steps_loads_and_keeps_watching_its_parked_ones(tmp_path, engines, monkeypatch):
+    eng = make(tmp_path, cpu_blocks=8, disk=True, async_loads="staged")
+    engines.append(eng)
+    on_disk = prompt(3, 12)
+    orch = _evicted_to_disk(eng, on_disk)
+    in_cpu = prompt(43, 12)  # the last request _evicted_to_disk ran: still in the CPU tier
+
+    def refused(*args, **kwargs):
+        raise KvTierError("the copy engine is closed")
+
+    monkeypatch.setattr(orch, "bind", refused)
+    parked, running = Request(2, on_disk + [2]), Request(3, in_cpu + [3])
+    released = orch.stats()["load_released"]
+    with pytest.raises(KvTierError, match="copy engine is closed"):
+        eng.step([parked, running])  # start_load_kv raises: the executor loop would end here
+    monkeypatch.undo()
+    eng.running.pop(3)
+    assert orch.stats()["load_released"] == released + 3, "the failed load's reservation is given back"
+    eng.wait_loaded(2)  # announced in the next get_finished: its staging was still watched
+    eng.step()
+    assert parked.state == "GENERATION_IN_PROGRESS" and eng.worker.counts["loaded_blocks"] == 3
+    assert orch.host.index.stats()["pinned_blocks"] == 0
+
+
 def test_async_loads_are_off_by_default(tmp_path, engines):
     eng = make(tmp_path, cpu_blocks=4, disk=True)
     engines.append(eng)
@@ -1216,22 +1240,19 @@ def test_a_parked_request_failed_by_the_engine_never_has_its_blocks_written(tmp_
 
 
 def test_a_parked_request_the_engine_finished_gives_its_reservation_back(tmp_path, engines):
-    # No connector call tells kvtier: the scheduler sees the request finished when it next
-    # builds metadata, at the next step that schedules anything.
+    # No connector call tells kvtier: the same iteration's get_finished finds it finished.
     eng, orch, held, _ = _parked_then_failed(tmp_path, engines)
-    eng.step()  # idle: nothing scheduled, so no metadata is built
-    assert eng.sched.counts["abandoned_loads"] == 0
-    eng.step([Request(7, prompt(91, 6))])  # the next scheduled step
     assert eng.sched.counts["abandoned_loads"] == 1
+    assert not eng.dropped_loading, "its staging was reported as over, and set aside"
     held.release = True  # the read lands in the CPU tier, owned by no load
     orch.drain()
-    eng.poll_finished()  # the worker reports the staging it watched as over; set aside
     assert orch.host.index.stats()["pinned_blocks"] == 0
-    assert not eng.dropped_loading
 
 
-def test_a_parked_request_cancelled_gives_its_reservation_back_and_its_blocks_stay_untouched(tmp_path, engines):
-    eng = make(tmp_path, cpu_blocks=4, disk=True, async_loads="staged")
+def test_a_parked_request_cancelled_on_an_idle_engine_gives_its_reservation_back(tmp_path, engines, monkeypatch):
+    """Nothing else is scheduled, so no metadata is built: the worker's get_finished asks. The
+    held read outlasting load_timeout_s then stops nothing: there is no staging left to time."""
+    eng = make(tmp_path, cpu_blocks=4, disk=True, async_loads="staged", load_timeout_s=10)
     engines.append(eng)
     first = prompt(3, 12)
     orch = _evicted_to_disk(eng, first)
@@ -1241,12 +1262,16 @@ def test_a_parked_request_cancelled_gives_its_reservation_back_and_its_blocks_st
     eng.step([parked])
     freed = list(parked.block_ids)
     eng.cancel_parked(2)
-    eng.step([Request(7, prompt(91, 6))])  # the next scheduled step
+    assert eng.step() is None, "an idle step"
     assert eng.sched.counts["abandoned_loads"] == 1
-    held.release = True
-    orch.drain()
-    eng.poll_finished()
     assert not eng.dropped_loading, "the staging was reported, and set aside"
+    real, later = time.monotonic, [0.0]
+    monkeypatch.setattr(time, "monotonic", lambda: real() + later[0])
+    later[0] = 100.0  # ten times load_timeout_s, the read still held
+    eng.step()
+    held.release = True
+    later[0] = 0.0
+    orch.drain()
     assert orch.host.index.stats()["pinned_blocks"] == 0
     assert all(torch.isnan(eng.pool[b]).all() for b in freed), "a freed block was written"
 
@@ -1286,8 +1311,11 @@ def test_async_loads_need_a_release_that_resumes_a_parked_request_on_its_blocks(
     with pytest.raises(InvalidArgumentError, match=r"async_loads.*should_add_sequence") as ei:
         cls(llm_args(TPB))
     assert ei.value.arg == "async_loads"
+    off = type("S", (trtllm.KvtierScheduler,), {"kvtier_config": {**cfg, "async_loads": "off"}})
+    assert off(llm_args(TPB)).options.async_loads == "off", "synchronous loads need nothing of the release"
     old.KvCacheConnectorManager.should_add_sequence = lambda self, request: True
     assert trtllm.resumes_async_loads()
+    assert cls(llm_args(TPB)).options.async_loads == "staged"
 
 
 def test_a_parked_request_back_as_a_cached_request_still_gets_its_load(tmp_path, engines):
@@ -1303,6 +1331,10 @@ def test_a_parked_request_back_as_a_cached_request_still_gets_its_load(tmp_path,
     data = RequestData(2, r.get_tokens(0), list(r.block_ids), 12, 1)
     meta = eng.sched.build_connector_meta(SchedulerOutput(cached_requests=[data]))
     assert [(s.request_id, s.asynchronous, s.block_ids) for s in meta.loads] == [(2, False, tuple(r.block_ids[:3]))]
+    # What its new tokens and block ids cover is not known: nothing of it is saved, now or later.
+    assert meta.saves == ()
+    more = RequestData(2, [7], [], 13, 1)
+    assert eng.sched.build_connector_meta(SchedulerOutput(cached_requests=[more])).saves == ()
 
 
 def test_a_remote_load_answered_async_is_served_byte_for_byte(tmp_path, engines, cluster):

@@ -156,7 +156,7 @@ class SchedulerCore:
     def _release_reservation(self, r: _Req) -> None:
         if r.reservation is not None:
             t = shared.lookup(self.engine)
-            # Not reserved any more: a worker whose step failed gave it back already.
+            # Defensive: a reservation already given back (by anyone) must not fail a release.
             if t is not None and t.orchestrator.is_reserved(r.reservation):
                 t.orchestrator.release(r.reservation)
             r.reservation = None
@@ -180,7 +180,6 @@ class SchedulerCore:
             prompt_len=len(tokens),
             retention=getattr(request, "kv_cache_retention_config", None),
             tokens=tokens,
-            request=request,
         )
         self._reqs[rid] = r
         tpb = self.tokens_per_block
@@ -235,6 +234,8 @@ class SchedulerCore:
         # with async loads the request waits outside the batch instead of every layer of the
         # step waiting for it. CPU hits copy at memory speed and stay overlapped per layer.
         r.load_async = self.options.async_loads == "staged" and res.disk + res.remote > 0
+        if r.load_async:
+            r.request = request  # read for is_finished while it is parked; dropped on its return
         return r.external_tokens, r.load_async
 
     def update_state_after_alloc(self, request: Any, block_ids: list[int]) -> None:
@@ -276,6 +277,11 @@ class SchedulerCore:
                 # new_tokens of a new request is its whole token list so far: the prompt we saw.
                 r.tokens = list(data.new_tokens)
             else:
+                if not r.seen and data.request_id in self._parked:
+                    # A parked request back among the cached requests: what its new tokens and
+                    # block ids cover is not known here, so none of it is saved (its load goes).
+                    r.stopped = True
+                    log.warning("kvtier: request %s came back from its async load as a cached request", data.request_id)
                 r.tokens += list(data.new_tokens)
             r.seen = True
             new_ids = [int(b) for b in data.new_block_ids]
@@ -335,6 +341,7 @@ class SchedulerCore:
         spec = LoadSpec(rid, tuple(r.load_keys), tuple(r.load_dst), r.reservation)
         r.reservation = None
         r.load_keys = []
+        r.request = None
         self._parked.discard(rid)
         return spec
 
@@ -346,6 +353,9 @@ class SchedulerCore:
         started while it is parked could land in blocks already given to another request."""
         assert r.reservation is not None and r.load_dst is not None
         self._parked.add(rid)
+        # The worker asks too, from every get_finished: an idle engine schedules nothing, so
+        # build_connector_meta would not run until the next request.
+        self._tiers().drop_finished_parked = self._drop_finished_parked
         return LoadSpec(rid, tuple(r.load_keys), tuple(r.load_dst), r.reservation, asynchronous=True)
 
     def _drop_finished_parked(self) -> None:

@@ -12,6 +12,7 @@ refuses to start on a rank other than 0 or in a world larger than one (``KvtierW
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,10 @@ class EngineTiers:
     layout: BlockLayout
     num_layers: int
     tokens_per_block: int
+    #: Set by the scheduler once it parks a request: gives back the reservations of parked
+    #: requests the engine has finished. The worker calls it from every get_finished, also on
+    #: an idle engine, before it reports async loads.
+    drop_finished_parked: Callable[[], None] | None = None
 
 
 _lock = threading.Lock()

@@ -240,10 +240,13 @@ class WorkerCore:
             try:
                 res = orch.bind(spec.reservation, list(spec.block_ids), region_groups=groups, after_stream=after)
             except BaseException:
-                # The step stops here; the reservations after this one must not stay held. A
-                # parked request's stays: the scheduler still owns it (it copies on the resume).
-                for later in meta.loads[n + 1 :]:
-                    if not later.asynchronous and orch.is_reserved(later.reservation):
+                # The step stops here; this reservation and the later ones must not stay held
+                # (the scheduler handed them over). A parked request's is watched instead: the
+                # scheduler still owns it (it copies on the resume).
+                for later in meta.loads[n:]:
+                    if later.asynchronous:
+                        self._async.stage(later)
+                    elif orch.is_reserved(later.reservation):
                         orch.release(later.reservation)
                 raise
             self._pending_loads[res.request_id] = spec
@@ -384,6 +387,9 @@ class WorkerCore:
         # engine's forward error handler, would end the executor loop).
         self._retire_pending_loads()
         self._collect(orch.poll())  # completes finished stores in the CPU tier
+        drop = self._tiers("get_finished").drop_finished_parked
+        if drop is not None:
+            drop()  # a parked request the engine finished is no staging to wait for
         loaded = self._async.report(orch)  # before the saves' bookkeeping: it may raise
         done = []
         for rid in sorted(self._saving):
