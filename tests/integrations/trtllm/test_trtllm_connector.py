@@ -1276,14 +1276,21 @@ def test_a_parked_request_cancelled_on_an_idle_engine_gives_its_reservation_back
     assert all(torch.isnan(eng.pool[b]).all() for b in freed), "a freed block was written"
 
 
-def test_a_reported_request_that_waits_long_for_a_batch_still_loads(tmp_path, engines, monkeypatch):
-    eng = make(tmp_path, cpu_blocks=4, disk=True, async_loads="staged", load_timeout_s=10)
+def _reported_async(tmp_path, engines, **extra):
+    """An engine whose request 2, parked for a disk read, has been reported loaded (it runs at
+    the next step): (engine, request)."""
+    eng = make(tmp_path, cpu_blocks=4, disk=True, async_loads="staged", **extra)
     engines.append(eng)
     first = prompt(3, 12)
     _evicted_to_disk(eng, first)
     r = Request(2, first + [2])
     eng.step([r])
     eng.wait_loaded(2)
+    return eng, r
+
+
+def test_a_reported_request_that_waits_long_for_a_batch_still_loads(tmp_path, engines, monkeypatch):
+    eng, r = _reported_async(tmp_path, engines, load_timeout_s=10)
     eng.running.pop(2)  # no room in a batch for it yet
     real, later = time.monotonic, [0.0]
     monkeypatch.setattr(time, "monotonic", lambda: real() + later[0])
@@ -1321,13 +1328,7 @@ def test_async_loads_need_a_release_that_resumes_a_parked_request_on_its_blocks(
 def test_a_parked_request_back_as_a_cached_request_still_gets_its_load(tmp_path, engines):
     # Should a release report the returning request among the cached ones, its load (the
     # tokens the engine counts as computed) must still be copied before its first layer.
-    eng = make(tmp_path, cpu_blocks=4, disk=True, async_loads="staged")
-    engines.append(eng)
-    first = prompt(3, 12)
-    _evicted_to_disk(eng, first)
-    r = Request(2, first + [2])
-    eng.step([r])
-    eng.wait_loaded(2)
+    eng, r = _reported_async(tmp_path, engines)
     data = RequestData(2, r.get_tokens(0), list(r.block_ids), 12, 1)
     meta = eng.sched.build_connector_meta(SchedulerOutput(cached_requests=[data]))
     assert [(s.request_id, s.asynchronous, s.block_ids) for s in meta.loads] == [(2, False, tuple(r.block_ids[:3]))]
