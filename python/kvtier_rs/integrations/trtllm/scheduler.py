@@ -84,8 +84,8 @@ class SchedulerCore:
         # their staging whatever the output holds.
         self._async_to_start: list[int] = []
         # Parked requests (their staging handed to the worker): TensorRT-LLM fails or cancels a
-        # parked request without a connector call, so each step looks for the finished ones, or
-        # their reservations would pin CPU slots for good.
+        # parked request without a connector call, so each iteration looks for the finished
+        # ones (_drop_finished_parked), or their reservations would pin CPU slots for good.
         self._parked: set[int] = set()
         self.counts = {
             "matched_blocks": 0,
@@ -156,8 +156,7 @@ class SchedulerCore:
     def _release_reservation(self, r: _Req) -> None:
         if r.reservation is not None:
             t = shared.lookup(self.engine)
-            # Defensive: a reservation already given back (by anyone) must not fail a release.
-            if t is not None and t.orchestrator.is_reserved(r.reservation):
+            if t is not None:
                 t.orchestrator.release(r.reservation)
             r.reservation = None
 
@@ -264,7 +263,6 @@ class SchedulerCore:
         self.update_state_after_alloc(request, block_ids_by_layer_group[0])
 
     def build_connector_meta(self, scheduler_output: Any) -> KvtierConnectorMetadata:
-        self._drop_finished_parked()
         loads: list[LoadSpec] = []
         saves: list[SaveSpec] = []
         new = list(getattr(scheduler_output, "new_requests", None) or ())
@@ -353,8 +351,8 @@ class SchedulerCore:
         started while it is parked could land in blocks already given to another request."""
         assert r.reservation is not None and r.load_dst is not None
         self._parked.add(rid)
-        # The worker asks too, from every get_finished: an idle engine schedules nothing, so
-        # build_connector_meta would not run until the next request.
+        # Checked from the worker's get_finished, which runs every iteration, idle ones too
+        # (build_connector_meta does not run while nothing is scheduled).
         self._tiers().drop_finished_parked = self._drop_finished_parked
         return LoadSpec(rid, tuple(r.load_keys), tuple(r.load_dst), r.reservation, asynchronous=True)
 

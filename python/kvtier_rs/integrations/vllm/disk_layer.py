@@ -29,7 +29,6 @@ from typing import Any, NamedTuple, cast
 
 from vllm.v1.kv_offload.base import Locality, LookupResult, Medium, OffloadingEvent, OffloadKey
 
-from kvtier_rs import defaults as D
 from kvtier_rs._core import BlockIndex, DiskTier, HostPool, IndexFailedError, KvTierError
 from kvtier_rs.integrations.vllm import metrics as m
 from kvtier_rs.integrations.vllm.options import KvtierOptions
@@ -172,8 +171,7 @@ class DiskLayer:  # noqa: PLR0904 - the manager's whole interface to a lower tie
         # into the bookkeeping of promoted chunks. Drained every poll, so it never fills.
         self._stream = EventStream()
         if max_write_backlog is None:
-            # The disk tier's option; the remote tier bounds its writes in flight by bytes itself.
-            max_write_backlog = options.disk_max_write_backlog if self.tier == "disk" else D.DISK_MAX_WRITE_BACKLOG
+            max_write_backlog = options.disk_max_write_backlog
         self.stager = DiskStager(
             _HostSide(cpu_index, host, host.slot_bytes),
             disk,

@@ -20,6 +20,7 @@ from typing import Any
 
 from vllm.v1.kv_offload.base import Locality, LookupResult, OffloadKey
 
+from kvtier_rs import defaults as D
 from kvtier_rs._core import BlockIndex, HostPool
 from kvtier_rs.integrations.vllm import metrics as m
 from kvtier_rs.integrations.vllm.disk_layer import DiskLayer
@@ -64,7 +65,17 @@ class RemoteLayer(DiskLayer):
     ) -> RemoteLayer:
         assert options.remote is not None  # opened only with a remote tier
         remote = open_remote_tier(options.remote, host.slot_bytes, layout_identity(config, host.slot_bytes))
-        return cls(remote, host, cpu_index, options, tokens_per_chunk, seals=seals, gate=gate)
+        # Not disk_max_write_backlog: the remote tier bounds its writes in flight by bytes itself.
+        return cls(
+            remote,
+            host,
+            cpu_index,
+            options,
+            tokens_per_chunk,
+            max_write_backlog=D.DISK_MAX_WRITE_BACKLOG,
+            seals=seals,
+            gate=gate,
+        )
 
     # ---- called by the manager ------------------------------------------------------------------
 
