@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 CHAIN = 32
-POLICIES = ("lru", "arc", "s3fifo", "priority")
+POLICIES = ("lru", "arc", "s3fifo", "priority", "lhd")
 
 _CHILD = r"""
 import os, sys
@@ -67,7 +67,7 @@ def main() -> None:
         raise SystemExit("bench_memory.py reads /proc/self/statm (Linux only)")
     rows = {}
     for policy in POLICIES:
-        # The Python baseline has LRU and ARC; FIFO-like S3-FIFO and priority are compared with
+        # The Python baseline has LRU and ARC; S3-FIFO, priority and hit density are compared with
         # its LRU (the cheaper of the two).
         base = "arc" if policy == "arc" else "lru"
         k = measure("kvtier", policy, args.blocks)

@@ -19,7 +19,7 @@ from pathlib import Path
 import kvtier_rs as kv
 
 TRACES = ["mooncake_conversation_trace.jsonl", "mooncake_synthetic_trace.jsonl"]
-POLICIES = ["fifo", "lru", "arc", "s3fifo", "priority"]
+POLICIES = ["fifo", "lru", "arc", "s3fifo", "priority", "lhd"]
 
 
 def load_chains(path: Path) -> list[list[int]]:
@@ -73,8 +73,8 @@ def main() -> None:
         for p, row in by_policy.items():
             print(f"{p:<10}" + "".join(f"{row[c]:>10.4f}" for c in caps))
         lru = by_policy["lru"]
-        s3 = by_policy["s3fifo"]
-        print("s3fifo - lru:" + "".join(f"{s3[c] - lru[c]:>+10.4f}" for c in caps))
+        for p in ("s3fifo", "lhd"):
+            print(f"{p} - lru:".ljust(10) + "".join(f"{by_policy[p][c] - lru[c]:>+10.4f}" for c in caps))
 
 
 if __name__ == "__main__":

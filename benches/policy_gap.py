@@ -5,7 +5,7 @@ For each trace and capacity: LRU's and opt's hit rates, each policy's, the share
 closes ((p - lru) / (opt - lru)) and its difference from LRU. opt is left out (and the gap with
 it) on a trace whose block ids are not prefix-chained, where it is no bound.
 
-    .venv/bin/python benches/policy_gap.py [--policies arc,s3fifo] [--capacities 1024,...]
+    .venv/bin/python benches/policy_gap.py [--policies arc,s3fifo,lhd] [--capacities 1024,...]
         [--traces PATH ...] [--warmup 0.5] [--json]
 """
 
@@ -56,7 +56,7 @@ def sweep(path: Path, policies: list[str], caps: list[int], warmup: float) -> di
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--policies", default="arc,s3fifo")
+    ap.add_argument("--policies", default="arc,s3fifo,lhd")
     ap.add_argument("--capacities", default=DEFAULT_CAPACITIES)
     ap.add_argument("--traces", nargs="*", type=Path, default=DEFAULT_TRACES)
     ap.add_argument("--warmup", type=float, default=0.5)

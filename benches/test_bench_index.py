@@ -20,7 +20,7 @@ def key(i: int) -> bytes:
     return i.to_bytes(8, "little") * 4 + b"\x00" * 4
 
 
-@pytest.fixture(params=["lru", "arc", "s3fifo"])
+@pytest.fixture(params=["lru", "arc", "s3fifo", "lhd"])
 def filled(request):
     ix = kv.BlockIndex(CAPACITY, policy=request.param)
     keys = [key(i) for i in range(CAPACITY)]

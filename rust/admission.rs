@@ -89,13 +89,20 @@ impl FrequencySketch {
     /// `expected_keys` sizes the table (next power of two, at least 1024 wide); the decay window
     /// is ten times that.
     pub fn new(expected_keys: usize) -> Self {
+        Self::with_window(expected_keys, 10)
+    }
+
+    /// `new`, with every counter halved after `windows` times the table's width of recorded
+    /// uses. A short window keeps the counts honest when most keys are seen once (each counter
+    /// then holds about one key); a long one remembers popularity longer.
+    pub fn with_window(expected_keys: usize, windows: u64) -> Self {
         let width = expected_keys.max(1024).next_power_of_two();
         FrequencySketch {
             width_mask: width - 1,
             counters: vec![0; ROWS * width],
             hasher: foldhash::fast::FixedState::with_seed(0x6b76_7469_6572),
             recorded: 0,
-            window: (width as u64) * 10,
+            window: (width as u64) * windows.max(1),
         }
     }
 

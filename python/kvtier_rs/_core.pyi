@@ -351,7 +351,7 @@ def replay_sweep(
     progress: ReplayProgress | None = None,
 ) -> list[dict[str, Any]]:
     """Replay (policy, capacity_blocks, admission) jobs; policies fifo, lru, arc, priority,
-    s3fifo, opt, ceiling. Each dict: policy, capacity_blocks (None for ceiling), admission,
+    s3fifo, lhd, opt, ceiling. Each dict: policy, capacity_blocks (None for ceiling), admission,
     hit_tokens, total_tokens, hit_blocks, total_blocks, measured_requests, all_hit_blocks
     (hit blocks over the whole replay, warm-up included: what opt bounds), insertions,
     evictions, peak_resident, underfilled (never full during the replay), filled_at_request

@@ -65,7 +65,7 @@ class TierConfig:
 
     capacity_bytes: total bytes of the pool (int or "64GiB").
     block_bytes: bytes of one KV block (all layers); slots are rounded up to 4 KiB.
-    policy: one of fifo, lru, arc, priority, s3fifo.
+    policy: one of fifo, lru, arc, priority, s3fifo, lhd.
     admission: "always", "uses:K" or "priority:T".
     """
 

@@ -262,7 +262,7 @@ TREE: tuple[Setting, ...] = (
     Setting(
         "cpu_policy",
         "cpu tier",
-        "CPU tier eviction policy: `lru`, `arc`, `fifo`, `priority`, `s3fifo` (TensorRT-LLM: `priority`, "
+        "CPU tier eviction policy: `lru`, `arc`, `fifo`, `priority`, `s3fifo`, `lhd` (TensorRT-LLM: `priority`, "
         "which carries its retention priorities)",
         _policy,
         default=D.POLICY,

@@ -28,7 +28,10 @@
 //!
 //! Prefix awareness: batch calls receive a request's chain head-first and apply inserts and
 //! touches tail-first, so every policy ranks the head as more recent and evicts the tail first.
+//! A policy that ranks by learned value instead (`EvictionPolicy::leaves_only`) is offered only
+//! blocks that no resident block extends (`chain_links`), the planner's prefix-tree rule.
 
+mod chain_links;
 mod entry_state;
 mod failure;
 mod key_map;
@@ -43,6 +46,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use scc::Guard;
 
+use chain_links::ChainLinks;
 use failure::{panic_message, Failure, WriteLock};
 use key_map::{KeyHasher, KeyMap, SlotRef};
 
@@ -236,6 +240,8 @@ impl StoreOutcome {
 struct Inner {
     policy: Box<dyn EvictionPolicy<Resident>>,
     admission: Admission,
+    /// Parent links, for a policy that may evict only leaves (`chain_links`).
+    links: Option<ChainLinks>,
 }
 
 pub struct TierIndex {
@@ -328,9 +334,10 @@ impl TierIndex {
             states: (0..config.capacity).map(|_| EntryState::vacant()).collect(),
             slot_keys: SlotKeys::new(config.capacity),
             entries: (0..config.capacity).map(|_| BlockEntry::vacant()).collect(),
-            inner: Mutex::new(Inner {
-                policy: config.policy.build(config.capacity),
-                admission: Admission::new(config.admission, config.capacity * 4),
+            inner: Mutex::new({
+                let policy = config.policy.build(config.capacity);
+                let links = policy.leaves_only().then(|| ChainLinks::new(config.capacity));
+                Inner { policy, admission: Admission::new(config.admission, config.capacity * 4), links }
             }),
             slots,
             config,
@@ -411,7 +418,10 @@ impl TierIndex {
 
     /// Take a vacant slot for `key`'s new block (writers, `inner` locked); returns the block's
     /// generation. A reader that sees the map entry published after this sees all of it.
-    fn occupy(&self, _inner: &mut Inner, slot: u32, key: &BlockKey, state: BlockState, meta: (u8, u64, u32)) -> u32 {
+    fn occupy(&self, inner: &mut Inner, slot: u32, key: &BlockKey, state: BlockState, meta: (u8, u64, u32)) -> u32 {
+        if let Some(links) = inner.links.as_mut() {
+            links.occupied(slot);
+        }
         let (priority, size, checksum) = meta;
         self.entry(slot).reset(priority, size, checksum);
         occupy_slot(self.state(slot), &self.slot_keys, slot, key, state)
@@ -420,7 +430,10 @@ impl TierIndex {
     /// Forget the block in `slot` (already claimed, and already out of the policy): its map
     /// entry. Returns its key. The slot's key record stays until the slot is occupied again;
     /// readers never trust it for a vacant slot.
-    fn detach(&self, _inner: &mut Inner, slot: u32) -> BlockKey {
+    fn detach(&self, inner: &mut Inner, slot: u32) -> BlockKey {
+        if let Some(links) = inner.links.as_mut() {
+            links.left(slot, &self.states);
+        }
         let key = self.slot_keys.read(slot);
         // Only this slot's entry: a map entry for the key pointing elsewhere would be a bug, and
         // removing it would orphan that slot.
@@ -714,6 +727,8 @@ impl TierIndex {
                 }
             }
         }
+        // Where each batch position's block sits, for the parent links (below).
+        let linked = inner.links.is_some().then(|| (present.clone(), repeats.clone()));
         // Admission, in input order, for each distinct absent key.
         let mut new_keys: Vec<BlockKey> = Vec::with_capacity(absent.keys.len());
         out.to_write_pos.reserve(absent.keys.len());
@@ -749,22 +764,15 @@ impl TierIndex {
             present.sort_unstable_by_key(|&(_, slot)| slot);
             let protected = |slot: u32| present.binary_search_by_key(&slot, |&(_, s)| s).is_ok();
             let evictable = |slot: u32| !protected(slot) && self.state(slot).is_evictable();
-            let Some(victims) = inner.policy.select_victims(need, now, &mut |r| evictable(r.slot)) else {
-                self.stats.store_no_space.fetch_add(1, Ordering::Relaxed);
-                let available = (0..self.capacity() as u32).filter(|&s| evictable(s)).count();
-                return Err(KvError::NoSpace { needed: new_keys.len(), available: free + available });
-            };
-            out.evicted.reserve(victims.len());
-            for v in victims {
-                // Cannot fail: evictable was checked under the lock and pins are only taken
-                // under it; a concurrent unpin only lowers the count.
-                let (_, _, generation) = self.state(v.slot).load_with_generation();
-                let claimed = self.state(v.slot).try_claim(generation);
-                assert!(claimed, "victim slot {} could not be claimed", v.slot);
-                let key = self.detach(inner, v.slot);
-                self.slots.release(v.slot);
-                out.evicted.push((key, v.slot));
+            out.evicted = if inner.links.is_some() {
+                self.evict_leaves(inner, need, now, &evictable)
+            } else {
+                self.evict(inner, need, now, &evictable)
             }
+            .map_err(|available| {
+                self.stats.store_no_space.fetch_add(1, Ordering::Relaxed);
+                KvError::NoSpace { needed: new_keys.len(), available: free + available }
+            })?;
             self.stats.evictions.fetch_add(out.evicted.len() as u64, Ordering::Relaxed);
             if self.panic_in_next_store.take_as(Some).is_some() {
                 panic!("injected fault: a store panicked after evicting {} block(s)", out.evicted.len());
@@ -784,10 +792,112 @@ impl TierIndex {
         let placed: Vec<(BlockKey, u32)> = new_keys.iter().copied().zip(slots).collect();
         if !placed.is_empty() {
             self.apply_chain_tail_first(inner, &placed, &out.to_write_pos, present, hint, now);
+            if let Some((present, repeats)) = linked {
+                self.link_chain(inner, keys.len(), &placed, &out.to_write_pos, &present, &repeats, &out.refused);
+            }
         }
         self.stats.stores_prepared.fetch_add(placed.len() as u64, Ordering::Relaxed);
         out.to_write = placed;
         Ok(out)
+    }
+
+    /// Choose `need` victims by the policy and evict them, or change nothing and return how
+    /// many blocks could have been.
+    fn evict(
+        &self,
+        inner: &mut Inner,
+        need: usize,
+        now: u64,
+        evictable: &dyn Fn(u32) -> bool,
+    ) -> Result<Vec<(BlockKey, u32)>, usize> {
+        let Some(victims) = inner.policy.select_victims(need, now, &mut |r| evictable(r.slot)) else {
+            return Err((0..self.capacity() as u32).filter(|&s| evictable(s)).count());
+        };
+        Ok(victims.into_iter().map(|v| self.evict_slot(inner, v.slot)).collect())
+    }
+
+    /// `evict` for a policy that may evict only leaves (`chain_links`). When the leaves alone
+    /// are too few, a block whose extensions all go first may go too: the victims are then
+    /// taken one at a time, each leaving its parent a leaf, once it is known that enough can go.
+    fn evict_leaves(
+        &self,
+        inner: &mut Inner,
+        need: usize,
+        now: u64,
+        evictable: &dyn Fn(u32) -> bool,
+    ) -> Result<Vec<(BlockKey, u32)>, usize> {
+        let links = inner.links.as_ref().expect("links kept for this policy");
+        if let Some(victims) =
+            inner.policy.select_victims(need, now, &mut |r| evictable(r.slot) && links.is_leaf(r.slot))
+        {
+            return Ok(victims.into_iter().map(|v| self.evict_slot(inner, v.slot)).collect());
+        }
+        let resident = |s: u32| self.state(s).load().0 != BlockState::Evicting;
+        let peelable = links.peelable(resident, evictable, &self.states);
+        if peelable < need {
+            return Err(peelable);
+        }
+        let mut evicted = Vec::with_capacity(need);
+        for _ in 0..need {
+            let links = inner.links.as_ref().expect("links kept for this policy");
+            let victim = inner
+                .policy
+                .select_victims(1, now, &mut |r| evictable(r.slot) && links.is_leaf(r.slot))
+                .expect("a peelable block leaves a leaf to evict");
+            evicted.push(self.evict_slot(inner, victim[0].slot));
+        }
+        Ok(evicted)
+    }
+
+    /// Evict the block in `slot`, which the policy gave up as a victim.
+    fn evict_slot(&self, inner: &mut Inner, slot: u32) -> (BlockKey, u32) {
+        // Cannot fail: evictable was checked under the lock and pins are only taken under it;
+        // a concurrent unpin only lowers the count.
+        let (_, _, generation) = self.state(slot).load_with_generation();
+        let claimed = self.state(slot).try_claim(generation);
+        assert!(claimed, "victim slot {slot} could not be claimed");
+        let key = self.detach(inner, slot);
+        self.slots.release(slot);
+        (key, slot)
+    }
+
+    /// Record, for a policy that may evict only leaves, which block each new block of a store
+    /// extends: the block before it in the batch, when that one is resident (present, placed,
+    /// or a repeat of a placed key; not a refused one).
+    #[allow(clippy::too_many_arguments)]
+    fn link_chain(
+        &self,
+        inner: &mut Inner,
+        batch_len: usize,
+        placed: &[(BlockKey, u32)],
+        placed_pos: &[usize],
+        present: &[(usize, u32)],
+        repeats: &[(BlockKey, usize)],
+        refused: &[BlockKey],
+    ) {
+        const NONE: u32 = u32::MAX;
+        let mut slot_at = vec![NONE; batch_len];
+        for &(pos, slot) in present {
+            slot_at[pos] = slot;
+        }
+        for (&(_, slot), &pos) in placed.iter().zip(placed_pos) {
+            slot_at[pos] = slot;
+        }
+        for (key, pos) in repeats {
+            if !refused.contains(key) {
+                if let Some(&(_, slot)) = placed.iter().find(|(k, _)| k == key) {
+                    slot_at[*pos] = slot;
+                }
+            }
+        }
+        let Some(links) = inner.links.as_mut() else { return };
+        for (&(_, slot), &pos) in placed.iter().zip(placed_pos) {
+            let parent = if pos > 0 { slot_at[pos - 1] } else { NONE };
+            if parent != NONE && parent != slot {
+                let (_, _, generation) = self.state(parent).load_with_generation();
+                links.link(slot, parent, generation);
+            }
+        }
     }
 
     /// Give a stored chain its policy order, tail first, so that every policy ranks its head

@@ -37,7 +37,7 @@ fn store_lookup_and_prefix_semantics() {
 
 #[test]
 fn tail_of_a_chain_is_evicted_before_its_head() {
-    for policy in [PolicyKind::Lru, PolicyKind::Fifo, PolicyKind::Arc, PolicyKind::S3Fifo, PolicyKind::Priority] {
+    for policy in PolicyKind::ALL {
         let ix = index(4, policy);
         store(&ix, &keys(0..4));
         let out = store(&ix, &keys(10..12));
@@ -556,7 +556,7 @@ fn a_renewal_ignores_absent_keys_and_counts_each_present_key_once() {
 
 #[test]
 fn a_renewal_changes_no_order_where_the_policy_ignores_the_hint() {
-    for policy in [PolicyKind::Lru, PolicyKind::Fifo, PolicyKind::Arc, PolicyKind::S3Fifo] {
+    for policy in [PolicyKind::Lru, PolicyKind::Fifo, PolicyKind::Arc, PolicyKind::S3Fifo, PolicyKind::HitDensity] {
         let run = |renew: bool| {
             let ix = index(4, policy);
             store(&ix, &keys(0..4)); // tail first: 3 is the least recent
@@ -743,7 +743,7 @@ fn a_chain_extended_by_a_later_store_still_loses_its_tail_first() {
     // the present H and T kept their old rank and the new U ranked above them: T, U's parent,
     // was evicted first and U was left unreachable. FIFO has no recency to refresh.
     let (h, t, u, x) = (k(1), k(2), k(3), k(4));
-    for policy in [PolicyKind::Lru, PolicyKind::Arc, PolicyKind::Priority, PolicyKind::S3Fifo] {
+    for policy in [PolicyKind::Lru, PolicyKind::Arc, PolicyKind::Priority, PolicyKind::S3Fifo, PolicyKind::HitDensity] {
         let ix = index(3, policy);
         store(&ix, &[h, t]);
         let out = store(&ix, &[h, t, u]);
@@ -867,4 +867,54 @@ fn withheld_slots_are_not_handed_out_and_not_counted_as_blocks() {
     assert_eq!(ix.return_withheld(), 2);
     assert_eq!(ix.len(), 2);
     assert_eq!(store(&ix, &keys(20..22)).evicted.len(), 0, "returned slots are free again");
+}
+
+#[test]
+fn a_leaves_only_policy_never_strands_an_extension() {
+    // 1 extends 0 and is used more: hit density ranks 0 (one use) below 1 (four), and evicting
+    // 0 would leave 1 cached and unreachable. The index offers it only the leaf.
+    let ix = index(2, PolicyKind::HitDensity);
+    store(&ix, &keys(0..2));
+    for _ in 0..3 {
+        ix.touch(&[k(1)]);
+    }
+    assert_eq!(evicted_by(&ix, &[k(5)]), vec![k(1)]);
+    assert_eq!(ix.lookup_prefix(&keys(0..2)), 1);
+}
+
+#[test]
+fn a_leaves_only_policy_peels_a_chain_tail_first_when_the_leaves_are_too_few() {
+    // One chain fills the tier and has one leaf; a store of three takes its last three blocks,
+    // each evicted once the one after it is gone.
+    let ix = index(4, PolicyKind::HitDensity);
+    store(&ix, &keys(0..4));
+    assert_eq!(evicted_by(&ix, &keys(10..13)), vec![k(3), k(2), k(1)]);
+    assert_eq!(ix.lookup_prefix(&keys(0..4)), 1);
+    assert_eq!(ix.lookup_prefix(&keys(10..13)), 3);
+}
+
+#[test]
+fn a_leaves_only_policy_keeps_every_block_above_a_pinned_one() {
+    // The chain's only leaf is pinned, so nothing of the chain can leave: the store is refused
+    // and nothing changes.
+    let ix = index(4, PolicyKind::HitDensity);
+    store(&ix, &keys(0..4));
+    ix.pin_for_load(&[k(3)]).unwrap();
+    let err = ix.prepare_store(&[k(10)], InsertHint::default()).unwrap_err();
+    assert!(matches!(err, KvError::NoSpace { needed: 1, available: 0 }), "{err}");
+    assert_eq!(ix.lookup_prefix(&keys(0..4)), 4);
+    ix.unpin(&[k(3)]).unwrap();
+    assert_eq!(evicted_by(&ix, &[k(10)]), vec![k(3)]);
+}
+
+#[test]
+fn a_removed_parent_no_longer_holds_its_extension() {
+    // 0 is removed while 1 extends it; 0 stored again is a new block that nothing extends, and
+    // 1 (its link dead) is a leaf too: both can leave.
+    let ix = index(2, PolicyKind::HitDensity);
+    store(&ix, &keys(0..2));
+    ix.remove(&[k(0)]);
+    store(&ix, &[k(0)]);
+    let gone = evicted_by(&ix, &keys(20..22));
+    assert!(gone.len() == 2 && gone.contains(&k(0)) && gone.contains(&k(1)), "{gone:?}");
 }

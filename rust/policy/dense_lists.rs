@@ -6,8 +6,9 @@
 //! operation and allocates a node per block: ~68 bytes a resident block and a hash lookup per
 //! insert, touch, removal and victim. Here a key's node sits at its dense id, so every
 //! operation is a few array accesses, and each id costs one node up front (32 bytes for the
-//! index's keys, one per slot; 16 for the planner's). A node also holds one spare byte for the policy (S3-FIFO keeps
-//! its use counter there).
+//! index's keys, one per slot; 16 for the planner's). A node also holds a spare word for the
+//! policy, of its choosing: a byte by default (S3-FIFO keeps its use counter there), a u32 for
+//! hit density's time stamp (in what is padding of the index's nodes: still 32 bytes).
 //!
 //! Dense ids must be unique among the keys listed at one time, below u32::MAX, and should be
 //! small (the array grows to the largest id seen). Listing a key that is already listed is a
@@ -17,13 +18,13 @@ const NIL: u32 = u32::MAX;
 const UNLISTED: u8 = u8::MAX;
 
 #[derive(Clone, Copy)]
-struct Node<K> {
+struct Node<K, A> {
     key: K,
     prev: u32,
     next: u32,
     /// Which list the key is on, or UNLISTED.
     list: u8,
-    aux: u8,
+    aux: A,
 }
 
 #[derive(Clone, Copy)]
@@ -36,8 +37,8 @@ struct Ends {
 const EMPTY: Ends = Ends { head: NIL, tail: NIL, len: 0 };
 
 /// `N` lists (front = oldest) over keys of type `K`, each key on at most one of them.
-pub struct DenseLists<K, const N: usize> {
-    nodes: Vec<Node<K>>,
+pub struct DenseLists<K, const N: usize, A = u8> {
+    nodes: Vec<Node<K, A>>,
     ends: [Ends; N],
 }
 
@@ -46,7 +47,7 @@ pub trait DenseId: Copy + Default {
     fn dense_id(&self) -> u32;
 }
 
-impl<K: DenseId, const N: usize> DenseLists<K, N> {
+impl<K: DenseId, const N: usize, A: Copy + Default> DenseLists<K, N, A> {
     /// Lists whose array is sized for dense ids below `ids` up front (it grows past that on
     /// demand: sizing it now keeps a tier's stores from reallocating it midway).
     pub fn with_ids(ids: usize) -> Self {
@@ -54,11 +55,11 @@ impl<K: DenseId, const N: usize> DenseLists<K, N> {
         DenseLists { nodes: vec![Self::unlisted(); ids], ends: [EMPTY; N] }
     }
 
-    fn unlisted() -> Node<K> {
-        Node { key: K::default(), prev: NIL, next: NIL, list: UNLISTED, aux: 0 }
+    fn unlisted() -> Node<K, A> {
+        Node { key: K::default(), prev: NIL, next: NIL, list: UNLISTED, aux: A::default() }
     }
 
-    fn node(&self, key: &K) -> Option<&Node<K>> {
+    fn node(&self, key: &K) -> Option<&Node<K, A>> {
         self.nodes.get(key.dense_id() as usize).filter(|n| n.list != UNLISTED)
     }
 
@@ -73,7 +74,7 @@ impl<K: DenseId, const N: usize> DenseLists<K, N> {
     }
 
     /// Append `key` (on no list) at the back of `list`, with `aux`.
-    pub fn push_back(&mut self, list: usize, key: K, aux: u8) {
+    pub fn push_back(&mut self, list: usize, key: K, aux: A) {
         let id = key.dense_id();
         let i = id as usize;
         if i >= self.nodes.len() {
@@ -93,7 +94,7 @@ impl<K: DenseId, const N: usize> DenseLists<K, N> {
 
     /// Put `key` (on no list) just ahead of `at` on `at`'s list, with `aux`; at the back of
     /// `list` when `at` is on none.
-    pub fn insert_before(&mut self, list: usize, key: K, at: &K, aux: u8) {
+    pub fn insert_before(&mut self, list: usize, key: K, at: &K, aux: A) {
         let Some(next) = self.node(at).copied() else {
             return self.push_back(list, key, aux);
         };
@@ -117,7 +118,7 @@ impl<K: DenseId, const N: usize> DenseLists<K, N> {
     }
 
     /// Take `key` off its list; its list and aux, or None if it was on none.
-    pub fn unlink(&mut self, key: &K) -> Option<(usize, u8)> {
+    pub fn unlink(&mut self, key: &K) -> Option<(usize, A)> {
         let n = *self.node(key)?;
         let list = n.list as usize;
         match n.prev {
@@ -140,13 +141,13 @@ impl<K: DenseId, const N: usize> DenseLists<K, N> {
         }
     }
 
-    /// The spare byte of `key`, if it is listed.
-    pub fn aux_mut(&mut self, key: &K) -> Option<&mut u8> {
+    /// The spare word of `key`, if it is listed.
+    pub fn aux_mut(&mut self, key: &K) -> Option<&mut A> {
         self.nodes.get_mut(key.dense_id() as usize).filter(|n| n.list != UNLISTED).map(|n| &mut n.aux)
     }
 
-    /// `list`'s keys with their aux bytes, front (oldest) to back.
-    pub fn iter(&self, list: usize) -> impl Iterator<Item = (K, u8)> + '_ {
+    /// `list`'s keys with their spare words, front (oldest) to back.
+    pub fn iter(&self, list: usize) -> impl Iterator<Item = (K, A)> + '_ {
         let mut at = self.ends[list].head;
         std::iter::from_fn(move || {
             if at == NIL {

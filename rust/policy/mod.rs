@@ -17,6 +17,7 @@
 
 mod arc;
 mod dense_lists;
+mod lhd;
 mod lru;
 mod priority;
 mod s3fifo;
@@ -25,6 +26,7 @@ use std::hash::Hash;
 
 pub use arc::Arc as ArcPolicy;
 pub use dense_lists::DenseId;
+pub use lhd::HitDensity;
 pub use lru::Lru;
 pub use priority::{Priority, DEFAULT_PRIORITY, MAX_PRIORITY};
 pub use s3fifo::S3Fifo;
@@ -106,6 +108,14 @@ pub trait EvictionPolicy<K: PolicyKey>: Send {
     fn refresh(&mut self, key: &K, now_ns: u64) {
         let _ = (key, now_ns);
     }
+    /// Whether the index must offer this policy only blocks that no resident block extends
+    /// (the leaves of the prefix tree). The default, false, is right for every policy that
+    /// ranks by recency: the index applies a chain tail first, so the head is the more recent
+    /// and the tail leaves first anyway. A policy that ranks by learned value may rank a
+    /// chain's head below its tail, and evicting the head would strand the tail.
+    fn leaves_only(&self) -> bool {
+        false
+    }
     /// `key` left the tier without being evicted (removed, or its store failed). No ghost entry.
     fn remove(&mut self, key: &K);
     /// Choose and detach exactly `n` victims, or change nothing and return None.
@@ -125,11 +135,18 @@ pub enum PolicyKind {
     Arc,
     Priority,
     S3Fifo,
+    HitDensity,
 }
 
 impl PolicyKind {
-    pub const ALL: [PolicyKind; 5] =
-        [PolicyKind::Fifo, PolicyKind::Lru, PolicyKind::Arc, PolicyKind::Priority, PolicyKind::S3Fifo];
+    pub const ALL: [PolicyKind; 6] = [
+        PolicyKind::Fifo,
+        PolicyKind::Lru,
+        PolicyKind::Arc,
+        PolicyKind::Priority,
+        PolicyKind::S3Fifo,
+        PolicyKind::HitDensity,
+    ];
 
     pub fn parse(name: &str) -> KvResult<Self> {
         match name.to_ascii_lowercase().replace('-', "_").as_str() {
@@ -138,9 +155,10 @@ impl PolicyKind {
             "arc" => Ok(PolicyKind::Arc),
             "priority" => Ok(PolicyKind::Priority),
             "s3fifo" | "s3_fifo" => Ok(PolicyKind::S3Fifo),
+            "lhd" | "hit_density" => Ok(PolicyKind::HitDensity),
             other => Err(KvError::invalid(
                 "policy",
-                format!("unknown policy {other:?}; expected one of fifo, lru, arc, priority, s3fifo"),
+                format!("unknown policy {other:?}; expected one of fifo, lru, arc, priority, s3fifo, lhd"),
             )),
         }
     }
@@ -152,6 +170,7 @@ impl PolicyKind {
             PolicyKind::Arc => "arc",
             PolicyKind::Priority => "priority",
             PolicyKind::S3Fifo => "s3fifo",
+            PolicyKind::HitDensity => "lhd",
         }
     }
 
@@ -171,6 +190,7 @@ impl PolicyKind {
             PolicyKind::Arc => Box::new(ArcPolicy::new(capacity, ids)),
             PolicyKind::Priority => Box::new(Priority::with_ids(ids)),
             PolicyKind::S3Fifo => Box::new(S3Fifo::new(capacity, ids)),
+            PolicyKind::HitDensity => Box::new(HitDensity::new(capacity, ids)),
         }
     }
 }

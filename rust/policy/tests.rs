@@ -292,7 +292,7 @@ fn a_renewal_is_not_a_use_for_the_policies_whose_order_ignores_the_hint() {
         Renewals,
         Touches,
     }
-    for kind in [PolicyKind::Fifo, PolicyKind::Lru, PolicyKind::Arc, PolicyKind::S3Fifo] {
+    for kind in [PolicyKind::Fifo, PolicyKind::Lru, PolicyKind::Arc, PolicyKind::S3Fifo, PolicyKind::HitDensity] {
         let run = |between: Between| {
             let mut p: Box<dyn EvictionPolicy<u32>> = kind.build(10);
             for k in 0..10 {
@@ -384,6 +384,78 @@ fn s3fifo_one_hit_wonders_leave_through_small_queue() {
     // A ghost comes back straight into the main queue.
     s.insert(&1, InsertHint::default(), 0);
     assert!(s.contains(&1));
+}
+
+#[test]
+fn hit_density_before_learning_evicts_the_oldest_of_the_least_used_class() {
+    // No density is learned before the first rebuild (all 1.0, ties go to the lower class): the
+    // order is one-use keys oldest first, then 2-3 uses, then 4+.
+    let mut h = HitDensity::<u32>::new(8, 8);
+    for k in 0..4 {
+        h.insert(&k, InsertHint::default(), 0);
+    }
+    h.touch(&0, 0); // 2 uses: class 1
+    for _ in 0..3 {
+        h.touch(&1, 0); // 4 uses: class 2
+    }
+    h.refresh(&2, 0); // no use: 2 stays in class 0, now behind 3
+    assert_eq!(drain(&mut h, 0), vec![3, 2, 0, 1]);
+}
+
+#[test]
+fn hit_density_learns_that_reused_keys_outlive_a_scan() {
+    // Four keys in use round after round, and a stream of keys each seen once. Once the
+    // densities are learned, a scan key is evicted at once and the reused keys stay.
+    let mut h = HitDensity::<u32>::new(8, 1 << 12);
+    let mut next_scan = 100;
+    let mut resident = 0;
+    let admit = |h: &mut HitDensity<u32>, k: u32, resident: &mut usize| {
+        if *resident == 8 {
+            h.select_victims(1, 0, &mut |_| true).expect("a victim");
+        } else {
+            *resident += 1;
+        }
+        h.insert(&k, InsertHint::default(), 0);
+    };
+    for round in 0..400 {
+        for k in 0..4 {
+            if h.contains(&k) {
+                h.touch(&k, 0);
+            } else {
+                admit(&mut h, k, &mut resident);
+            }
+        }
+        for _ in 0..3 {
+            admit(&mut h, next_scan, &mut resident);
+            next_scan += 1;
+        }
+        if round >= 300 {
+            assert!((0..4).all(|k| h.contains(&k)), "round {round}: a reused key was evicted");
+        }
+    }
+}
+
+#[test]
+fn hit_density_moves_its_stamps_epoch_without_changing_recent_ages() {
+    // Stamps are 32-bit offsets from an epoch that moves up half a span when the clock runs a
+    // span past it; here the span is 16 ticks. Ages under half a span are kept exactly, older
+    // ones are raised to half a span (the real span's half is past the last age bucket).
+    let mut h = HitDensity::<u32>::with_stamp_span(8, 8, 16);
+    for k in 0..4 {
+        h.insert(&k, InsertHint::default(), 0); // clock 1..=4
+    }
+    for _ in 0..14 {
+        h.touch(&0, 0); // clock 5..=18: the epoch moves at 16, to 8
+    }
+    h.touch(&3, 0); // clock 19
+    assert_eq!(h.age_of(&0), Some(1));
+    assert_eq!(h.age_of(&3), Some(0));
+    assert_eq!(h.age_of(&1), Some(11), "clock 19 - epoch 8: raised to the epoch");
+    for _ in 0..40 {
+        h.touch(&0, 0); // two more moves
+    }
+    assert_eq!(h.age_of(&0), Some(0));
+    assert_eq!(h.age_of(&3), Some(11), "40 ticks old: read as the 11 since the epoch, 48");
 }
 
 #[test]

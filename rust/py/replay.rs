@@ -19,7 +19,7 @@ fn replayer(name: &str) -> PyResult<Replayer> {
         other => Replayer::Policy(PolicyKind::parse(other).map_err(|_| {
             invalid(
                 "policy",
-                format!("unknown policy {name:?}; expected fifo, lru, arc, priority, s3fifo, opt or ceiling"),
+                format!("unknown policy {name:?}; expected fifo, lru, arc, priority, s3fifo, lhd, opt or ceiling"),
             )
         })?),
     })
@@ -159,7 +159,8 @@ fn stats_dict<'py>(py: Python<'py>, s: &ReplayStats) -> PyResult<Bound<'py, PyDi
 }
 
 /// Replay every `(policy, capacity_blocks, admission)` job over `trace`, in parallel over
-/// `threads` workers (0: every core). Policies: fifo, lru, arc, priority, s3fifo, opt, ceiling.
+/// `threads` workers (0: every core). Policies: fifo, lru, arc, priority, s3fifo, lhd,
+/// opt, ceiling.
 #[pyfunction]
 #[pyo3(signature = (trace, jobs, *, warmup=0.5, mode="tree", threads=0, progress=None))]
 pub fn replay_sweep<'py>(

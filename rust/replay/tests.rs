@@ -4,8 +4,7 @@ use super::*;
 use crate::admission::AdmissionRule;
 use crate::policy::PolicyKind;
 
-const ONLINE: [PolicyKind; 5] =
-    [PolicyKind::Fifo, PolicyKind::Lru, PolicyKind::Arc, PolicyKind::Priority, PolicyKind::S3Fifo];
+const ONLINE: [PolicyKind; 6] = PolicyKind::ALL;
 
 /// A trace of full 4-token blocks from chains given as key lists.
 fn trace_of(chains: &[Vec<u64>]) -> Trace {
@@ -392,7 +391,7 @@ fn a_capacity_far_above_the_traces_blocks_costs_only_what_the_trace_needs() {
     // The policies' per-key arrays are sized by the trace's distinct blocks, not by the swept
     // capacity (a 2^40-block sweep point would otherwise ask for terabytes up front).
     let t = trace_of(&[vec![1, 2], vec![1, 3], vec![4], vec![1, 3], vec![1, 2]]);
-    for kind in [PolicyKind::Lru, PolicyKind::Arc, PolicyKind::S3Fifo, PolicyKind::Priority] {
+    for kind in [PolicyKind::Lru, PolicyKind::Arc, PolicyKind::S3Fifo, PolicyKind::Priority, PolicyKind::HitDensity] {
         let huge = run(&t, Replayer::Policy(kind), 1 << 40, Mode::Tree);
         let ample = run(&t, Replayer::Policy(kind), 8, Mode::Tree);
         assert_eq!((huge.hit_blocks, huge.evictions), (ample.hit_blocks, ample.evictions), "{kind:?}");

@@ -23,7 +23,7 @@ BYTES_KEYS = [b"a", b"b", b"\x00" * 36, b"\x01" * 64]
 PRIORITIES = st.sampled_from([35, 0, 10, 60, 100])
 
 
-def make_machine(policy: str, min_priority: int | None = None, key_domain: int = 30):  # noqa: C901 - a state machine: one rule per operation
+def make_machine(policy: str, min_priority: int | None = None, key_domain: int = 30, long_runs: bool = False):  # noqa: C901 - a state machine: one rule per operation
     keys = st.integers(min_value=0, max_value=key_domain - 1) | st.sampled_from(BYTES_KEYS)
     chains = st.lists(keys, min_size=1, max_size=5)
 
@@ -65,6 +65,16 @@ def make_machine(policy: str, min_priority: int | None = None, key_domain: int =
                     self.store(keys, 35, None, True)
                 else:
                     getattr(self, op)(keys)
+
+        if long_runs:
+
+            @rule(hot=chains, rounds=st.integers(40, 160), offset=st.integers(0, key_domain - 1))
+            def churn(self, hot, rounds, offset):
+                # A hot chain used every round among a stream of other keys: enough evictions,
+                # at enough different ages, for a policy that learns from them to do so.
+                for r in range(rounds):
+                    self.touch(hot)
+                    self.store(hot if r % 7 == 0 else [(offset + r) % key_domain], 35, None, True)
 
         @rule(keys=chains)
         def begin_store_left_open(self, keys):
@@ -180,6 +190,8 @@ TestLru = make_machine("lru").TestCase
 TestArc = make_machine("arc", key_domain=16).TestCase
 TestPriority = make_machine("priority").TestCase
 TestS3Fifo = make_machine("s3fifo", key_domain=40).TestCase
+# Long runs of stores, so that the learned densities are rebuilt (every 64 evictions) and used.
+TestHitDensity = make_machine("lhd", key_domain=60, long_runs=True).TestCase
 TestLruWithPriorityAdmission = make_machine("lru", min_priority=30).TestCase
 
 

@@ -62,7 +62,7 @@ def test_plan_json_schema(synth_trace, capsys, tmp_path):
     )
     assert rep["schema"] == "kvtier.plan/1"
     pols = {(r["policy"], r["capacity_blocks"]) for r in rep["results"]}
-    assert pols == {(p, c) for p in ["fifo", "lru", "arc", "opt"] for c in [50, 400, 100000]}
+    assert pols == {(p, c) for p in ["fifo", "lru", "arc", "lhd", "opt"] for c in [50, 400, 100000]}
     for r in rep["results"] + [rep["ceiling"]]:
         assert {"policy", "capacity_blocks", "hit_rate", "hit_tokens", "total_tokens", "underfilled"} <= set(r)
     big = [r for r in rep["results"] if r["capacity_blocks"] == 100000]

@@ -283,12 +283,120 @@ class S3FifoModel(PlainExtension):
         return set(self.small) | set(self.main)
 
 
+class HitDensityModel(PlainExtension):
+    """Hit density (rust/policy/lhd.rs): per use class, a list in placement order; the oldest of
+    each class is a candidate and the one whose learned density at its age is lowest goes.
+    Use counts are exact here; the core's count-min sketch (at least 2^20 wide, halved every
+    2^20 or more uses) agrees on the few dozen keys and few thousand uses of a test. Time stamps
+    are exact too; the core's epoch moves only after 2^32 placements."""
+
+    leaves_only = True  # the index offers only blocks that no resident block extends
+    CLASSES = 3
+    BUCKETS = 64
+    DECAY = 0.9
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.lists = [OrderedDict() for _ in range(self.CLASSES)]  # key -> stamp, first = oldest
+        self.uses: Counter = Counter()
+        self.clock = 0
+        self.hits = [[0.0] * self.BUCKETS for _ in range(self.CLASSES)]
+        self.evictions = [[0.0] * self.BUCKETS for _ in range(self.CLASSES)]
+        self.density = [[1.0] * self.BUCKETS for _ in range(self.CLASSES)]
+        self.evicted = 0
+        self.every = max(64, capacity // 8)
+
+    @classmethod
+    def bucket(cls, age: int) -> int:
+        if age < 8:
+            return age
+        bits = age.bit_length()
+        return min(8 + 2 * (bits - 4) + ((age >> (bits - 2)) & 1), cls.BUCKETS - 1)
+
+    def _class_of(self, key) -> int:
+        self.uses[key] = min(self.uses[key] + 1, 255)
+        return min(self.uses[key].bit_length() - 1, self.CLASSES - 1)
+
+    def _find(self, key):
+        return next((c for c, lst in enumerate(self.lists) if key in lst), None)
+
+    def _place(self, key, c):
+        self.clock += 1
+        self.lists[c][key] = self.clock
+
+    def insert(self, key, priority, duration_ns, now):
+        if self._find(key) is None:
+            self._place(key, self._class_of(key))
+
+    def touch(self, key, now):
+        c = self._find(key)
+        if c is None:
+            return
+        self.hits[c][self.bucket(self.clock - self.lists[c].pop(key))] += 1.0
+        self._place(key, self._class_of(key))
+
+    def renew(self, key, priority, duration_ns, now):
+        pass  # the order ignores the hint, and a renewal is not a use
+
+    def refresh(self, key, now):
+        c = self._find(key)
+        if c is not None:
+            del self.lists[c][key]
+            self._place(key, c)
+
+    def remove(self, key):
+        c = self._find(key)
+        if c is not None:
+            del self.lists[c][key]
+
+    def _rebuild(self):
+        for c in range(self.CLASSES):
+            hits = events = life = 0.0
+            for b in reversed(range(self.BUCKETS)):
+                hits += self.hits[c][b]
+                events += self.hits[c][b] + self.evictions[c][b]
+                life += events
+                self.density[c][b] = hits / life if life > 0 else 0.0
+            for b in range(self.BUCKETS):
+                self.hits[c][b] *= self.DECAY
+                self.evictions[c][b] *= self.DECAY
+
+    def select_victims(self, n, now, evictable: Evictable):
+        if not at_least(n, (k for lst in self.lists for k in lst if evictable(k))):
+            return None
+        out = []
+        while len(out) < n:
+            best = None
+            for c, lst in enumerate(self.lists):
+                k = next((k for k in lst if evictable(k)), None)
+                if k is not None:
+                    b = self.bucket(self.clock - lst[k])
+                    if best is None or self.density[c][b] < best[0]:
+                        best = (self.density[c][b], k, c, b)
+            _, k, c, b = best
+            del self.lists[c][k]
+            self.evictions[c][b] += 1.0
+            self.evicted += 1
+            if self.evicted == self.every:
+                self.evicted = 0
+                self._rebuild()
+            out.append(k)
+        return out
+
+    def clear(self):
+        self.__init__(self.capacity)
+
+    def resident(self):
+        return {k for lst in self.lists for k in lst}
+
+
 POLICY_MODELS = {
     "fifo": FifoModel,
     "lru": LruModel,
     "arc": ArcModel,
     "priority": PriorityModel,
     "s3fifo": S3FifoModel,
+    "lhd": HitDensityModel,
 }
 
 
@@ -310,14 +418,63 @@ class IndexModel:
     def __init__(self, capacity: int, policy: str, min_priority: int | None = None) -> None:
         self.capacity = capacity
         self.policy = POLICY_MODELS[policy](capacity)
+        self.leaves_only = getattr(self.policy, "leaves_only", False)
         self.min_priority = min_priority
-        self.entries: dict = {}  # key -> {"state", "pins", "slot"}
+        # key -> {"state", "pins", "slot", "life" (which stay of the key this is), "parent"
+        # ((key, life) of the block it extends, or None), "children" (resident extensions)}
+        self.entries: dict = {}
         self.free = deque(range(capacity))
         self.now = 0
+        self.lives = 0
 
     def _evictable(self, key) -> bool:
         e = self.entries.get(key)
         return e is not None and e["state"] == "ready" and e["pins"] == 0
+
+    def _drop(self, key):
+        """`key`'s block leaves; the block it extends, if still that stay, loses a child."""
+        e = self.entries.pop(key)
+        if e["parent"] is not None:
+            pk, life = e["parent"]
+            if pk in self.entries and self.entries[pk]["life"] == life:
+                self.entries[pk]["children"] -= 1
+        self.free.append(e["slot"])
+
+    def _peelable(self, usable) -> int:
+        """How many blocks could leave, leaves first: those with no unusable block below."""
+        blocked = set()
+        for k in self.entries:
+            at = k
+            while not usable(k) and at not in blocked:
+                blocked.add(at)
+                parent = self.entries[at]["parent"]
+                if parent is None or parent[0] not in self.entries or self.entries[parent[0]]["life"] != parent[1]:
+                    break
+                at = parent[0]
+        return sum(1 for k in self.entries if k not in blocked)
+
+    def _evict(self, need, usable) -> list:
+        if not self.leaves_only:
+            victims = self.policy.select_victims(need, self.now, usable)
+            if victims is None:
+                raise NoSpace
+            for v in victims:
+                self._drop(v)
+            return victims
+        leaf = lambda k: usable(k) and self.entries[k]["children"] == 0  # noqa: E731
+        victims = self.policy.select_victims(need, self.now, leaf)
+        if victims is not None:
+            for v in victims:
+                self._drop(v)
+            return victims
+        if self._peelable(usable) < need:
+            raise NoSpace
+        out = []
+        for _ in range(need):
+            (v,) = self.policy.select_victims(1, self.now, leaf)
+            self._drop(v)
+            out.append(v)
+        return out
 
     def lookup_prefix(self, keys) -> int:
         n = 0
@@ -345,14 +502,7 @@ class IndexModel:
         evicted = []
         if len(new) > len(self.free):
             batch = set(keys)
-            victims = self.policy.select_victims(
-                len(new) - len(self.free), self.now, lambda k: k not in batch and self._evictable(k)
-            )
-            if victims is None:
-                raise NoSpace
-            for v in victims:
-                self.free.append(self.entries.pop(v)["slot"])
-                evicted.append(v)
+            evicted = self._evict(len(new) - len(self.free), lambda k: k not in batch and self._evictable(k))
         # The batch's slots are taken from the free list, then given to the chain in ascending
         # order (the core's chained lookups rely on it).
         placed = list(zip(new, sorted(self.free.popleft() for _ in new), strict=True))
@@ -366,7 +516,15 @@ class IndexModel:
         for i in range(len(keys) - 1, -1, -1):
             k = keys[i]
             if k in new_slot and k not in done and keys.index(k) == i:
-                self.entries[k] = {"state": "writing", "pins": 0, "slot": new_slot[k]}
+                self.lives += 1
+                self.entries[k] = {
+                    "state": "writing",
+                    "pins": 0,
+                    "slot": new_slot[k],
+                    "life": self.lives,
+                    "parent": None,
+                    "children": 0,
+                }
                 prefix = next((p for p in reversed(keys[:i]) if p in present_before), None)
                 if prefix is None:
                     self.policy.insert(k, priority, duration_ns, self.now)
@@ -375,6 +533,13 @@ class IndexModel:
                 done.add(k)
             elif k in present_before and i < last_new and keys.index(k) == i:
                 self.policy.touch(k, self.now)
+        # Each new key extends the key before it in the batch, if that one is resident.
+        for k in new_slot:
+            i = keys.index(k)
+            parent = keys[i - 1] if i > 0 else None
+            if parent in self.entries and parent != k:
+                self.entries[k]["parent"] = (parent, self.entries[parent]["life"])
+                self.entries[parent]["children"] += 1
         return placed, skipped, refused, evicted
 
     def complete_store(self, keys, success) -> int:
@@ -386,7 +551,7 @@ class IndexModel:
             if success:
                 e["state"] = "ready"
             else:
-                self.free.append(self.entries.pop(k)["slot"])
+                self._drop(k)
                 self.policy.remove(k)
             done += 1
         return done
@@ -431,7 +596,7 @@ class IndexModel:
         removed = []
         for k in keys:
             if self._evictable(k):
-                self.free.append(self.entries.pop(k)["slot"])
+                self._drop(k)
                 self.policy.remove(k)
                 removed.append(k)
         return removed

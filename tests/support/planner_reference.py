@@ -45,7 +45,7 @@ class _OneVictimAtATime:
 
 POLICIES = {
     name: (lambda cls: lambda capacity: _OneVictimAtATime(cls(capacity)))(POLICY_MODELS[name])
-    for name in ("fifo", "lru", "arc", "s3fifo")
+    for name in ("fifo", "lru", "arc", "s3fifo", "lhd")
 }
 
 

@@ -43,7 +43,9 @@ Replay semantics:
   - Policies: fifo (first in, first out: a hit never moves a block; blocks a request adds under a
     cached prefix join that prefix's place in the queue, so a chain leaves in the order it first
     arrived), lru, arc, priority (no priorities in traces: all blocks at the default level),
-    s3fifo (scan-resistant), and opt (Belady: evict the leaf whose next use is farthest; do not
+    s3fifo (scan-resistant), lhd (hit density: learns online, per use count and age, which
+    blocks still earn hits, and evicts the least dense; the best online policy on multi-turn
+    traces at small capacities), and opt (Belady: evict the leaf whose next use is farthest; do not
     admit a block whose next use is later than every evictable leaf's). opt bounds the block
     hits of every policy at the same capacity over the whole replay (all_block_hit_rate,
     warm-up included), not the measured rates: it does not weigh a partial block less, and
@@ -155,7 +157,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     r = p.add_argument_group("replay")
     r.add_argument(
         "--policies",
-        default="fifo,lru,arc,opt",
+        default="fifo,lru,arc,lhd,opt",
         help="policies to sweep (default %(default)s; also priority, s3fifo: slower, see docs/planner.md)",
     )
     r.add_argument(
