@@ -48,16 +48,23 @@ impl ChainLinks {
         self.children[parent as usize] += 1;
     }
 
-    /// The block in `slot` left: its parent, if still the one it extended, loses a child.
-    pub fn left(&mut self, slot: u32, states: &[EntryState]) {
-        let parent = std::mem::replace(&mut self.parent[slot as usize], NONE);
+    /// The slot of the block that `slot`'s block extends, if that block is still there (its
+    /// slot neither vacant nor reused since the link was made).
+    fn live_parent(&self, slot: u32, states: &[EntryState]) -> Option<u32> {
+        let parent = self.parent[slot as usize];
         if parent == NONE {
-            return;
+            return None;
         }
         let (state, _, generation) = states[parent as usize].load_with_generation();
-        if state != BlockState::Evicting && generation == self.parent_generation[slot as usize] {
+        (state != BlockState::Evicting && generation == self.parent_generation[slot as usize]).then_some(parent)
+    }
+
+    /// The block in `slot` left: its parent, if still the one it extended, loses a child.
+    pub fn left(&mut self, slot: u32, states: &[EntryState]) {
+        if let Some(parent) = self.live_parent(slot, states) {
             self.children[parent as usize] -= 1;
         }
+        self.parent[slot as usize] = NONE;
     }
 
     pub fn is_leaf(&self, slot: u32) -> bool {
@@ -86,15 +93,10 @@ impl ChainLinks {
                     break;
                 }
                 blocked[at as usize] = true;
-                let p = self.parent[at as usize];
-                if p == NONE {
-                    break;
+                match self.live_parent(at, states) {
+                    Some(p) => at = p,
+                    None => break,
                 }
-                let (state, _, generation) = states[p as usize].load_with_generation();
-                if state == BlockState::Evicting || generation != self.parent_generation[at as usize] {
-                    break;
-                }
-                at = p;
             }
         }
         (0..n as u32).filter(|&s| resident(s) && !blocked[s as usize]).count()

@@ -792,12 +792,12 @@ impl TierIndex {
         let placed: Vec<(BlockKey, u32)> = new_keys.iter().copied().zip(slots).collect();
         if !placed.is_empty() {
             self.apply_chain_tail_first(inner, &placed, &out.to_write_pos, present, hint, now);
-            if let Some((present, repeats)) = linked {
-                self.link_chain(inner, keys.len(), &placed, &out.to_write_pos, &present, &repeats, &out.refused);
-            }
         }
         self.stats.stores_prepared.fetch_add(placed.len() as u64, Ordering::Relaxed);
         out.to_write = placed;
+        if let Some((present, repeats)) = linked {
+            self.link_chain(inner, keys.len(), &out, &present, &repeats);
+        }
         Ok(out)
     }
 
@@ -864,18 +864,16 @@ impl TierIndex {
     /// Record, for a policy that may evict only leaves, which block each new block of a store
     /// extends: the block before it in the batch, when that one is resident (present, placed,
     /// or a repeat of a placed key; not a refused one).
-    #[allow(clippy::too_many_arguments)]
     fn link_chain(
         &self,
         inner: &mut Inner,
         batch_len: usize,
-        placed: &[(BlockKey, u32)],
-        placed_pos: &[usize],
+        out: &StoreOutcome,
         present: &[(usize, u32)],
         repeats: &[(BlockKey, usize)],
-        refused: &[BlockKey],
     ) {
         const NONE: u32 = u32::MAX;
+        let (placed, placed_pos, refused) = (&out.to_write, &out.to_write_pos, &out.refused);
         let mut slot_at = vec![NONE; batch_len];
         for &(pos, slot) in present {
             slot_at[pos] = slot;

@@ -111,7 +111,8 @@ impl<K: PolicyKey> HitDensity<K> {
         HitDensity { stamp_span: span, ..Self::new(capacity, ids) }
     }
 
-    fn class_of(&mut self, key: &K) -> usize {
+    /// Record a use of `key` and return its class.
+    fn record_use(&mut self, key: &K) -> usize {
         let uses = self.uses.record(&key.ghost_id());
         ((31 - uses.leading_zeros()) as usize).min(CLASSES - 1)
     }
@@ -192,14 +193,14 @@ impl<K: PolicyKey> EvictionPolicy<K> for HitDensity<K> {
         if self.lists.list_of(key).is_some() {
             return;
         }
-        let class = self.class_of(key);
+        let class = self.record_use(key);
         self.place(key, class);
     }
 
     fn touch(&mut self, key: &K, _now_ns: u64) {
         let Some((old, stamp)) = self.lists.unlink(key) else { return };
         self.hits[old][age_bucket(self.age(stamp))] += 1.0;
-        let class = self.class_of(key);
+        let class = self.record_use(key);
         self.place(key, class);
     }
 

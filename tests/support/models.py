@@ -313,7 +313,7 @@ class HitDensityModel(PlainExtension):
         bits = age.bit_length()
         return min(8 + 2 * (bits - 4) + ((age >> (bits - 2)) & 1), cls.BUCKETS - 1)
 
-    def _class_of(self, key) -> int:
+    def _record_use(self, key) -> int:
         self.uses[key] = min(self.uses[key] + 1, 255)
         return min(self.uses[key].bit_length() - 1, self.CLASSES - 1)
 
@@ -326,17 +326,17 @@ class HitDensityModel(PlainExtension):
 
     def insert(self, key, priority, duration_ns, now):
         if self._find(key) is None:
-            self._place(key, self._class_of(key))
+            self._place(key, self._record_use(key))
 
     def touch(self, key, now):
         c = self._find(key)
         if c is None:
             return
         self.hits[c][self.bucket(self.clock - self.lists[c].pop(key))] += 1.0
-        self._place(key, self._class_of(key))
+        self._place(key, self._record_use(key))
 
     def renew(self, key, priority, duration_ns, now):
-        pass  # the order ignores the hint, and a renewal is not a use
+        """Nothing: the order ignores the hint, and a renewal is not a use."""
 
     def refresh(self, key, now):
         c = self._find(key)
