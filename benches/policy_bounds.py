@@ -1,0 +1,342 @@
+"""Where the LRU -> Belady gap lies: how much of it a policy could close if it knew the future
+of the blocks it has already seen twice, and how much online predictions of that future close.
+
+Each bound replays the planner's rules in plain Python (prefix tree, placement from the first
+miss, victims outside the request and leaves only, the chain tail applied first, warm-up 0.5,
+token-weighted) with exact, unbounded use counts. It replays LRU and opt too and fails unless
+both equal the planner's to the token: the rules must match. The policies, all "one-use blocks first":
+
+- `oracle`: a block used once so far goes first (oldest first), except that a repeated block
+  with no further use goes before it; repeated blocks by their true next use, farthest first.
+  Knows nothing about a block's first reuse, everything about later ones.
+- `lastgap`: online. A repeated block is expected back one previous gap after its last use; one
+  more than twice that gap (plus 50 requests) overdue goes first, then one-use blocks, then the
+  farthest expected.
+- `second`: online. Repeated blocks in LRU order behind the one-use blocks.
+
+    .venv/bin/python benches/policy_bounds.py [--trace PATH] [--capacities 2048,4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import sys
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+
+from kvtier_rs._core import replay_sweep
+from kvtier_rs.planner.plan import build_trace
+from kvtier_rs.planner.traces import read_trace
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+NEVER = 1 << 62
+
+Requests = list[tuple[list[int], int]]
+
+
+class Policy:
+    """What the replay asks of a policy: `begin` a request, a `victim` among evictable blocks
+    (None: nothing can go), whether the incoming block may take its place (`admits`), and `place`
+    each block the request holds, tail first."""
+
+    def __init__(self, next_use: list[dict[int, int]]) -> None:
+        self.next_use = next_use
+        self.now = 0
+
+    def begin(self, r: int, keys: list[int]) -> None:
+        self.now = r
+
+    def victim(self, ok: Callable[[int], bool]) -> int | None:
+        raise NotImplementedError
+
+    def admits(self, incoming_next_use: int, victim: int) -> bool:
+        return True
+
+    def place(self, k: int) -> None:
+        raise NotImplementedError
+
+
+class Belady(Policy):
+    """The planner's opt, replayed here to check these rules: the farthest next use goes (ties:
+    the key first seen latest), and an incoming block used later than that victim is refused."""
+
+    def __init__(self, next_use: list[dict[int, int]], first_seen: dict[int, int]) -> None:
+        super().__init__(next_use)
+        self.first_seen = first_seen
+        self.version: dict[int, int] = {}
+        self.when: dict[int, int] = {}
+        self.heap: list[tuple[int, int, int, int]] = []
+
+    def place(self, k: int) -> None:
+        v = self.version[k] = self.version.get(k, 0) + 1
+        self.when[k] = self.next_use[self.now][k]
+        heapq.heappush(self.heap, (-self.when[k], -self.first_seen[k], v, k))
+
+    def victim(self, ok: Callable[[int], bool]) -> int | None:
+        skipped, found = [], None
+        while self.heap:
+            e = heapq.heappop(self.heap)
+            if self.version.get(e[3]) != e[2]:
+                continue
+            if ok(e[3]):
+                found = e
+                break
+            skipped.append(e)
+        for s in skipped:
+            heapq.heappush(self.heap, s)
+        if found is None:
+            return None
+        heapq.heappush(self.heap, found)  # stays until `admits` says it goes
+        return found[3]
+
+    def admits(self, incoming_next_use: int, victim: int) -> bool:
+        if incoming_next_use > self.when[victim]:
+            return False
+        self.version[victim] += 1
+        return True
+
+
+class OneUseFirst(Policy):
+    """Blocks used once so far, oldest first, go before repeated ones; subclasses order the
+    repeated ones (`place_repeated`, `repeated_victim`) and may name some to go first (`doomed`)."""
+
+    def __init__(self, next_use: list[dict[int, int]]) -> None:
+        super().__init__(next_use)
+        self.uses: dict[int, int] = {}
+        self.last: dict[int, int] = {}
+        self.gap: dict[int, int] = {}
+        self.once: OrderedDict[int, None] = OrderedDict()
+
+    def begin(self, r: int, keys: list[int]) -> None:
+        super().begin(r, keys)
+        for k in set(keys):
+            self.uses[k] = self.uses.get(k, 0) + 1
+            if k in self.last:
+                self.gap[k] = r - self.last[k]
+            self.last[k] = r
+
+    def place(self, k: int) -> None:
+        self.forget(k)
+        if self.uses[k] == 1:
+            self.once[k] = None
+        else:
+            self.place_repeated(k)
+
+    def victim(self, ok: Callable[[int], bool]) -> int | None:
+        k = self.doomed(ok)
+        if k is None:
+            k = next((x for x in self.once if ok(x)), None)
+        if k is None:
+            k = self.repeated_victim(ok)
+        if k is not None:
+            self.forget(k)
+        return k
+
+    def forget(self, k: int) -> None:
+        self.once.pop(k, None)
+
+    def place_repeated(self, k: int) -> None:
+        raise NotImplementedError
+
+    def repeated_victim(self, ok: Callable[[int], bool]) -> int | None:
+        raise NotImplementedError
+
+    def doomed(self, ok: Callable[[int], bool]) -> int | None:
+        return None
+
+
+class Second(OneUseFirst):
+    def __init__(self, next_use: list[dict[int, int]]) -> None:
+        super().__init__(next_use)
+        self.repeated: OrderedDict[int, None] = OrderedDict()
+
+    def place_repeated(self, k: int) -> None:
+        self.repeated[k] = None
+
+    def forget(self, k: int) -> None:
+        super().forget(k)
+        self.repeated.pop(k, None)
+
+    def repeated_victim(self, ok: Callable[[int], bool]) -> int | None:
+        return next((x for x in self.repeated if ok(x)), None)
+
+
+class Ranked(OneUseFirst):
+    """Repeated blocks in two lazily cleaned heaps: farthest expected use, earliest deadline."""
+
+    def __init__(self, next_use: list[dict[int, int]]) -> None:
+        super().__init__(next_use)
+        self.version: dict[int, int] = {}
+        self.far: list[tuple[int, int, int]] = []
+        self.due: list[tuple[int, int, int]] = []
+
+    def expected(self, k: int) -> tuple[int, int]:
+        """(expected next use, deadline after which the block counts as dead)."""
+        raise NotImplementedError
+
+    def place_repeated(self, k: int) -> None:
+        v = self.version[k] = self.version.get(k, 0) + 1
+        when, deadline = self.expected(k)
+        heapq.heappush(self.far, (-when, v, k))
+        heapq.heappush(self.due, (deadline, v, k))
+
+    def forget(self, k: int) -> None:
+        super().forget(k)
+        if k in self.version:
+            self.version[k] += 1
+
+    def _pop(self, heap: list[tuple[int, int, int]], ok: Callable[[int], bool], due_only: bool) -> int | None:
+        skipped, found = [], None
+        while heap:
+            key, v, k = heap[0]
+            if self.version.get(k) != v:
+                heapq.heappop(heap)
+                continue
+            if due_only and key >= self.now:
+                break
+            heapq.heappop(heap)
+            if ok(k):
+                found = k
+                break
+            skipped.append((key, v, k))
+        for e in skipped:
+            heapq.heappush(heap, e)
+        return found
+
+    def doomed(self, ok: Callable[[int], bool]) -> int | None:
+        return self._pop(self.due, ok, due_only=True)
+
+    def repeated_victim(self, ok: Callable[[int], bool]) -> int | None:
+        return self._pop(self.far, ok, due_only=False)
+
+
+class Oracle(Ranked):
+    def expected(self, k: int) -> tuple[int, int]:
+        when = self.next_use[self.now].get(k, NEVER)
+        return when, (self.now if when == NEVER else NEVER)
+
+
+class LastGap(Ranked):
+    def expected(self, k: int) -> tuple[int, int]:
+        g = self.gap[k]
+        return self.now + g, self.now + 2 * g + 50
+
+
+BOUNDS: dict[str, type[OneUseFirst]] = {"oracle": Oracle, "lastgap": LastGap, "second": Second}
+
+
+class Lru(Second):
+    """Plain LRU (every block 'repeated'), the check against the planner."""
+
+    def place(self, k: int) -> None:
+        self.forget(k)
+        self.place_repeated(k)
+
+
+def next_uses(requests: Requests) -> list[dict[int, int]]:
+    out: list[dict[int, int]] = [{} for _ in requests]
+    last: dict[int, int] = {}
+    for r in range(len(requests) - 1, -1, -1):
+        keys = requests[r][0]
+        out[r] = {k: last.get(k, NEVER) for k in keys}
+        for k in keys:
+            last[k] = r
+    return out
+
+
+def replay(requests: Requests, block_size: int, capacity: int, policy: Policy, warmup: float) -> float:
+    cached: set[int] = set()
+    parent: dict[int, int] = {}
+    kids: dict[int, int] = {}
+    first = int(len(requests) * warmup)
+    hit_tokens = total_tokens = 0
+    for r, (keys, n_in) in enumerate(requests):
+        policy.begin(r, keys)
+        current = set(keys)
+
+        def evictable(x: int, current: set[int] = current) -> bool:
+            return x not in current and kids.get(x, 0) == 0
+
+        hits = 0
+        while hits < len(keys) and keys[hits] in cached:
+            hits += 1
+        placed: set[int] = set()
+        end = hits
+        while end < len(keys):
+            k = keys[end]
+            if k not in cached:
+                if len(cached) >= capacity:
+                    v = policy.victim(evictable)
+                    if v is None or not policy.admits(policy.next_use[r][k], v):
+                        break
+                    cached.discard(v)
+                    p = parent.pop(v, None)
+                    if p is not None:
+                        kids[p] -= 1
+                cached.add(k)
+                placed.add(k)
+                if end > 0:
+                    parent[k] = keys[end - 1]
+                    kids[keys[end - 1]] = kids.get(keys[end - 1], 0) + 1
+            end += 1
+        for k in dict.fromkeys(reversed(keys[:end])):  # tail first, each key once
+            policy.place(k)
+        if r >= first:
+            total_tokens += n_in
+            hit_tokens += sum(min(block_size, n_in - i * block_size) for i in range(hits))
+    return hit_tokens / total_tokens
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    ap.add_argument("--capacities", default="2048,4096")
+    ap.add_argument("--warmup", type=float, default=0.5)
+    args = ap.parse_args()
+    if not args.trace.is_file():
+        print(f"policy_bounds: trace not found: {args.trace} (pass --trace)", file=sys.stderr)
+        return 2
+    caps = [int(c) for c in args.capacities.split(",")]
+    data = read_trace(args.trace)
+    trace = build_trace(data)
+    if not trace.prefix_chained:
+        print(f"policy_bounds: {args.trace.name}: block ids are not prefix-chained; opt is no bound", file=sys.stderr)
+        return 2
+    o = data.offsets
+    requests = [(list(data.keys[o[i] : o[i + 1]]), int(data.input_tokens[i])) for i in range(data.n_requests)]
+    nu = next_uses(requests)
+    jobs = [(p, c, "always") for p in ("lru", "opt", "lhd") for c in caps]
+    planner = {
+        (j["policy"], j["capacity_blocks"]): j["hit_tokens"] / j["total_tokens"]
+        for j in replay_sweep(trace, jobs, warmup=args.warmup)
+    }
+    first_seen: dict[int, int] = {}
+    for keys, _ in requests:
+        for k in keys:
+            first_seen.setdefault(k, len(first_seen))
+    print(f"{args.trace.name}: share of the LRU -> opt gap closed (hit rate)")
+    print(f"{'capacity':>9} {'lru':>7} {'opt':>7} " + " ".join(f"{n:>16}" for n in ("lhd", *BOUNDS)))
+    for c in caps:
+        lru, opt = planner[("lru", c)], planner[("opt", c)]
+        checks = {"lru": (lru, Lru(nu)), "opt": (opt, Belady(nu, first_seen))}
+        for name, (theirs, policy) in checks.items():
+            ours = replay(requests, data.block_size, c, policy, args.warmup)
+            if abs(ours - theirs) > 1e-12:
+                print(f"policy_bounds: at {c} blocks this replay's {name} ({ours}) is not the planner's ({theirs})")
+                return 1
+        rates = {"lhd": planner[("lhd", c)]}
+        for name, cls in BOUNDS.items():
+            rates[name] = replay(requests, data.block_size, c, cls(nu), args.warmup)
+        gap = opt - lru
+        cells = " ".join(
+            f"{100 * (v - lru) / gap:6.1f}% ({v:.4f})" if gap > 1e-12 else f"{'-':>7} ({v:.4f})" for v in rates.values()
+        )
+        print(f"{c:>9} {lru:7.4f} {opt:7.4f} {cells}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
