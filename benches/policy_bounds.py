@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import sys
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -37,9 +38,9 @@ NEVER = 1 << 62
 Requests = list[tuple[list[int], int]]
 
 
-class Policy:
+class Policy(ABC):
     """What the replay asks of a policy: `begin` a request, a `victim` among evictable blocks
-    (None: nothing can go), whether the incoming block may take its place (`admits`), and `place`
+    (None: nothing can go), whether the incoming block takes its place (`replaces`), and `place`
     each block the request holds, tail first."""
 
     def __init__(self, next_use: list[dict[int, int]]) -> None:
@@ -49,14 +50,17 @@ class Policy:
     def begin(self, r: int, keys: list[int]) -> None:
         self.now = r
 
+    @abstractmethod
     def victim(self, ok: Callable[[int], bool]) -> int | None:
-        raise NotImplementedError
+        """The block to evict next, among those `ok` accepts."""
 
-    def admits(self, incoming_next_use: int, victim: int) -> bool:
+    def replaces(self, incoming_next_use: int, victim: int) -> bool:
+        """Whether the incoming block evicts `victim` (the policy forgets it then)."""
         return True
 
+    @abstractmethod
     def place(self, k: int) -> None:
-        raise NotImplementedError
+        """`k` is held by the current request: inserted or touched."""
 
 
 class Belady(Policy):
@@ -89,10 +93,10 @@ class Belady(Policy):
             heapq.heappush(self.heap, s)
         if found is None:
             return None
-        heapq.heappush(self.heap, found)  # stays until `admits` says it goes
+        heapq.heappush(self.heap, found)  # stays until `replaces` says it goes
         return found[3]
 
-    def admits(self, incoming_next_use: int, victim: int) -> bool:
+    def replaces(self, incoming_next_use: int, victim: int) -> bool:
         if incoming_next_use > self.when[victim]:
             return False
         self.version[victim] += 1
@@ -138,11 +142,13 @@ class OneUseFirst(Policy):
     def forget(self, k: int) -> None:
         self.once.pop(k, None)
 
+    @abstractmethod
     def place_repeated(self, k: int) -> None:
-        raise NotImplementedError
+        """`k`, used at least twice, is held by the current request."""
 
+    @abstractmethod
     def repeated_victim(self, ok: Callable[[int], bool]) -> int | None:
-        raise NotImplementedError
+        """The repeated block to evict next, among those `ok` accepts."""
 
     def doomed(self, ok: Callable[[int], bool]) -> int | None:
         return None
@@ -173,9 +179,9 @@ class Ranked(OneUseFirst):
         self.far: list[tuple[int, int, int]] = []
         self.due: list[tuple[int, int, int]] = []
 
+    @abstractmethod
     def expected(self, k: int) -> tuple[int, int]:
         """(expected next use, deadline after which the block counts as dead)."""
-        raise NotImplementedError
 
     def place_repeated(self, k: int) -> None:
         v = self.version[k] = self.version.get(k, 0) + 1
@@ -270,7 +276,7 @@ def replay(requests: Requests, block_size: int, capacity: int, policy: Policy, w
             if k not in cached:
                 if len(cached) >= capacity:
                     v = policy.victim(evictable)
-                    if v is None or not policy.admits(policy.next_use[r][k], v):
+                    if v is None or not policy.replaces(policy.next_use[r][k], v):
                         break
                     cached.discard(v)
                     p = parent.pop(v, None)

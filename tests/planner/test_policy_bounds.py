@@ -9,13 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from support.traces import SHARED_TRACES, needs_traces
 
 ROOT = Path(__file__).resolve().parents[2]
-TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+TRACE = SHARED_TRACES / "mooncake_conversation_trace.jsonl"
 
 
-@pytest.mark.skipif(not TRACE.is_file(), reason="SKIPPED LOUDLY: ../shared/traces is missing (CI has it)")
+@needs_traces
 def test_bounds_replay_matches_the_planners_lru_and_opt_on_a_trace_slice(tmp_path):
     lines = TRACE.read_text().splitlines()[:800]
     sliced = tmp_path / "slice.jsonl"

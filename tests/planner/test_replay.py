@@ -5,19 +5,16 @@ properties theory gives (opt dominates online policies, the ceiling bounds all, 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import planner_reference as ref  # noqa: E402
+from support.traces import SHARED_TRACES as TRACES
+from support.traces import needs_traces
 
 from kvtier_rs._core import InvalidArgumentError, ReplayTrace, replay_sweep, replay_tiers
 from kvtier_rs.planner.plan import build_trace
 from kvtier_rs.planner.traces import read_trace
-
-TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
-needs_traces = pytest.mark.skipif(not TRACES.is_dir(), reason="SKIPPED LOUDLY: ../shared/traces is missing (CI has it)")
 
 
 def requests_of(data):

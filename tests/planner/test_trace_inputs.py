@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.traces import SHARED_TRACES as TRACES
+from support.traces import needs_traces
 
 from kvtier_rs._core import KvTierError
 from kvtier_rs.cli import main
@@ -19,8 +21,6 @@ from kvtier_rs.planner.errors import PlanError, TraceError
 from kvtier_rs.planner.model import bytes_per_token_from_config
 from kvtier_rs.planner.traces import chain_hash, detect_format, read_trace
 from kvtier_rs.planner.units import parse_size
-
-TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
 
 
 def write_lines(path: Path, records) -> Path:
@@ -145,7 +145,7 @@ def test_token_trace_is_chain_hashed(tmp_path):
     assert chain_hash([1] * 16 + [2] * 16, 16)[1] != chain_hash([3] * 16 + [2] * 16, 16)[1]
 
 
-@pytest.mark.skipif(not TRACES.is_dir(), reason="SKIPPED LOUDLY: ../shared/traces is missing (CI has it)")
+@needs_traces
 def test_shared_trace_facts():
     d = read_trace(TRACES / "weka_kvcachetester_trace_0001.json")
     assert (d.format, d.block_size, d.n_requests) == ("kvcache-tester", 64, 41)
