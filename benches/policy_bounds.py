@@ -1,10 +1,12 @@
 """Where the LRU -> Belady gap lies: how much of it a policy could close if it knew the future
-of the blocks it has already seen twice, and how much online predictions of that future close.
+of the blocks it has already seen twice (when they return, or only whether), how much the best
+odds learnable from a block's turn, use count and age close, and how much online predictions do.
 
 Each bound replays the planner's rules in plain Python (prefix tree, placement from the first
 miss, victims outside the request and leaves only, the chain tail applied first, warm-up 0.5,
 token-weighted) with exact, unbounded use counts. It replays LRU and opt too and fails unless
-both equal the planner's to the token: the rules must match. The policies, all "one-use blocks first":
+both equal the planner's to the token: the rules must match. The policies (all but `odds` evict
+blocks used once so far first):
 
 - `oracle`: a block used once so far goes first (oldest first), except that a repeated block
   with no further use goes before it; repeated blocks by their true next use, farthest first.
@@ -13,6 +15,16 @@ both equal the planner's to the token: the rules must match. The policies, all "
   more than twice that gap (plus 50 requests) overdue goes first, then one-use blocks, then the
   farthest expected.
 - `second`: online. Repeated blocks in LRU order behind the one-use blocks.
+- `alive`: knows whether a repeated block is used again, not when: the dead ones go first, then
+  the one-use blocks, then the repeated ones in LRU order.
+- `odds`: every block by the share of blocks like it that were used again, taken over the whole
+  trace: "like it" is the same conversation turn (1-8+), use count (1 or more) and age since
+  its last use. It knows the odds an online policy could at best learn from these signals, not
+  any block's outcome; lowest odds go first (ties: least recently used).
+
+A request continues a conversation when the deepest of its blocks seen before lies below its
+first block (every request of these traces starts with one shared block): it is one turn after
+the request that last used that block.
 
     .venv/bin/python benches/policy_bounds.py [--trace PATH] [--capacities 2048,4096]
 """
@@ -36,6 +48,7 @@ DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace
 NEVER = 1 << 62
 
 Requests = list[tuple[list[int], int]]
+NextUses = list[dict[int, int]]
 
 
 class Policy(ABC):
@@ -43,7 +56,7 @@ class Policy(ABC):
     (None: nothing can go), whether the incoming block takes its place (`replaces`), and `place`
     each block the request holds, tail first."""
 
-    def __init__(self, next_use: list[dict[int, int]]) -> None:
+    def __init__(self, next_use: NextUses) -> None:
         self.next_use = next_use
         self.now = 0
 
@@ -67,7 +80,7 @@ class Belady(Policy):
     """The planner's opt, replayed here to check these rules: the farthest next use goes (ties:
     the key first seen latest), and an incoming block used later than that victim is refused."""
 
-    def __init__(self, next_use: list[dict[int, int]], first_seen: dict[int, int]) -> None:
+    def __init__(self, next_use: NextUses, first_seen: dict[int, int]) -> None:
         super().__init__(next_use)
         self.first_seen = first_seen
         self.version: dict[int, int] = {}
@@ -107,7 +120,7 @@ class OneUseFirst(Policy):
     """Blocks used once so far, oldest first, go before repeated ones; subclasses order the
     repeated ones (`place_repeated`, `repeated_victim`) and may name some to go first (`doomed`)."""
 
-    def __init__(self, next_use: list[dict[int, int]]) -> None:
+    def __init__(self, next_use: NextUses) -> None:
         super().__init__(next_use)
         self.uses: dict[int, int] = {}
         self.last: dict[int, int] = {}
@@ -155,7 +168,7 @@ class OneUseFirst(Policy):
 
 
 class Second(OneUseFirst):
-    def __init__(self, next_use: list[dict[int, int]]) -> None:
+    def __init__(self, next_use: NextUses) -> None:
         super().__init__(next_use)
         self.repeated: OrderedDict[int, None] = OrderedDict()
 
@@ -173,7 +186,7 @@ class Second(OneUseFirst):
 class Ranked(OneUseFirst):
     """Repeated blocks in two lazily cleaned heaps: farthest expected use, earliest deadline."""
 
-    def __init__(self, next_use: list[dict[int, int]]) -> None:
+    def __init__(self, next_use: NextUses) -> None:
         super().__init__(next_use)
         self.version: dict[int, int] = {}
         self.far: list[tuple[int, int, int]] = []
@@ -231,7 +244,107 @@ class LastGap(Ranked):
         return self.now + g, self.now + 2 * g + 50
 
 
-BOUNDS: dict[str, type[OneUseFirst]] = {"oracle": Oracle, "lastgap": LastGap, "second": Second}
+class Alive(Ranked):
+    def expected(self, k: int) -> tuple[int, int]:
+        dead = self.next_use[self.now].get(k, NEVER) == NEVER
+        return -self.now, (self.now if dead else NEVER)  # farthest `when` = least recently used
+
+
+MAX_TURN = 8
+AGE_BUCKETS = 64
+
+
+def age_bucket(age: int) -> int:
+    """Exact below 8, then two buckets per doubling (the live index's `lhd` buckets)."""
+    if age < 8:
+        return age
+    bits = age.bit_length()
+    return min(8 + 2 * (bits - 4) + ((age >> (bits - 2)) & 1), AGE_BUCKETS - 1)
+
+
+def conversation_turns(requests: Requests) -> list[int]:
+    last_user: dict[int, int] = {}
+    turns: list[int] = []
+    for r, (keys, _) in enumerate(requests):
+        seen = 0
+        while seen < len(keys) and keys[seen] in last_user:
+            seen += 1
+        turns.append(turns[last_user[keys[seen - 1]]] + 1 if seen >= 2 else 1)
+        for k in keys:
+            last_user[k] = r
+    return turns
+
+
+class Odds(Policy):
+    """Per class (turn, used once or more) one list in placement order: its head is the class's
+    oldest block and, the odds falling with age, its likeliest victim."""
+
+    def __init__(self, next_use: NextUses, requests: Requests) -> None:
+        super().__init__(next_use)
+        self.turns = conversation_turns(requests)
+        self.odds = self._measure(requests)
+        self.uses: dict[int, int] = {}
+        self.lists: dict[int, OrderedDict[int, int]] = {}
+        self.class_of: dict[int, int] = {}
+
+    def _class(self, r: int, uses: int) -> int:
+        return 2 * (min(self.turns[r], MAX_TURN) - 1) + (uses > 1)
+
+    def _measure(self, requests: Requests) -> dict[int, list[float]]:
+        """Share of blocks of each class still unused at each age bucket that are used again."""
+        waiting: dict[int, list[int]] = {}
+        returning: dict[int, list[int]] = {}
+        uses: dict[int, int] = {}
+        for r, (keys, _) in enumerate(requests):
+            for k in set(keys):
+                uses[k] = uses.get(k, 0) + 1
+                c = self._class(r, uses[k])
+                nxt = self.next_use[r][k]
+                w = waiting.setdefault(c, [0] * AGE_BUCKETS)
+                back = returning.setdefault(c, [0] * AGE_BUCKETS)
+                # a block is at age bucket b while unused; it counts there for every bucket it reaches
+                for b in range(AGE_BUCKETS if nxt == NEVER else age_bucket(nxt - r)):
+                    w[b] += 1
+                    back[b] += nxt != NEVER
+        return {c: [h / n if n else 0.0 for h, n in zip(returning[c], w, strict=True)] for c, w in waiting.items()}
+
+    def begin(self, r: int, keys: list[int]) -> None:
+        super().begin(r, keys)
+        for k in set(keys):
+            self.uses[k] = self.uses.get(k, 0) + 1
+
+    def place(self, k: int) -> None:
+        self._drop(k)
+        c = self.class_of[k] = self._class(self.now, self.uses[k])
+        self.lists.setdefault(c, OrderedDict())[k] = self.now
+
+    def _drop(self, k: int) -> None:
+        c = self.class_of.pop(k, None)
+        if c is not None:
+            del self.lists[c][k]
+
+    def victim(self, ok: Callable[[int], bool]) -> int | None:
+        best: tuple[float, int, int] | None = None
+        for c, placed in self.lists.items():
+            for k, when in placed.items():
+                if ok(k):
+                    odds = self.odds[c][age_bucket(self.now - when)]
+                    if best is None or (odds, when) < best[:2]:
+                        best = (odds, when, k)
+                    break
+        if best is None:
+            return None
+        self._drop(best[2])
+        return best[2]
+
+
+BOUNDS: dict[str, Callable[[NextUses, Requests], Policy]] = {
+    "oracle": lambda nu, _: Oracle(nu),
+    "lastgap": lambda nu, _: LastGap(nu),
+    "second": lambda nu, _: Second(nu),
+    "alive": lambda nu, _: Alive(nu),
+    "odds": Odds,
+}
 
 
 class Lru(Second):
@@ -242,8 +355,8 @@ class Lru(Second):
         self.place_repeated(k)
 
 
-def next_uses(requests: Requests) -> list[dict[int, int]]:
-    out: list[dict[int, int]] = [{} for _ in requests]
+def next_uses(requests: Requests) -> NextUses:
+    out: NextUses = [{} for _ in requests]
     last: dict[int, int] = {}
     for r in range(len(requests) - 1, -1, -1):
         keys = requests[r][0]
@@ -334,8 +447,8 @@ def main() -> int:
                 print(f"policy_bounds: at {c} blocks this replay's {name} ({ours}) is not the planner's ({theirs})")
                 return 1
         rates = {"lhd": planner[("lhd", c)]}
-        for name, cls in BOUNDS.items():
-            rates[name] = replay(requests, data.block_size, c, cls(nu), args.warmup)
+        for name, make in BOUNDS.items():
+            rates[name] = replay(requests, data.block_size, c, make(nu, requests), args.warmup)
         gap = opt - lru
         cells = " ".join(
             f"{100 * (v - lru) / gap:6.1f}% ({v:.4f})" if gap > 1e-12 else f"{'-':>7} ({v:.4f})" for v in rates.values()

@@ -5,6 +5,7 @@ shared trace, at capacities where every policy differs."""
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -27,11 +28,18 @@ def test_bounds_replay_matches_the_planners_lru_and_opt_on_a_trace_slice(tmp_pat
         timeout=300,
     )
     assert out.returncode == 0, out.stdout + out.stderr
+    header = next(line.split() for line in out.stdout.splitlines() if line.split()[:1] == ["capacity"])
+    assert header[3:] == ["lhd", "oracle", "lastgap", "second", "alive", "odds"]
     rows = [line.split() for line in out.stdout.splitlines() if line.split()[:1] in (["60"], ["300"])]
     assert [r[0] for r in rows] == ["60", "300"]
     for r in rows:
         lru, opt = map(float, r[1:3])
         assert lru < opt
+        shares = [float(cell.rstrip("%")) for cell in r[3::2]]
+        rates = [float(cell.strip("()")) for cell in r[4::2]]
+        assert len(rates) == 6 and all(0.0 <= v <= 1.0 for v in rates), r
+        for share, v in zip(shares, rates, strict=True):  # the share is of the LRU -> opt gap
+            assert abs(share - 100 * (v - lru) / (opt - lru)) < 0.05 + 100 * 1e-4 / (opt - lru), r
 
 
 def test_bounds_refuses_a_missing_trace(tmp_path):
@@ -44,3 +52,23 @@ def test_bounds_refuses_a_missing_trace(tmp_path):
     )
     assert out.returncode == 2
     assert "trace not found" in out.stderr and "nope.jsonl" in out.stderr
+
+
+def _load_bounds_module():
+    spec = importlib.util.spec_from_file_location("policy_bounds", ROOT / "benches" / "policy_bounds.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_request_continues_the_last_user_of_its_deepest_seen_block_below_the_first():
+    bounds = _load_bounds_module()
+    requests = [
+        ([0, 1, 2], 1500),
+        ([0, 1, 2, 3], 2000),  # extends the first request: its second turn
+        ([0, 5], 1000),  # shares only the first block: a new conversation
+        ([0, 1, 2, 3, 4], 2500),  # extends the second request: third turn
+        ([0, 5, 6], 1500),  # extends the third request: second turn
+    ]
+    assert bounds.conversation_turns(requests) == [1, 2, 1, 3, 2]
