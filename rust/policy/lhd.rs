@@ -9,7 +9,9 @@
 //!
 //! Exact semantics (mirrored by tests/support/models.py):
 //! - Time is a logical clock that advances by one on every insert, touch and refresh (no wall
-//!   clock: the same stream of calls gives the same decisions everywhere).
+//!   clock: the same stream of calls gives the same decisions everywhere, up to the sketch: the
+//!   live index names keys to it by their per-process seeded hash, so where two keys share a
+//!   counter differs between processes; the planner's keys are plain node ids).
 //! - A key's use count lives in a count-min sketch of 8-bit counters, at least 2^20 and at
 //!   least the tier's capacity wide, halved every width's worth of recorded uses
 //!   (`FrequencySketch`): it outlives the key's stay, which is the point (a block back after a
