@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 from kvtier_rs.checks import check_count, invalid_argument, show
@@ -160,9 +160,18 @@ class LoadGate:
             if i not in recorded:
                 recorded.add(i)
                 guard.record(age)
-        if slow and len(ages) >= self.max_in_flight[tier] and len(slow) == len(ages):
-            guard.trip_hung(max(slow.values()))
+        self.trip_if_hung(tier, len(ages), list(slow.values()))
         self.notice()
+
+    def trip_if_hung(self, tier: str, in_flight: int, stalled_waits: Sequence[float]) -> None:
+        """Trip `tier`'s guard outright when its `in_flight` promotions fill the back-pressure cap
+        and every one has stalled (`stalled_waits`: their waits past the guard's threshold): the
+        cap can be below the samples a guard needs, and a hung tier gets no more promotions."""
+        guard = self.guards.get(tier)
+        if guard is None or not stalled_waits:
+            return
+        if in_flight >= self.max_in_flight[tier] and len(stalled_waits) == in_flight:
+            guard.trip_hung(max(stalled_waits))
 
     def forget_stall(self, tier: str, promotion: Hashable) -> bool:
         """Whether `promotion` was already given to the guard as stalled (then its completion

@@ -8,7 +8,8 @@ healthy. Once per poll, `StallDetector.check` ages every promotion in flight and
   (`Copies.stall_recorded`: its completion, if it ever comes, is then no new sample);
 * trips a guard outright when its tier's promotions in flight have reached the back-pressure
   cap and have all stalled: the cap (16 from disk by default) can be below the samples a guard
-  needs (20 by default), and a hung tier fills the cap and gets no more;
+  needs (20 by default), and a hung tier fills the cap and gets no more (`LoadGate.trip_if_hung`,
+  the rule the vLLM disk layer's reads go through too);
 * gives up a staged part (disk or remote) of a bound load whose read is still in flight
   `disk_read_timeout_s` after bind, so the engine recomputes those blocks instead of waiting
   for good.
@@ -65,9 +66,8 @@ class StallDetector:
         # Orphans first: a read given up on below is counted as its load's, not twice.
         self._age_orphan_reads(now, in_flight, stalled)
         self._age_loads(now, in_flight, stalled)
-        for tier, guard in self.gate.guards.items():
-            if in_flight[tier] >= self.gate.max_in_flight[tier] and len(stalled[tier]) == in_flight[tier]:
-                guard.trip_hung(max(stalled[tier]))
+        for tier in self.gate.guards:
+            self.gate.trip_if_hung(tier, in_flight[tier], stalled[tier])
         self.gate.notice()  # log (and publish) a trip the samples above caused
 
     def _age_orphan_reads(self, now: float, in_flight: dict[str, int], stalled: dict[str, list[float]]) -> None:
