@@ -1,12 +1,12 @@
 """Where the LRU -> Belady gap lies: how much of it a policy could close if it knew the future
 of the blocks it has already seen twice (when they return, or only whether), how much the best
-odds learnable from a block's turn, use count and age close, and how much online predictions do.
+scores learnable from a block's turn, use count and age close, and how much online predictions do.
 
 Each bound replays the planner's rules in plain Python (prefix tree, placement from the first
 miss, victims outside the request and leaves only, the chain tail applied first, warm-up 0.5,
 token-weighted) with exact, unbounded use counts. It replays LRU and opt too and fails unless
-both equal the planner's to the token: the rules must match. The policies (all but `odds` evict
-blocks used once so far first):
+both equal the planner's to the token: the rules must match. The policies (all but `odds` and
+`density` evict blocks used once so far first):
 
 - `oracle`: a block used once so far goes first (oldest first), except that a repeated block
   with no further use goes before it; repeated blocks by their true next use, farthest first.
@@ -17,10 +17,12 @@ blocks used once so far first):
 - `second`: online. Repeated blocks in LRU order behind the one-use blocks.
 - `alive`: knows whether a repeated block is used again, not when: the dead ones go first, then
   the one-use blocks, then the repeated ones in LRU order.
-- `odds`: every block by the share of blocks like it that were used again, taken over the whole
-  trace: "like it" is the same conversation turn (1-8+), use count (1 or more) and age since
-  its last use. It knows the odds an online policy could at best learn from these signals, not
-  any block's outcome; lowest odds go first (ties: least recently used).
+- `odds` and `density`: every block by a score of the blocks like it, measured over the whole
+  trace: "like it" is the same conversation turn (1-16+), use count (1-4+) and age since its
+  last use. `odds`: the share of them used again; `density`: their hit density (returns within
+  DENSITY_HORIZON requests per request of space held). Lowest first (ties: least recently
+  used). They know what an online policy could at best learn from these signals, not any
+  block's outcome.
 
 A request continues a conversation when the deepest of its blocks seen before lies below its
 first block (every request of these traces starts with one shared block): it is one turn after
@@ -250,8 +252,12 @@ class Alive(Ranked):
         return -self.now, (self.now if dead else NEVER)  # farthest `when` = least recently used
 
 
-MAX_TURN = 8
+MAX_TURN = 16
+MAX_USES = 4
 AGE_BUCKETS = 64
+#: How far ahead `density` counts a return as a hit, in requests (about the gap to a next turn's
+#: 75th percentile on the conversation trace; 100 to 3000 give the same share within a point).
+DENSITY_HORIZON = 1000
 
 
 def age_bucket(age: int) -> int:
@@ -262,7 +268,16 @@ def age_bucket(age: int) -> int:
     return min(8 + 2 * (bits - 4) + ((age >> (bits - 2)) & 1), AGE_BUCKETS - 1)
 
 
+def bucket_start(b: int) -> int:
+    """The youngest age in bucket `b`."""
+    if b < 8:
+        return b
+    bits, half = 4 + (b - 8) // 2, (b - 8) % 2
+    return (1 << (bits - 1)) | (half << (bits - 2))
+
+
 def conversation_turns(requests: Requests) -> list[int]:
+    """Each request's turn in its conversation (see the module docstring)."""
     last_user: dict[int, int] = {}
     turns: list[int] = []
     for r, (keys, _) in enumerate(requests):
@@ -275,38 +290,33 @@ def conversation_turns(requests: Requests) -> list[int]:
     return turns
 
 
-class Odds(Policy):
-    """Per class (turn, used once or more) one list in placement order: its head is the class's
-    oldest block and, the odds falling with age, its likeliest victim."""
+class Learnable(Policy):
+    """Every block by a score of its class (conversation turn 1-16+, use count 1-4+) and age
+    bucket, measured over the whole trace (`score_table`); lowest first, ties least recently
+    used. Per class one list in placement order: its head, the class's oldest block, is its
+    candidate (the scores falling with age)."""
 
     def __init__(self, next_use: NextUses, requests: Requests) -> None:
         super().__init__(next_use)
         self.turns = conversation_turns(requests)
-        self.odds = self._measure(requests)
         self.uses: dict[int, int] = {}
         self.lists: dict[int, OrderedDict[int, int]] = {}
         self.class_of: dict[int, int] = {}
-
-    def _class(self, r: int, uses: int) -> int:
-        return 2 * (min(self.turns[r], MAX_TURN) - 1) + (uses > 1)
-
-    def _measure(self, requests: Requests) -> dict[int, list[float]]:
-        """Share of blocks of each class still unused at each age bucket that are used again."""
-        waiting: dict[int, list[int]] = {}
-        returning: dict[int, list[int]] = {}
+        gaps: list[tuple[int, int]] = []  # (class, gap to the next use or NEVER) per block use
         uses: dict[int, int] = {}
         for r, (keys, _) in enumerate(requests):
             for k in set(keys):
                 uses[k] = uses.get(k, 0) + 1
-                c = self._class(r, uses[k])
-                nxt = self.next_use[r][k]
-                w = waiting.setdefault(c, [0] * AGE_BUCKETS)
-                back = returning.setdefault(c, [0] * AGE_BUCKETS)
-                # a block is at age bucket b while unused; it counts there for every bucket it reaches
-                for b in range(AGE_BUCKETS if nxt == NEVER else age_bucket(nxt - r)):
-                    w[b] += 1
-                    back[b] += nxt != NEVER
-        return {c: [h / n if n else 0.0 for h, n in zip(returning[c], w, strict=True)] for c, w in waiting.items()}
+                nxt = next_use[r][k]
+                gaps.append((self._class(r, uses[k]), NEVER if nxt == NEVER else nxt - r))
+        self.score = self.score_table(gaps)
+
+    @abstractmethod
+    def score_table(self, gaps: list[tuple[int, int]]) -> dict[int, list[float]]:
+        """Per class, a score per age bucket from every (class, gap) of the trace."""
+
+    def _class(self, r: int, uses: int) -> int:
+        return MAX_USES * (min(self.turns[r], MAX_TURN) - 1) + min(uses, MAX_USES) - 1
 
     def begin(self, r: int, keys: list[int]) -> None:
         super().begin(r, keys)
@@ -328,14 +338,51 @@ class Odds(Policy):
         for c, placed in self.lists.items():
             for k, when in placed.items():
                 if ok(k):
-                    odds = self.odds[c][age_bucket(self.now - when)]
-                    if best is None or (odds, when) < best[:2]:
-                        best = (odds, when, k)
+                    score = self.score[c][age_bucket(self.now - when)]
+                    if best is None or (score, when) < best[:2]:
+                        best = (score, when, k)
                     break
         if best is None:
             return None
         self._drop(best[2])
         return best[2]
+
+
+class Odds(Learnable):
+    def score_table(self, gaps: list[tuple[int, int]]) -> dict[int, list[float]]:
+        """The share of the blocks still unused at the bucket's start that are used again."""
+        waiting: dict[int, list[int]] = {}
+        returning: dict[int, list[int]] = {}
+        for c, gap in gaps:
+            w = waiting.setdefault(c, [0] * AGE_BUCKETS)
+            back = returning.setdefault(c, [0] * AGE_BUCKETS)
+            for b in range(AGE_BUCKETS):
+                if gap <= bucket_start(b):
+                    break
+                w[b] += 1
+                back[b] += gap != NEVER
+        return {c: [h / n if n else 0.0 for h, n in zip(returning[c], w, strict=True)] for c, w in waiting.items()}
+
+
+class Density(Learnable):
+    def score_table(self, gaps: list[tuple[int, int]]) -> dict[int, list[float]]:
+        """Hit density (after LHD): of the blocks still unused at the bucket's start, the returns
+        within DENSITY_HORIZON requests per request of cache space they hold until then."""
+        hits: dict[int, list[int]] = {}
+        held: dict[int, list[int]] = {}
+        starts = [bucket_start(b) for b in range(AGE_BUCKETS)]
+        for c, gap in gaps:
+            h = hits.setdefault(c, [0] * AGE_BUCKETS)
+            space = held.setdefault(c, [0] * AGE_BUCKETS)
+            for b, start in enumerate(starts):
+                if gap <= start:
+                    break
+                if gap - start <= DENSITY_HORIZON:
+                    h[b] += 1
+                    space[b] += gap - start
+                else:
+                    space[b] += DENSITY_HORIZON
+        return {c: [n / s if s else 0.0 for n, s in zip(hits[c], space, strict=True)] for c, space in held.items()}
 
 
 BOUNDS: dict[str, Callable[[NextUses, Requests], Policy]] = {
@@ -344,6 +391,7 @@ BOUNDS: dict[str, Callable[[NextUses, Requests], Policy]] = {
     "second": lambda nu, _: Second(nu),
     "alive": lambda nu, _: Alive(nu),
     "odds": Odds,
+    "density": Density,
 }
 
 

@@ -29,7 +29,7 @@ def test_bounds_replay_matches_the_planners_lru_and_opt_on_a_trace_slice(tmp_pat
     )
     assert out.returncode == 0, out.stdout + out.stderr
     header = next(line.split() for line in out.stdout.splitlines() if line.split()[:1] == ["capacity"])
-    assert header[3:] == ["lhd", "oracle", "lastgap", "second", "alive", "odds"]
+    assert header[3:] == ["lhd", "oracle", "lastgap", "second", "alive", "odds", "density"]
     rows = [line.split() for line in out.stdout.splitlines() if line.split()[:1] in (["60"], ["300"])]
     assert [r[0] for r in rows] == ["60", "300"]
     for r in rows:
@@ -37,7 +37,7 @@ def test_bounds_replay_matches_the_planners_lru_and_opt_on_a_trace_slice(tmp_pat
         assert lru < opt
         shares = [float(cell.rstrip("%")) for cell in r[3::2]]
         rates = [float(cell.strip("()")) for cell in r[4::2]]
-        assert len(rates) == 6 and all(0.0 <= v <= 1.0 for v in rates), r
+        assert len(rates) == 7 and all(0.0 <= v <= 1.0 for v in rates), r
         for share, v in zip(shares, rates, strict=True):  # the share is of the LRU -> opt gap
             assert abs(share - 100 * (v - lru) / (opt - lru)) < 0.05 + 100 * 1e-4 / (opt - lru), r
 
@@ -72,3 +72,10 @@ def test_a_request_continues_the_last_user_of_its_deepest_seen_block_below_the_f
         ([0, 5, 6], 1500),  # extends the third request: second turn
     ]
     assert bounds.conversation_turns(requests) == [1, 2, 1, 3, 2]
+
+
+def test_each_age_bucket_starts_where_the_one_before_ends():
+    bounds = _load_bounds_module()
+    for b in range(1, bounds.AGE_BUCKETS):
+        start = bounds.bucket_start(b)
+        assert bounds.age_bucket(start) == b and bounds.age_bucket(start - 1) == b - 1, b
