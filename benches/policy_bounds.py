@@ -290,33 +290,75 @@ def conversation_turns(requests: Requests) -> list[int]:
     return turns
 
 
-class Learnable(Policy):
-    """Every block by a score of its class (conversation turn 1-16+, use count 1-4+) and age
-    bucket, measured over the whole trace (`score_table`); lowest first, ties least recently
-    used. Per class one list in placement order: its head, the class's oldest block, is its
-    candidate (the scores falling with age)."""
+def use_class(turn: int, uses: int) -> int:
+    """The class `odds` and `density` score a block by: its turn (1-16+) and use count (1-4+)."""
+    return MAX_USES * (min(turn, MAX_TURN) - 1) + min(uses, MAX_USES) - 1
 
-    def __init__(self, next_use: NextUses, requests: Requests) -> None:
+
+ScoreTable = dict[int, list[float]]
+
+
+def class_gaps(requests: Requests, next_use: NextUses, turns: list[int]) -> list[tuple[int, int]]:
+    """(class, gap to the next use or NEVER) of every block use in the trace."""
+    gaps: list[tuple[int, int]] = []
+    uses: dict[int, int] = {}
+    for r, (keys, _) in enumerate(requests):
+        for k in set(keys):
+            uses[k] = uses.get(k, 0) + 1
+            nxt = next_use[r][k]
+            gaps.append((use_class(turns[r], uses[k]), NEVER if nxt == NEVER else nxt - r))
+    return gaps
+
+
+def odds_table(gaps: list[tuple[int, int]]) -> ScoreTable:
+    """Per class and age bucket: the share of the blocks still unused at the bucket's start that
+    are used again."""
+    waiting: dict[int, list[int]] = {}
+    returning: dict[int, list[int]] = {}
+    for c, gap in gaps:
+        w = waiting.setdefault(c, [0] * AGE_BUCKETS)
+        back = returning.setdefault(c, [0] * AGE_BUCKETS)
+        for b in range(AGE_BUCKETS):
+            if gap <= bucket_start(b):
+                break
+            w[b] += 1
+            back[b] += gap != NEVER
+    return {c: [h / n if n else 0.0 for h, n in zip(returning[c], w, strict=True)] for c, w in waiting.items()}
+
+
+def density_table(gaps: list[tuple[int, int]]) -> ScoreTable:
+    """Per class and age bucket, hit density (after LHD): of the blocks still unused at the
+    bucket's start, the returns within DENSITY_HORIZON requests per request of cache space they
+    hold until then."""
+    hits: dict[int, list[int]] = {}
+    held: dict[int, list[int]] = {}
+    starts = [bucket_start(b) for b in range(AGE_BUCKETS)]
+    for c, gap in gaps:
+        h = hits.setdefault(c, [0] * AGE_BUCKETS)
+        space = held.setdefault(c, [0] * AGE_BUCKETS)
+        for b, start in enumerate(starts):
+            if gap <= start:
+                break
+            if gap - start <= DENSITY_HORIZON:
+                h[b] += 1
+                space[b] += gap - start
+            else:
+                space[b] += DENSITY_HORIZON
+    return {c: [n / s if s else 0.0 for n, s in zip(hits[c], space, strict=True)] for c, space in held.items()}
+
+
+class Scored(Policy):
+    """Every block by `score[class][age bucket]` (`odds_table`, `density_table`), lowest first,
+    ties least recently used. Per class one list in placement order: its head, the class's
+    oldest block, is its candidate (the scores falling with age)."""
+
+    def __init__(self, next_use: NextUses, turns: list[int], score: ScoreTable) -> None:
         super().__init__(next_use)
-        self.turns = conversation_turns(requests)
+        self.turns = turns
+        self.score = score
         self.uses: dict[int, int] = {}
         self.lists: dict[int, OrderedDict[int, int]] = {}
         self.class_of: dict[int, int] = {}
-        gaps: list[tuple[int, int]] = []  # (class, gap to the next use or NEVER) per block use
-        uses: dict[int, int] = {}
-        for r, (keys, _) in enumerate(requests):
-            for k in set(keys):
-                uses[k] = uses.get(k, 0) + 1
-                nxt = next_use[r][k]
-                gaps.append((self._class(r, uses[k]), NEVER if nxt == NEVER else nxt - r))
-        self.score = self.score_table(gaps)
-
-    @abstractmethod
-    def score_table(self, gaps: list[tuple[int, int]]) -> dict[int, list[float]]:
-        """Per class, a score per age bucket from every (class, gap) of the trace."""
-
-    def _class(self, r: int, uses: int) -> int:
-        return MAX_USES * (min(self.turns[r], MAX_TURN) - 1) + min(uses, MAX_USES) - 1
 
     def begin(self, r: int, keys: list[int]) -> None:
         super().begin(r, keys)
@@ -325,7 +367,7 @@ class Learnable(Policy):
 
     def place(self, k: int) -> None:
         self._drop(k)
-        c = self.class_of[k] = self._class(self.now, self.uses[k])
+        c = self.class_of[k] = use_class(self.turns[self.now], self.uses[k])
         self.lists.setdefault(c, OrderedDict())[k] = self.now
 
     def _drop(self, k: int) -> None:
@@ -348,51 +390,20 @@ class Learnable(Policy):
         return best[2]
 
 
-class Odds(Learnable):
-    def score_table(self, gaps: list[tuple[int, int]]) -> dict[int, list[float]]:
-        """The share of the blocks still unused at the bucket's start that are used again."""
-        waiting: dict[int, list[int]] = {}
-        returning: dict[int, list[int]] = {}
-        for c, gap in gaps:
-            w = waiting.setdefault(c, [0] * AGE_BUCKETS)
-            back = returning.setdefault(c, [0] * AGE_BUCKETS)
-            for b in range(AGE_BUCKETS):
-                if gap <= bucket_start(b):
-                    break
-                w[b] += 1
-                back[b] += gap != NEVER
-        return {c: [h / n if n else 0.0 for h, n in zip(returning[c], w, strict=True)] for c, w in waiting.items()}
-
-
-class Density(Learnable):
-    def score_table(self, gaps: list[tuple[int, int]]) -> dict[int, list[float]]:
-        """Hit density (after LHD): of the blocks still unused at the bucket's start, the returns
-        within DENSITY_HORIZON requests per request of cache space they hold until then."""
-        hits: dict[int, list[int]] = {}
-        held: dict[int, list[int]] = {}
-        starts = [bucket_start(b) for b in range(AGE_BUCKETS)]
-        for c, gap in gaps:
-            h = hits.setdefault(c, [0] * AGE_BUCKETS)
-            space = held.setdefault(c, [0] * AGE_BUCKETS)
-            for b, start in enumerate(starts):
-                if gap <= start:
-                    break
-                if gap - start <= DENSITY_HORIZON:
-                    h[b] += 1
-                    space[b] += gap - start
-                else:
-                    space[b] += DENSITY_HORIZON
-        return {c: [n / s if s else 0.0 for n, s in zip(hits[c], space, strict=True)] for c, space in held.items()}
-
-
-BOUNDS: dict[str, Callable[[NextUses, Requests], Policy]] = {
-    "oracle": lambda nu, _: Oracle(nu),
-    "lastgap": lambda nu, _: LastGap(nu),
-    "second": lambda nu, _: Second(nu),
-    "alive": lambda nu, _: Alive(nu),
-    "odds": Odds,
-    "density": Density,
-}
+def bounds(requests: Requests, next_use: NextUses) -> dict[str, Callable[[], Policy]]:
+    """A fresh policy per bound and capacity; what they learn from the whole trace (turns, score
+    tables) is measured once here."""
+    turns = conversation_turns(requests)
+    gaps = class_gaps(requests, next_use, turns)
+    odds, density = odds_table(gaps), density_table(gaps)
+    return {
+        "oracle": lambda: Oracle(next_use),
+        "lastgap": lambda: LastGap(next_use),
+        "second": lambda: Second(next_use),
+        "alive": lambda: Alive(next_use),
+        "odds": lambda: Scored(next_use, turns, odds),
+        "density": lambda: Scored(next_use, turns, density),
+    }
 
 
 class Lru(Second):
@@ -485,7 +496,8 @@ def main() -> int:
         for k in keys:
             first_seen.setdefault(k, len(first_seen))
     print(f"{args.trace.name}: share of the LRU -> opt gap closed (hit rate)")
-    print(f"{'capacity':>9} {'lru':>7} {'opt':>7} " + " ".join(f"{n:>16}" for n in ("lhd", *BOUNDS)))
+    policies = bounds(requests, nu)
+    print(f"{'capacity':>9} {'lru':>7} {'opt':>7} " + " ".join(f"{n:>16}" for n in ("lhd", *policies)))
     for c in caps:
         lru, opt = planner[("lru", c)], planner[("opt", c)]
         checks = {"lru": (lru, Lru(nu)), "opt": (opt, Belady(nu, first_seen))}
@@ -495,8 +507,8 @@ def main() -> int:
                 print(f"policy_bounds: at {c} blocks this replay's {name} ({ours}) is not the planner's ({theirs})")
                 return 1
         rates = {"lhd": planner[("lhd", c)]}
-        for name, make in BOUNDS.items():
-            rates[name] = replay(requests, data.block_size, c, make(nu, requests), args.warmup)
+        for name, make in policies.items():
+            rates[name] = replay(requests, data.block_size, c, make(), args.warmup)
         gap = opt - lru
         cells = " ".join(
             f"{100 * (v - lru) / gap:6.1f}% ({v:.4f})" if gap > 1e-12 else f"{'-':>7} ({v:.4f})" for v in rates.values()
