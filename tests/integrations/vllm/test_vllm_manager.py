@@ -836,6 +836,14 @@ def test_disk_max_write_backlog_bounds_the_disk_layers_write_throughs(tmp_path):
     mg.on_schedule_end(None)
     assert layer.stager.counters.writes_dropped_backlog == 2
     assert disk.contains([key(50), key(51)]) == [False, False]
+    # Exported by reason (every reason at zero in the first report), as deltas.
+    drops = m.PREFIX + m.WRITE_DROPS
+    assert mg.get_stats().data["data"][drops] == {
+        ("disk", reason): 2 if reason == "backlog" else 0 for reason in m.WRITE_DROP_REASONS
+    }
+    store(mg, [key(52), key(53)])
+    mg.on_schedule_end(None)
+    assert mg.get_stats().data["data"][drops] == {("disk", "backlog"): 2}
 
 
 def test_data_parallel_replicas_get_a_disk_directory_each(tmp_path):

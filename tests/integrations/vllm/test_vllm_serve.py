@@ -119,6 +119,7 @@ def test_cpu_and_disk_tier_hits_match_the_baseline(env, prompts, baseline):
             ("stores_completed_total", {"tier": "cpu"}),
             ("stores_completed_total", {"tier": "disk"}),
             ("resident_blocks", {"tier": "disk"}),
+            ("write_through_dropped_total", {"tier": "disk", "reason": "unsealed"}),
         ]:
             present = any(x == K + n and set(labels.items()) <= set(ls) for x, ls in samples)
             assert present, (n, labels, sorted(offload_series(srv)))

@@ -58,13 +58,15 @@ class KvtierPromMetrics(OffloadPromMetrics):
 
 def _known_label_values(name: str, labelnames: tuple[str, ...], tiers: tuple[str, ...]) -> list[tuple[str, ...]]:
     """The label-value tuples a metric will be reported with, where they are known before any
-    report: none for an unlabelled metric, each of kvtier's tiers for kvtier's per-tier ones;
-    other labelled metrics (vLLM's tiering spec labels its own by tier too) wait for their first
-    report."""
+    report: none for an unlabelled metric, each of kvtier's tiers for kvtier's per-tier ones,
+    each lower tier and reason for the dropped write-throughs; other labelled metrics (vLLM's
+    tiering spec labels its own by tier too) wait for their first report."""
     if not labelnames:
         return [()]
     if name.startswith(m.PREFIX) and tuple(labelnames) == ("tier",):
         return [(t,) for t in tiers]
+    if name == m.PREFIX + m.WRITE_DROPS:
+        return [(t, r) for t in tiers if t != "cpu" for r in m.WRITE_DROP_REASONS]
     return []
 
 

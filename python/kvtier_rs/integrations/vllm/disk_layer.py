@@ -198,6 +198,7 @@ class DiskLayer:  # noqa: PLR0904 - the manager's whole interface to a lower tie
         #: Why the tier serves and stores nothing any more (see `reset`); None while it does.
         self.off_reason: str | None = None
         self._last_stats: dict[str, int] = {}
+        self._last_drops: dict[str, int] = {}
 
     @classmethod
     def open(
@@ -394,6 +395,7 @@ class DiskLayer:  # noqa: PLR0904 - the manager's whole interface to a lower tie
         now["switched_off"] = int(self.off_reason is not None)
         m.emit_index_stats(stats, self.tier, now, self._last_stats)
         self._last_stats = now
+        m.emit_write_drops(stats, self.tier, self.stager.counters, self._last_drops)
 
     def shutdown(self) -> None:
         self.drain()

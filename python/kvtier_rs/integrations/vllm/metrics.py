@@ -83,6 +83,22 @@ REMOTE_COUNTERS = {
     "remote_read_errors": ("read_errors", "Read jobs that failed (timeout, node down, refused login)."),
     "remote_write_errors": ("write_errors", "Write jobs that failed (timeout, node down, refused login)."),
 }
+#: Write-throughs to a lower tier dropped before they reached it, by reason (labels "tier",
+#: "reason"): the stager's counter of each reason.
+WRITE_DROPS = "write_through_dropped"
+WRITE_DROP_REASONS = {
+    "backlog": "writes_dropped_backlog",
+    "evicted": "writes_dropped_evicted",
+    "unsealed": "writes_dropped_unsealed",
+    "index_failed": "writes_dropped_index_failed",
+    "not_started": "writes_not_started",
+}
+WRITE_DROPS_DOC = (
+    "Chunks offered to the tier for a write-through and never written, by reason: backlog (the tier's "
+    "write backlog was full), evicted (the chunk left the CPU tier first), unsealed (not every worker had "
+    "sealed its host row for the chunk), index_failed (the tier's index disabled itself), not_started (the "
+    "tier was closed or refused the submission)."
+)
 REMOTE_MISS = "remote_misses"
 REMOTE_MISS_DOC = (
     "Remote reads not served, by reason: absent, foreign, format, namespace, key, length, check (a value "
@@ -179,6 +195,7 @@ def metric_definitions() -> dict[str, Any]:
         d[PREFIX + name] = OffloadingCounterMetadata(documentation=doc, labelnames=("tier",))
     for name, (_, doc) in REMOTE_COUNTERS.items():
         d[PREFIX + name] = OffloadingCounterMetadata(documentation=doc, labelnames=("tier",))
+    d[PREFIX + WRITE_DROPS] = OffloadingCounterMetadata(documentation=WRITE_DROPS_DOC, labelnames=("tier", "reason"))
     d[PREFIX + REMOTE_MISS] = OffloadingCounterMetadata(documentation=REMOTE_MISS_DOC, labelnames=("tier", "reason"))
     for name, (_, doc) in REMOTE_GAUGES.items():
         d[PREFIX + name] = OffloadingGaugeMetadata(documentation=doc, labelnames=("tier",))
@@ -217,6 +234,10 @@ def emit_zeros(stats: Any, tiers: tuple[str, ...]) -> None:
             stats.increase_counter(PREFIX + name, 0, labelvalues=(tier,))
     for name in MANAGER_COUNTERS:
         stats.increase_counter(PREFIX + name, 0)
+    for tier in tiers:
+        if tier != "cpu":  # the CPU tier is written by the workers, with no write-through
+            for reason in WRITE_DROP_REASONS:
+                stats.increase_counter(PREFIX + WRITE_DROPS, 0, labelvalues=(tier, reason))
 
 
 def emit_index_stats(stats: Any, tier: str, now: dict[str, int], before: dict[str, int]) -> None:
@@ -235,6 +256,17 @@ def emit_index_stats(stats: Any, tier: str, now: dict[str, int], before: dict[st
             stats.increase_counter(PREFIX + name, delta, labelvalues=(tier,))
     for name in INDEX_GAUGES:
         stats.set_gauge(PREFIX + name, now.get(name, 0), labelvalues=(tier,))
+
+
+def emit_write_drops(stats: Any, tier: str, counters: Any, before: dict[str, int]) -> None:
+    """A lower tier's dropped write-throughs (`counters`: its stager's ``StagerCounters``) as
+    deltas since `before` (updated), by reason."""
+    for reason, field_name in WRITE_DROP_REASONS.items():
+        now = int(getattr(counters, field_name))
+        delta = now - before.get(field_name, 0)
+        if delta:
+            stats.increase_counter(PREFIX + WRITE_DROPS, delta, labelvalues=(tier, reason))
+        before[field_name] = now
 
 
 def emit_remote_stats(

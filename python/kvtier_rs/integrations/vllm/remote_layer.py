@@ -123,6 +123,7 @@ class RemoteLayer(DiskLayer):
         now["switched_off"] = int(self.off_reason is not None)
         m.emit_remote_stats(stats, now, self._last_remote, self.remote.take_latencies())
         self._last_remote = now
+        m.emit_write_drops(stats, self.tier, self.stager.counters, self._last_drops)
 
     def shutdown(self) -> None:
         self.drain()
