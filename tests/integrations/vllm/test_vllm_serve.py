@@ -126,6 +126,10 @@ def test_cpu_and_disk_tier_hits_match_the_baseline(env, prompts, baseline):
             assert metric(samples, K + n, **labels) == 0
         assert "vllm:kv_offload_load_bytes_total" in offload_series(srv)
         serve_abcd(srv, prompts, baseline)
+        # What a timed-out wait reports: kvtier's non-zero series (and the server log's end).
+        report = srv.diagnosis()
+        disk_writes = [ln for ln in report.splitlines() if "stores_completed_total" in ln and "'disk'" in ln]
+        assert len(disk_writes) == 1 and disk_writes[0].endswith(" = 12.0"), report
         # D's chunks are the CPU tier's newest: served from host memory.
         before = metric(srv.metrics(), "vllm:kv_offload_load_bytes_total")
         tokens, cached, moved = served_by(srv, prompts["D"])

@@ -175,9 +175,33 @@ class Server:
             if value >= at_least:
                 return value
             if time.monotonic() > deadline:
-                raise AssertionError(f"{name}{labels} stayed at {value} < {at_least}")
+                raise AssertionError(f"{name}{labels} stayed at {value} < {at_least}\n{self.diagnosis()}")
             self.complete([5, 6, 7], max_tokens=1)  # shorter than a block: stores nothing
             time.sleep(0.1)
+
+    def diagnosis(self, prefix: str = "vllm:kv_offload_kvtier_", notable_lines: int = 40, tail_lines: int = 20) -> str:
+        """What a failed wait needs to be understood from CI's log alone: kvtier's non-zero
+        series (which writes were dropped, refused or failed, and why), the server log's last
+        warnings, errors and kvtier lines (vLLM's "cannot store chunks", say), and its end."""
+        try:
+            samples = self.metrics()
+        except httpx.HTTPError as e:
+            series = f"(metrics unreadable: {e!r})"
+        else:
+            series = "\n".join(
+                f"  {n}{dict(ls)} = {v}" for (n, ls), v in sorted(samples.items()) if n.startswith(prefix) and v
+            )
+        lines = self.log_text().splitlines()
+        notable = [ln for ln in lines if " WARNING " in ln or " ERROR " in ln or "kvtier" in ln][-notable_lines:]
+        return "\n".join(
+            [
+                f"kvtier's non-zero series:\n{series}",
+                "the server log's last warnings, errors and kvtier lines:",
+                *notable,
+                "end of the server log:",
+                *lines[-tail_lines:],
+            ]
+        )
 
     def stop(self) -> None:
         """SIGTERM, as an orchestrator stops a server: vLLM shuts its engine down cleanly."""
