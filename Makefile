@@ -56,7 +56,7 @@ loom:
 	RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test --release --test loom_entry_state
 
 py-test: build redis
-	$(VPY) -m pytest -q tests
+	$(VPY) -m pytest -q --durations=20 tests
 
 # Every Python test but the vLLM adapter's, which need the vLLM engine (`make vllm-env`).
 py-test-core: build redis
