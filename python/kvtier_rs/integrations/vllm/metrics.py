@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvtier_rs.integrations.vllm.options import DISK_TIER_TYPE, REMOTE_TIER_TYPE
+from kvtier_rs.orchestrator.disk_stager import StagerCounters
 
 log = logging.getLogger("vllm." + __name__)
 
@@ -258,9 +259,9 @@ def emit_index_stats(stats: Any, tier: str, now: dict[str, int], before: dict[st
         stats.set_gauge(PREFIX + name, now.get(name, 0), labelvalues=(tier,))
 
 
-def emit_write_drops(stats: Any, tier: str, counters: Any, before: dict[str, int]) -> None:
-    """A lower tier's dropped write-throughs (`counters`: its stager's ``StagerCounters``) as
-    deltas since `before` (updated), by reason."""
+def emit_write_drops(stats: Any, tier: str, counters: StagerCounters, before: dict[str, int]) -> None:
+    """A lower tier's dropped write-throughs (its stager's counters) as deltas since `before`
+    (updated), by reason."""
     for reason, field_name in WRITE_DROP_REASONS.items():
         now = int(getattr(counters, field_name))
         delta = now - before.get(field_name, 0)
