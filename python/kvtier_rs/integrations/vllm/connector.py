@@ -66,7 +66,7 @@ def _known_label_values(name: str, labelnames: tuple[str, ...], tiers: tuple[str
     if name.startswith(m.PREFIX) and tuple(labelnames) == ("tier",):
         return [(t,) for t in tiers]
     if name == m.PREFIX + m.WRITE_DROPS:
-        return [(t, r) for t in tiers if t != "cpu" for r in m.WRITE_DROP_REASONS]
+        return list(m.write_drop_labels(tiers))
     return []
 
 

@@ -235,10 +235,8 @@ def emit_zeros(stats: Any, tiers: tuple[str, ...]) -> None:
             stats.increase_counter(PREFIX + name, 0, labelvalues=(tier,))
     for name in MANAGER_COUNTERS:
         stats.increase_counter(PREFIX + name, 0)
-    for tier in tiers:
-        if tier != "cpu":  # the CPU tier is written by the workers, with no write-through
-            for reason in WRITE_DROP_REASONS:
-                stats.increase_counter(PREFIX + WRITE_DROPS, 0, labelvalues=(tier, reason))
+    for labelvalues in write_drop_labels(tiers):
+        stats.increase_counter(PREFIX + WRITE_DROPS, 0, labelvalues=labelvalues)
 
 
 def emit_index_stats(stats: Any, tier: str, now: dict[str, int], before: dict[str, int]) -> None:
@@ -257,6 +255,12 @@ def emit_index_stats(stats: Any, tier: str, now: dict[str, int], before: dict[st
             stats.increase_counter(PREFIX + name, delta, labelvalues=(tier,))
     for name in INDEX_GAUGES:
         stats.set_gauge(PREFIX + name, now.get(name, 0), labelvalues=(tier,))
+
+
+def write_drop_labels(tiers: tuple[str, ...]) -> list[tuple[str, str]]:
+    """The (tier, reason) label values of WRITE_DROPS among `tiers`: the lower tiers' (the CPU
+    tier is written by the workers, with no write-through), every reason."""
+    return [(tier, reason) for tier in tiers if tier != "cpu" for reason in WRITE_DROP_REASONS]
 
 
 def emit_write_drops(stats: Any, tier: str, counters: StagerCounters, before: dict[str, int]) -> None:
